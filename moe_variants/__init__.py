@@ -1,0 +1,1 @@
+"""MoE variants: BigMac, FarSkip-Collective, Sem-MoE (megatron-core modules and specs)."""

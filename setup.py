@@ -1,0 +1,42 @@
+"""Install the MoE communication stack on top of the pinned megatron-core wheel.
+
+`megatron` is a namespace package shared with megatron-core: this repository adds
+`megatron.training` and `megatron.compat` and must never ship `megatron/__init__.py`.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+EXTRAS = {
+    # Transformer Engine range accepted by megatron-core 0.16.1's own `dev` extra.
+    "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
+    "log": ["wandb", "tensorboard"],
+    "eval": ["lm-eval>=0.4.9,<0.5"],
+    "data": ["datasets", "tokenizers>=0.15"],
+    "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib"],
+}
+EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "gpu" for dep in deps})
+
+setup(
+    name="moe-comm-stack",
+    version="0.1.0",
+    description="Megatron-core MoE training with cheaper expert-parallel communication "
+    "(BigMac, FarSkip-Collective, Sem-MoE) and a network-topology cost model",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(
+        include=["megatron.training*", "megatron.compat*", "moe_variants*", "distill*", "netsim*"]
+    ),
+    include_package_data=True,
+    package_data={"megatron.training": ["assets/*"]},
+    install_requires=[
+        "megatron-core==0.16.1",  # 0.17+ needs Python 3.12
+        "torch>=2.6",
+        "numpy",
+        "packaging",
+        "pyyaml",
+        "tokenizers>=0.15",
+        "safetensors",
+        "scipy",
+        "psutil",
+    ],
+    extras_require=EXTRAS,
+)
