@@ -1,1 +1,91 @@
+"""The single seam that adapts megatron-core 0.16.1 to this project.
 
+Call ``megatron.compat.apply()`` once, explicitly, before building models (our entry points and
+the test harness do). It is idempotent. Two kinds of adaptation exist:
+
+- **bug fixes**, active everywhere: ``te_general_gemm`` is undefined without Transformer Engine
+  (``transformer/moe/moe_utils.py:22-39`` vs ``:1192``), so the router's gating GEMM raises a
+  NameError on any machine without TE, GPU included. Upstream main defines it as ``None``; so do we.
+- **CPU execution**, active only when CUDA is unavailable: ``cpu_device.install()`` redirects the
+  CUDA allocations, streams and type-string checks of megatron-core's DDP, optimizers, schedules
+  and tensor-parallel mappings to the CPU (sites in ``sites.py``).
+
+Everything on the MoE hot path that needs CPU care (router gating device moves, the all-to-all
+split sizes, asynchronous all-to-alls) is handled by our own subclasses in ``moe_variants/common``
+rather than by patches, because those classes are where the project's behaviour lives anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import torch
+
+from megatron.compat import cpu_device
+from megatron.compat.sites import CHECKED_VERSION
+
+__all__ = ["apply", "AppliedCompat", "megatron_core_version", "CHECKED_VERSION"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedCompat:
+    """What ``apply`` did in this process."""
+
+    cpu_device_redirect: bool
+    te_general_gemm_fix: bool
+    megatron_core_version: str
+
+
+_applied: AppliedCompat | None = None
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _fix_te_general_gemm() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
+    """Apply the adaptations for this machine (idempotent) and return what is active."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    version = megatron_core_version()
+    if version != CHECKED_VERSION and not allow_version_mismatch:
+        raise RuntimeError(
+            f"megatron-core {version} is installed but megatron/compat was checked against "
+            f"{CHECKED_VERSION}; run tests/compat/test_staleness.py and update megatron/compat/sites.py"
+        )
+    # jit_fuser = torch.compile (megatron/core/jit.py) adds seconds of compile time per shape on
+    # CPU and interacts badly with the device mode; eager is what CPU runs want.
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        import torch._dynamo as dynamo
+
+        dynamo.config.disable = True
+    te_fixed = _fix_te_general_gemm()
+    if cpu:
+        cpu_device.install()
+    _applied = AppliedCompat(
+        cpu_device_redirect=cpu_device.is_installed(),
+        te_general_gemm_fix=te_fixed,
+        megatron_core_version=version,
+    )
+    return _applied
+
+
+def have_transformer_engine() -> bool:
+    """True if Transformer Engine is importable (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None

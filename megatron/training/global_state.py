@@ -1,0 +1,218 @@
+"""Layout-free model weights: the state dict a TP=1, EP=1 model would have.
+
+``gather_global_state_dict`` assembles full tensors from any TP/EP layout (local experts renamed to
+their global index, tensor-parallel shards concatenated along their partition dimension, SwiGLU
+``linear_fc1`` halves gathered separately), and ``load_global_state_dict`` slices such a dict back
+into a model built at any layout. Tests use it to compare layouts; checkpoint conversion and the
+Sem-MoE placement pass use it as their interchange format. Checkpoints for training use
+megatron-core ``dist_checkpointing`` instead (``checkpointing.py``), which reshards without ever
+holding full tensors.
+
+Pipeline parallelism is not handled here: each stage holds different layers (names are global
+already via megatron-core's layer offsets); call this per stage.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "gather_global_state_dict",
+    "gather_global_grads",
+    "load_global_state_dict",
+    "global_param_name",
+]
+
+_LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def _moe_info(model):
+    """{module prefix -> (num_local_experts, ep_rank)} for every MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    info = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            info[name] = (module.num_local_experts, module.local_expert_indices[0] // module.num_local_experts)
+    return info
+
+
+def global_param_name(name: str, moe_info: dict) -> str:
+    """Rename ``...experts.local_experts.{local}...`` to the expert's global index."""
+    match = _LOCAL_EXPERT.search(name)
+    if not match:
+        return name
+    prefix = name[: match.start()]
+    num_local, ep_rank = moe_info[prefix]
+    global_index = ep_rank * num_local + int(match.group(2))
+    return name[: match.start()] + match.group(1) + str(global_index) + match.group(3) + name[match.end():]
+
+
+def _is_gated_fc1(name: str, model) -> bool:
+    return name.endswith("linear_fc1.weight") and bool(getattr(model.config, "gated_linear_unit", False))
+
+
+def _tp_group_for(name: str, pg_collection):
+    return pg_collection.expt_tp if ".experts." in name else pg_collection.tp
+
+
+def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_tp(name, param, data, model, pg_collection):
+    if not getattr(param, "tensor_model_parallel", False):
+        return data
+    group = _tp_group_for(name, pg_collection)
+    dim = param.partition_dim
+    if _is_gated_fc1(name, model) and dim == 0:
+        gate, up = torch.chunk(data, 2, dim=0)
+        return torch.cat([_all_gather_cat(gate, group, 0), _all_gather_cat(up, group, 0)], dim=0)
+    return _all_gather_cat(data, group, dim)
+
+
+def gather_global_state_dict(model, pg_collection=None) -> dict[str, torch.Tensor]:
+    """Full, layout-free parameters on every rank (CPU copies), keyed by TP=1/EP=1 names.
+
+    Collective over the model-parallel groups: every rank must call it.
+    """
+    return _gather_global(model, pg_collection, lambda p: p.detach())
+
+
+def gather_global_grads(model, pg_collection=None) -> dict[str, torch.Tensor]:
+    """Full gradients summed over data-parallel replicas, keyed by TP=1/EP=1 names.
+
+    This is the gradient a single-device model would get for the concatenation of every
+    replica's batch (with a summed loss). Sequence-parallel replicated parameters (norms, router)
+    hold partial gradients per TP rank and are summed over TP first. Reads ``main_grad`` when
+    megatron-core's DDP wraps the model, else ``grad``.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+
+    def grad_of(param):
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        grad = torch.zeros_like(param) if grad is None else grad.detach().clone()
+        if getattr(param, "sequence_parallel", False) and not getattr(param, "tensor_model_parallel", False):
+            dist.all_reduce(grad, group=pg_collection.tp)
+        return grad
+
+    grads = _gather_global(model, pg_collection, grad_of)
+    expert_dp = pg_collection.expt_dp
+    for key in sorted(grads):
+        group = expert_dp if _LOCAL_EXPERT.search(key) else pg_collection.dp
+        dist.all_reduce(grads[key], group=group)
+    return grads
+
+
+def _gather_global(model, pg_collection, tensor_of) -> dict[str, torch.Tensor]:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    moe_info = _moe_info(model)
+    out: dict[str, torch.Tensor] = {}
+    names = [name for name, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    # expert parameters: gather across EP so every rank sees all experts
+    ep_group = pg_collection.ep
+    ep_world = dist.get_world_size(ep_group)
+    for name in names:
+        full = _gather_tp(name, params[name], tensor_of(params[name]), model, pg_collection)
+        if _LOCAL_EXPERT.search(name) and ep_world > 1:
+            gathered = [torch.empty_like(full) for _ in range(ep_world)]
+            dist.all_gather(gathered, full.contiguous(), group=ep_group)
+            match = _LOCAL_EXPERT.search(name)
+            prefix = name[: match.start()]
+            num_local, _ = moe_info[prefix]
+            local = int(match.group(2))
+            for rank, tensor in enumerate(gathered):
+                global_name = (
+                    name[: match.start()] + match.group(1) + str(rank * num_local + local)
+                    + match.group(3) + name[match.end():]
+                )
+                out[global_name] = tensor.cpu().clone()
+        else:
+            out[global_param_name(name, moe_info)] = full.cpu().clone()
+    return out
+
+
+def _tp_slice(name, param, full, model, pg_collection):
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    group = _tp_group_for(name, pg_collection)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return full
+    rank = dist.get_rank(group)
+    dim = param.partition_dim
+    if _is_gated_fc1(name, model) and dim == 0:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, world, 0)[rank], torch.chunk(up, world, 0)[rank]], 0)
+    return torch.chunk(full, world, dim)[rank]
+
+
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _pad_vocab(key, full, param, pg_collection):
+    """Zero-pad vocabulary rows up to this layout's padded size (Megatron pads to a multiple of
+    ``make_vocab_size_divisible_by x TP``, so the padded size depends on TP)."""
+    if key not in _VOCAB_PARAMS or not getattr(param, "tensor_model_parallel", False):
+        return full
+    rows = param.shape[0] * dist.get_world_size(pg_collection.tp)
+    if full.shape[0] < rows:
+        pad = full.new_zeros((rows - full.shape[0],) + tuple(full.shape[1:]))
+        return torch.cat([full, pad], 0)
+    return full
+
+
+def load_global_state_dict(
+    model, state: dict[str, torch.Tensor], pg_collection=None, strict: bool = True
+) -> list[str]:
+    """Copy full tensors from ``state`` into this rank's shards. Returns the unused keys.
+
+    With ``strict``, a parameter missing from ``state`` or a shape mismatch raises ``KeyError`` /
+    ``ValueError`` naming the tensor.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    moe_info = _moe_info(model)
+    used = set()
+    missing = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = global_param_name(name, moe_info)
+            if key not in state:
+                missing.append(key)
+                continue
+            full = _pad_vocab(key, state[key], param, pg_collection)
+            local = _tp_slice(name, param, full, model, pg_collection)
+            if tuple(local.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(state[key].shape)} gives a local shard "
+                    f"{tuple(local.shape)}, but the model expects {tuple(param.shape)}"
+                )
+            param.copy_(local.to(param.dtype))
+            used.add(key)
+    if strict and missing:
+        raise KeyError(f"missing from the state dict: {', '.join(missing)}")
+    return sorted(set(state) - used)
+
+
+def expert_count(state: dict[str, torch.Tensor], layer_prefix: str) -> Optional[int]:
+    """Number of experts of one MoE layer in a global state dict (None if not an MoE layer)."""
+    pattern = re.compile(re.escape(layer_prefix) + r"\.experts\.local_experts\.(\d+)\.")
+    ids = {int(m.group(1)) for k in state for m in [pattern.match(k)] if m}
+    return max(ids) + 1 if ids else None

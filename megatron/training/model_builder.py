@@ -1,0 +1,276 @@
+"""Build a megatron-core ``GPTModel`` with the project's MoE layers from a ``ModelConfig``.
+
+The spec comes from megatron-core's own ``get_gpt_decoder_block_spec`` (local or Transformer
+Engine modules, dense-first patterns from ``moe_layer_freq``); the builder then swaps in the
+variant's MoE layer class and the project router. FarSkip connectivity is applied to the built
+model by ``moe_variants.farskip`` because it changes the forward, not the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron import compat
+from megatron.training.config import (
+    ModelConfig,
+    MoEVariant,
+    ParallelConfig,
+    TransformerImpl,
+    moe_layer_pattern,
+    validate,
+)
+
+__all__ = [
+    "build_model",
+    "transformer_config",
+    "use_transformer_engine",
+    "padded_vocab_size",
+    "causal_attention_mask",
+    "moe_layers",
+]
+
+
+class _SubclassMLPWarningFilter(logging.Filter):
+    """Drop megatron-core's "Unknown MLP type" warning for our ``MoELayer`` subclasses.
+
+    ``TransformerLayer`` only recognises ``MoELayer`` itself when deciding to pass
+    ``pg_collection`` (``transformer_layer.py:352``); our specs pass it through ``params``.
+    """
+
+    def filter(self, record):
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_SubclassMLPWarningFilter())
+
+
+def use_transformer_engine(model: ModelConfig) -> bool:
+    """Resolve ``--transformer-impl``: TE needs both the package and a GPU."""
+    if model.transformer_impl == TransformerImpl.local:
+        return False
+    available = compat.have_transformer_engine() and torch.cuda.is_available()
+    if model.transformer_impl == TransformerImpl.transformer_engine:
+        if not available:
+            raise ValueError(
+                "--transformer-impl transformer_engine needs a GPU and Transformer Engine "
+                "(pip install -e '.[gpu]'); use --transformer-impl local on CPU"
+            )
+        return True
+    return available
+
+
+def padded_vocab_size(vocab_size: int, model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by x TP``."""
+    multiple = model.make_vocab_size_divisible_by * parallel.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig):
+    """The megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for our configs."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    validate(model, parallel)
+    te = use_transformer_engine(model)
+    dtype = torch.bfloat16 if model.bf16 else torch.float32
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=False,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        bf16=model.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=parallel.resolved_sequence_parallel(),
+        # torch-only code paths: the fused kernels need TE/apex/CUDA
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=te,
+    )
+    if model.is_moe:
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_layer_freq=model.moe_layer_freq,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model.moe_z_loss_coeff,
+            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+            moe_router_score_function=model.moe_router_score_function,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+            moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk,
+            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_router_dtype=model.moe_router_dtype,
+            moe_token_dispatcher_type=model.moe_token_dispatcher_type.value,
+            moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
+            moe_token_drop_policy=model.moe_token_drop_policy,
+            moe_grouped_gemm=te,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+            moe_shared_expert_overlap=False,
+        )
+    if model.multi_latent_attention:
+        kwargs.update(
+            q_lora_rank=model.q_lora_rank,
+            kv_lora_rank=model.kv_lora_rank,
+            qk_head_dim=model.qk_head_dim,
+            qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+            v_head_dim=model.v_head_dim,
+            rope_type="rope",
+            rotary_base=model.rotary_base,
+        )
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
+
+
+def _moe_layer_class(model: ModelConfig):
+    if model.moe_variant == MoEVariant.bigmac:
+        from moe_variants.bigmac.layer import BigMacMoELayer
+
+        return BigMacMoELayer
+    from moe_variants.common.moe_layer import ProjectMoELayer
+
+    return ProjectMoELayer
+
+
+def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from moe_variants.common.moe_layer import ProjectRouter
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron.training.norms import TorchNorm
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization=model.normalization, pp_rank=pp_rank
+    )
+    moe_cls = _moe_layer_class(model)
+
+    def norm(module):
+        # sequence parallelism with torch norms (apex absent): see megatron/training/norms.py
+        return TorchNorm if module is WrappedTorchNorm else module
+
+    layer_specs = []
+    for spec in block.layer_specs:
+        sub = spec.submodules
+        sub = dataclasses.replace(
+            sub, input_layernorm=norm(sub.input_layernorm), pre_mlp_layernorm=norm(sub.pre_mlp_layernorm)
+        )
+        spec = ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
+        mlp = spec.submodules.mlp
+        if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+            mlp = ModuleSpec(
+                module=moe_cls,
+                params={**mlp.params, "pg_collection": pg_collection},
+                submodules=dataclasses.replace(mlp.submodules, router=ProjectRouter),
+                metainfo=mlp.metainfo,
+            )
+            spec = ModuleSpec(
+                module=spec.module,
+                params=spec.params,
+                submodules=dataclasses.replace(spec.submodules, mlp=mlp),
+                metainfo=spec.metainfo,
+            )
+        layer_specs.append(spec)
+    return dataclasses.replace(block, layer_specs=layer_specs, layer_norm=norm(block.layer_norm))
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    vocab_size: Optional[int] = None,
+    pg_collection=None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+):
+    """Build the ``GPTModel`` for this rank's pipeline stage (on CPU or the current GPU).
+
+    ``vocab_size`` is the tokenizer's (padded here); it overrides ``model.vocab_size``.
+    Call ``megatron.training.parallel.initialize_parallel`` first.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    compat.apply()
+    vocab = vocab_size if vocab_size is not None else model.vocab_size
+    if vocab is None:
+        raise ValueError("the vocabulary size is unknown: give a tokenizer or --vocab-size")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel.pipeline_model_parallel_size
+    if pre_process is None:
+        pre_process = pp_rank == 0
+    if post_process is None:
+        post_process = pp_rank == pp_size - 1
+    config = transformer_config(model, parallel)
+    te = use_transformer_engine(model)
+    spec = _project_block_spec(config, model, pg_collection, te, pp_rank=pp_rank)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab, model, parallel),
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
+        pg_collection=pg_collection,
+    )
+    if model.farskip != "none":
+        from moe_variants.farskip import apply_farskip
+
+        apply_farskip(gpt, model)
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def causal_attention_mask(seq_length: int, device=None) -> torch.Tensor:
+    """[1, 1, S, S] bool, True where attention is masked (megatron-core's convention).
+
+    Always passed explicitly: megatron-core's default mask is built with ``device="cuda"``
+    (``transformer/utils.py:35``).
+    """
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def moe_layers(module: torch.nn.Module):
+    """All MoE layers (``MoELayer`` instances) in a model, in order."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in module.modules() if isinstance(m, MoELayer)]

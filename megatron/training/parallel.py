@@ -1,0 +1,78 @@
+"""Process groups and seeds: one call that every entry point and test makes before building models."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron import compat
+from megatron.training.config import ParallelConfig
+
+__all__ = ["initialize_parallel", "default_backend", "set_seed", "device"]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and, through megatron-core's tracker, CUDA)."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # On CPU the CUDA RNG tracker cannot hold states (random.py:235-238 calls
+    # torch.cuda.get_rng_state); the inference tracker's fork() is a no-op, so dropout and
+    # initialisation fall back to the CPU generator seeded above.
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
+    )
+
+
+def initialize_parallel(
+    parallel: ParallelConfig,
+    *,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    timeout_minutes: int = 10,
+):
+    """Initialise torch.distributed (if needed), megatron-core's model-parallel groups and seeds.
+
+    Reads the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) when the default process
+    group does not exist yet. Returns megatron-core's ``ProcessGroupCollection`` for the layout.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    compat.apply()
+    if not dist.is_initialized():
+        backend = backend or default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    # megatron-LM offsets the seed per pipeline stage so stages do not initialise identically
+    set_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    return ProcessGroupCollection.use_mpu_process_groups()

@@ -1,0 +1,293 @@
+"""Expert-parallel collectives with their own accounting, on any device (gloo or NCCL).
+
+All expert-parallel traffic of the project goes through ``all_to_all`` here, so the byte and time
+counters of every variant come from one place (the training metrics and the EP benchmark read
+them). The same autograd function serves the blocking path (standard MoE, FarSkip reference) and
+the asynchronous one (FarSkip overlapped): forward returns the output at once and leaves a
+``PendingComm`` in the caller's per-call ``handles`` dict under ``"forward"``; with
+``async_backward`` the reverse all-to-all of the backward is also launched without waiting and
+its ``PendingComm`` is stored under ``"backward"``, to be waited by a tensor hook the caller puts
+on the all-to-all input (``wait_backward_hook``).
+
+Shape legend: ``N`` rows sent (tokens x top-k routed off this rank's slice), ``M`` rows received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommCounters",
+    "PendingComm",
+    "all_to_all",
+    "wait_backward_hook",
+    "off_rank_bytes",
+    "TimelineRecorder",
+]
+
+
+class TimelineRecorder:
+    """Optional event recorder for a Chrome-trace timeline (``chrome://tracing`` / Perfetto).
+
+    Events are ``(name, lane, start_s, end_s)`` in ``time.perf_counter`` seconds. Lanes used:
+    ``compute`` (work on the main thread), ``comm`` (collective in flight, launch to completion)
+    and ``wait`` (main thread blocked on a collective).
+    """
+
+    def __init__(self):
+        self.events: list[tuple[str, str, float, float]] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, lane: str, start: float, end: float) -> None:
+        with self._lock:
+            self.events.append((name, lane, start, end))
+
+    def to_chrome_trace(self, pid: int = 0) -> dict:
+        if not self.events:
+            return {"traceEvents": []}
+        t0 = min(e[2] for e in self.events)
+        lanes = {"compute": 1, "comm": 2, "wait": 3}
+        trace = [
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}}
+            for lane, tid in lanes.items()
+        ]
+        for name, lane, start, end in self.events:
+            trace.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": lanes.get(lane, 9),
+                    "ts": (start - t0) * 1e6,
+                    "dur": max(end - start, 0.0) * 1e6,
+                }
+            )
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+@dataclasses.dataclass
+class CommCounters:
+    """Expert-parallel communication of one MoE layer since the last ``reset``.
+
+    Bytes count only what leaves this rank (rows addressed to other ranks); the local share of
+    an all-to-all is a memory copy, not network traffic.
+    """
+
+    bytes_dispatch: int = 0  # forward dispatch, hidden-state payload
+    bytes_combine: int = 0  # forward combine, hidden-state payload
+    bytes_meta: int = 0  # forward routing probabilities and other metadata
+    bytes_backward: int = 0  # all backward all-to-alls (gradients of the above)
+    time_fwd_s: float = 0.0  # launch-to-completion time of forward collectives
+    time_bwd_s: float = 0.0
+    exposed_fwd_s: float = 0.0  # time the compute thread waited on forward collectives
+    exposed_bwd_s: float = 0.0
+    calls: int = 0
+    timeline: Optional[TimelineRecorder] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        timeline = self.timeline
+        for field in dataclasses.fields(self):
+            if field.name != "timeline":
+                setattr(self, field.name, field.default)
+        self.timeline = timeline
+
+    def add_bytes(self, kind: str, num_bytes: int) -> None:
+        with self._lock:
+            attr = {
+                "dispatch": "bytes_dispatch",
+                "combine": "bytes_combine",
+                "meta": "bytes_meta",
+                "backward": "bytes_backward",
+            }[kind]
+            setattr(self, attr, getattr(self, attr) + num_bytes)
+            self.calls += 1
+
+    def add_time(self, backward: bool, in_flight_s: float, exposed_s: float) -> None:
+        with self._lock:
+            if backward:
+                self.time_bwd_s += in_flight_s
+                self.exposed_bwd_s += exposed_s
+            else:
+                self.time_fwd_s += in_flight_s
+                self.exposed_fwd_s += exposed_s
+
+    def as_dict(self) -> dict:
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeline"
+        }
+
+    @staticmethod
+    def total(counters: Sequence["CommCounters"]) -> dict:
+        """Sum of several layers' counters as a plain dict."""
+        out = CommCounters().as_dict()
+        for c in counters:
+            for key, value in c.as_dict().items():
+                out[key] += value
+        return out
+
+
+def off_rank_bytes(input_splits: Sequence[int], row_numel: int, element_size: int, rank: int) -> int:
+    """Bytes an all-to-all sends to other ranks: rows not addressed to ``rank``."""
+    rows = sum(int(n) for i, n in enumerate(input_splits) if i != rank)
+    return rows * row_numel * element_size
+
+
+class PendingComm:
+    """An all-to-all in flight: ``wait()`` blocks until done and books the timing once."""
+
+    def __init__(self, work, output, counters, backward: bool, name: str, timeline=None):
+        self.work = work
+        self.output = output
+        self.counters = counters
+        self.backward = backward
+        self.name = name
+        self.timeline = timeline
+        self.start = time.perf_counter()
+        self.completed_at: Optional[float] = None
+        self._done = False
+        if work is not None:
+            try:
+                work.get_future().then(self._on_complete)
+            except (RuntimeError, AttributeError):
+                pass  # backends without futures: completion is taken at wait()
+
+    def _on_complete(self, fut):
+        self.completed_at = time.perf_counter()
+        return None
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self.output
+        t0 = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        t1 = time.perf_counter()
+        # The future callback may land a moment after wait() returns; the wait end bounds it.
+        done = self.completed_at if self.completed_at is not None else t1
+        done = min(done, t1)
+        if self.counters is not None:
+            self.counters.add_time(self.backward, done - self.start, t1 - t0)
+        if self.timeline is not None:
+            self.timeline.add(self.name, "comm", self.start, done)
+            if t1 - t0 > 1e-6:
+                self.timeline.add(f"wait {self.name}", "wait", t0, t1)
+        self._done = True
+        return self.output
+
+
+def _launch(group, tensor, output_splits, input_splits, counters, kind, backward, name):
+    """Start ``all_to_all_single`` (uneven splits) without waiting; return the PendingComm."""
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    if counters is not None:
+        row_numel = tensor[0].numel() if tensor.dim() > 1 else 1
+        num_bytes = off_rank_bytes(input_splits, row_numel, tensor.element_size(), group.rank())
+        counters.add_bytes("backward" if backward else kind, num_bytes)
+    work = dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=list(output_splits),
+        input_split_sizes=list(input_splits),
+        group=group,
+        async_op=True,
+    )
+    timeline = counters.timeline if counters is not None else None
+    return PendingComm(work, output, counters, backward, name, timeline)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all whose forward does not wait; the caller waits ``handles['forward']``."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, output_splits, input_splits, handles, counters, kind, async_backward):
+        ctx.group = group
+        ctx.output_splits = output_splits
+        ctx.input_splits = input_splits
+        ctx.handles = handles
+        ctx.counters = counters
+        ctx.kind = kind
+        ctx.async_backward = async_backward
+        pending = _launch(group, tensor, output_splits, input_splits, counters, kind, False, kind)
+        handles["forward"] = pending
+        return pending.output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        pending = _launch(
+            ctx.group,
+            grad_output,
+            ctx.input_splits,
+            ctx.output_splits,
+            ctx.counters,
+            ctx.kind,
+            True,
+            f"{ctx.kind} bwd",
+        )
+        if ctx.async_backward:
+            ctx.handles["backward"] = pending
+        else:
+            pending.wait()
+        return pending.output, None, None, None, None, None, None, None
+
+
+def all_to_all(
+    group,
+    tensor: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    *,
+    counters: Optional[CommCounters] = None,
+    kind: str = "dispatch",
+    handles: Optional[dict] = None,
+    async_op: bool = False,
+):
+    """All-to-all with uneven splits along dim 0, differentiable, allocated on ``tensor.device``.
+
+    Args:
+        tensor: [N, ...] rows ordered by destination rank, ``input_splits[r]`` rows for rank r.
+        output_splits / input_splits: python ints per rank (host values: gloo and NCCL need them).
+        kind: ``dispatch`` | ``combine`` | ``meta``, the counter the forward bytes go to.
+        async_op: if True, return ``(output, handles)`` without waiting: the caller must call
+            ``handles['forward'].wait()`` before reading ``output``, and register
+            ``wait_backward_hook(handles)`` on ``tensor`` so its gradient is waited on in backward.
+            If False, wait now and return ``output`` [M, ...]; the backward also waits at once.
+
+    A group of size 1 issues no collective (the EP=1 path must not create handles).
+    """
+    output_splits = [int(n) for n in output_splits]
+    input_splits = [int(n) for n in input_splits]
+    handles = {} if handles is None else handles
+    if group is None or group.size() == 1:
+        return (tensor, handles) if async_op else tensor
+    output = _AllToAll.apply(
+        tensor, group, output_splits, input_splits, handles, counters, kind, async_op
+    )
+    if async_op:
+        return output, handles
+    handles["forward"].wait()
+    return output
+
+
+def wait_backward_hook(handles: dict):
+    """A tensor hook that waits for the asynchronous backward all-to-all stored in ``handles``.
+
+    Put it on the all-to-all *input*: autograd runs it when the gradient of that input is about to
+    be consumed by its producer, which is where the gradient must be complete.
+    """
+
+    def hook(grad):
+        pending = handles.pop("backward", None)
+        if pending is not None:
+            pending.wait()
+        return grad
+
+    return hook

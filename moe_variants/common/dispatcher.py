@@ -1,0 +1,126 @@
+"""megatron-core token dispatchers with the project's counted, device-generic collectives.
+
+``AlltoAllDispatcher`` keeps all of ``MoEAlltoAllTokenDispatcher``'s permutation logic and
+replaces only its two communication steps: megatron-core's ``_AllToAll`` allocates its output on
+``torch.cuda.current_device()`` (``tensor_parallel/mappings.py:442``) and is always blocking; ours
+allocates on the input's device, counts bytes and time, and can run asynchronously (FarSkip).
+``AllGatherDispatcher`` wraps the all-gather / reduce-scatter steps of
+``MoEAllGatherTokenDispatcher`` with the same accounting.
+
+Both expose ``self.comm`` (a ``CommCounters``), which the training loop and the EP benchmark sum
+over layers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+
+from moe_variants.common.comm import CommCounters, all_to_all
+
+__all__ = ["AlltoAllDispatcher", "AllGatherDispatcher", "build_token_dispatcher", "host_splits"]
+
+
+def host_splits(splits) -> list[int]:
+    """Split sizes as python ints (numpy array, CPU/GPU tensor or list in, list out)."""
+    if torch.is_tensor(splits):
+        return [int(n) for n in splits.tolist()]
+    return [int(n) for n in splits]
+
+
+class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
+    """All-to-all dispatcher whose EP collectives go through ``moe_variants.common.comm``."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
+        self.comm = CommCounters()
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        # Upstream moves split sizes to the host on a side CUDA stream (token_dispatcher.py:862-901).
+        # On the CPU they are host tensors already; the collectives convert them to lists.
+        if torch.cuda.is_available():
+            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        return tokens_per_expert
+
+    def dispatch_splits(self) -> tuple[list[int], list[int]]:
+        """(output_splits, input_splits) of the dispatch all-to-all, as host ints."""
+        return host_splits(self.output_splits), host_splits(self.input_splits)
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_ep_alltoall", self.tokens_per_expert
+        )
+        if self.ep_size == 1:
+            return permutated_local_input_tokens, permuted_probs
+        out_splits, in_splits = self.dispatch_splits()
+        tokens = all_to_all(
+            self.ep_group, permutated_local_input_tokens, out_splits, in_splits,
+            counters=self.comm, kind="dispatch",
+        )
+        probs = all_to_all(
+            self.ep_group, permuted_probs, out_splits, in_splits, counters=self.comm, kind="meta"
+        )
+        return tokens, probs
+
+    def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+        if self.ep_size == 1:
+            return hidden_states
+        out_splits, in_splits = self.dispatch_splits()
+        return all_to_all(
+            self.ep_group, hidden_states, in_splits, out_splits, counters=self.comm, kind="combine"
+        )
+
+
+class AllGatherDispatcher(MoEAllGatherTokenDispatcher):
+    """All-gather dispatcher with byte/time accounting of its TPxEP all-gather and reduce-scatter.
+
+    Bytes are what leaves this rank: an all-gather sends the local rows to ``n-1`` peers and a
+    reduce-scatter sends ``(n-1)/n`` of the gathered rows, i.e. the same ``local rows x (n-1)``.
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
+        self.comm = CommCounters()
+        self._group_size = self.tp_size * self.ep_size
+
+    def token_dispatch(self, hidden_states, probs):
+        if self._group_size == 1:
+            return super().token_dispatch(hidden_states, probs)
+        peers = self._group_size - 1
+        start = time.perf_counter()
+        out_hidden, out_probs = super().token_dispatch(hidden_states, probs)
+        elapsed = time.perf_counter() - start
+        self.comm.add_bytes("dispatch", hidden_states.numel() * hidden_states.element_size() * peers)
+        meta = probs.numel() * probs.element_size() + probs.numel()  # probs + bool routing map
+        self.comm.add_bytes("meta", meta * peers)
+        self.comm.add_time(False, elapsed, elapsed)
+        return out_hidden, out_probs
+
+    def token_combine(self, hidden_states):
+        if self._group_size == 1:
+            return super().token_combine(hidden_states)
+        start = time.perf_counter()
+        out = super().token_combine(hidden_states)
+        elapsed = time.perf_counter() - start
+        self.comm.add_bytes("combine", out.numel() * 4 * (self._group_size - 1))  # fp32 reduce
+        self.comm.add_time(False, elapsed, elapsed)
+        return out
+
+
+def build_token_dispatcher(config, num_local_experts, local_expert_indices, pg_collection):
+    """The project dispatcher for ``config.moe_token_dispatcher_type``."""
+    kind = config.moe_token_dispatcher_type
+    if kind == "alltoall":
+        cls = AlltoAllDispatcher
+    elif kind == "allgather":
+        cls = AllGatherDispatcher
+    else:
+        raise ValueError(
+            f"--moe-token-dispatcher-type {kind!r} is not supported (choose alltoall or allgather)"
+        )
+    return cls(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)

@@ -1,0 +1,56 @@
+"""Shared helpers for the distributed model tests (tiny configs, batches, one training step)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.training.config import ModelConfig, ParallelConfig
+
+VOCAB = 96
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    """A 2-layer MoE small enough for multi-process CPU tests (a few ms per step)."""
+    cfg = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_shared_expert_intermediate_size=32,
+        moe_aux_loss_coeff=0.01,
+        transformer_impl="local",
+    )
+    cfg.update(overrides)
+    return ModelConfig(**cfg)
+
+
+def batch(index: int, batch_size: int = 2, seq_length: int = 16, vocab: int = VOCAB):
+    """Deterministic tokens and labels for data-parallel replica ``index``."""
+    gen = torch.Generator().manual_seed(1000 + index)
+    tokens = torch.randint(0, vocab, (batch_size, seq_length + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def forward_loss(model, tokens, labels):
+    """Per-token loss [b, s] of a megatron-core GPTModel (explicit causal mask: see model_builder)."""
+    from megatron.training.model_builder import causal_attention_mask
+
+    seq = tokens.shape[1]
+    position_ids = torch.arange(seq)[None].expand_as(tokens)
+    return model(tokens, position_ids, causal_attention_mask(seq), labels=labels)
+
+
+def build_and_load(model_cfg: ModelConfig, parallel: ParallelConfig, state=None, seed: int = 7):
+    """Initialise the layout, build the model and (optionally) load a global state dict into it."""
+    from megatron.training.global_state import load_global_state_dict
+    from megatron.training.model_builder import build_model
+    from megatron.training.parallel import initialize_parallel
+
+    pgc = initialize_parallel(parallel, seed=seed)
+    model = build_model(model_cfg, parallel, vocab_size=VOCAB, pg_collection=pgc)
+    if state is not None:
+        load_global_state_dict(model, state, pgc)
+    return model, pgc
