@@ -1,0 +1,228 @@
+"""``python -m moe_variants.semmoe <command>``: Sem-MoE offline passes.
+
+Commands are registered with :func:`command`; each gets an argparse sub-parser and a ``run(args)``
+returning an exit code. User errors (``ValueError``) print one line and exit with status 2.
+
+* ``solve``     profile -> tables for one placement method and EP size
+* ``evaluate``  tables (one or more) x held-out profile -> LAR / imbalance / bytes table + JSON
+* ``synth``     write a synthetic profile with planted token-expert affinity
+* ``split``     split a profile's requests into a profiling part and a held-out part
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["command", "COMMANDS", "main"]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
+    """Register ``run(args) -> int`` as subcommand ``name``; ``configure`` adds its arguments."""
+
+    def deco(run: Callable[[argparse.Namespace], int]):
+        if name in COMMANDS:
+            raise ValueError(f"command {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, configure, run)
+        return run
+
+    return deco
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return v
+
+
+# ------------------------------------------------------------------------------------------ solve
+
+
+def _configure_solve(p: argparse.ArgumentParser) -> None:
+    from .methods import METHODS
+    from .solver import SolverConfig, TokenTable
+
+    d = SolverConfig()
+    p.add_argument("--profile", required=True, help="profile .npz (from `profile`, `synth` or `split`)")
+    p.add_argument("--ep", type=_positive_int, required=True, help="expert-parallel size D (must divide the experts)")
+    p.add_argument("--method", default="semmoe", choices=sorted(METHODS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="tables directory to write")
+    g = p.add_argument_group("Algorithm 1 (semmoe, milp)")
+    g.add_argument("--n-steps", type=_positive_int, default=d.n_steps)
+    g.add_argument("--ft-steps", type=int, default=d.ft_steps)
+    for name in ("alpha_e", "beta_e", "gamma_e", "alpha_r", "beta_r", "theta", "expert_balance"):
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    g.add_argument("--lookback", type=_positive_int, default=d.lookback)
+    g.add_argument("--token-table", choices=[t.value for t in TokenTable], default=d.token_table.value)
+
+
+@command("solve", "place experts and build scheduling tables from a profile", _configure_solve)
+def _solve(args: argparse.Namespace) -> int:
+    from .methods import place
+    from .profile import load_profile
+    from .solver import SolverConfig
+    from .tables import save_tables
+
+    profile = load_profile(args.profile)
+    config = SolverConfig(
+        n_steps=args.n_steps,
+        ft_steps=args.ft_steps,
+        alpha_e=args.alpha_e,
+        beta_e=args.beta_e,
+        gamma_e=args.gamma_e,
+        alpha_r=args.alpha_r,
+        beta_r=args.beta_r,
+        theta=args.theta,
+        expert_balance=args.expert_balance,
+        lookback=args.lookback,
+        token_table=args.token_table,
+    )
+    t0 = time.perf_counter()
+    tables = place(args.method, profile, args.ep, args.seed, config)
+    elapsed = time.perf_counter() - t0
+    tables.meta.setdefault("profile_path", str(args.profile))
+    save_tables(tables, args.out)
+    print(
+        f"{args.method}: {profile.num_layers} layers x {profile.num_experts} experts on EP={args.ep}, "
+        f"{profile.num_requests} requests / {profile.num_tokens} tokens, solved in {elapsed:.1f}s -> {args.out}"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------- evaluate
+
+
+def _configure_evaluate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tables", nargs="+", required=True, help="one or more tables directories")
+    p.add_argument("--profile", required=True, help="held-out profile .npz")
+    p.add_argument("--mode", choices=["dp", "tp", "both"], default="both", help="attention deployment mode")
+    p.add_argument("--hidden-size", type=_positive_int, default=None, help="default: the profile's meta hidden_size")
+    p.add_argument("--bytes-per-element", type=_positive_int, default=2, help="activation element size (bf16: 2)")
+    p.add_argument(
+        "--tp-batch-tokens", type=int, default=0, help="TP mode: pack requests into batches of this many tokens (0: one request per batch)"
+    )
+    p.add_argument("--out", default=None, help="JSON path (default: evaluation_<profile>.json in the first tables dir)")
+
+
+@command("evaluate", "LAR, load imbalance and all-to-all bytes of tables on a held-out profile", _configure_evaluate)
+def _evaluate(args: argparse.Namespace) -> int:
+    from ._files import atomic_write
+    from .metrics import evaluate
+    from .profile import load_profile
+    from .tables import load_tables
+
+    profile = load_profile(args.profile)
+    hidden = args.hidden_size or profile.meta.get("hidden_size")
+    if not hidden:
+        raise ValueError("--hidden-size is required: the profile does not record the model's hidden size")
+    modes = ["dp", "tp"] if args.mode == "both" else [args.mode]
+    rows = []
+    for path in args.tables:
+        tables = load_tables(path)
+        for mode in modes:
+            r = evaluate(tables, profile, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens)
+            rows.append({"tables": str(path), **r.to_dict()})
+    header = f"{'method':<12}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}{'imb.mean':>10}{'imb.max':>9}{'a2a GiB':>10}"
+    print(header)
+    for r in rows:
+        print(
+            f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{r['lar']:>8.3f}{r['lar_p25']:>8.3f}{r['lar_p50']:>8.3f}"
+            f"{r['lar_p75']:>8.3f}{r['imbalance_mean']:>10.3f}{r['imbalance_max']:>9.3f}{r['a2a_bytes'] / 2**30:>10.3f}"
+        )
+    out = Path(args.out) if args.out else Path(args.tables[0]) / f"evaluation_{Path(args.profile).stem}.json"
+    payload = {
+        "profile": str(args.profile),
+        "num_requests": profile.num_requests,
+        "num_tokens": profile.num_tokens,
+        "hidden_size": int(hidden),
+        "bytes_per_element": args.bytes_per_element,
+        "results": rows,
+    }
+    atomic_write(out, lambda f: json.dump(payload, f, indent=2), mode="w")
+    print(f"wrote {out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ synth
+
+
+def _configure_synth(p: argparse.ArgumentParser) -> None:
+    from .synthetic import SyntheticConfig
+
+    d = SyntheticConfig()
+    p.add_argument("--out", required=True, help="profile .npz to write")
+    p.add_argument("--seed", type=int, default=0)
+    for name, value in d.__dict__.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+
+
+@command("synth", "write a synthetic profile with planted token-expert affinity", _configure_synth)
+def _synth(args: argparse.Namespace) -> int:
+    from .profile import save_profile
+    from .synthetic import SyntheticConfig, synthetic_profile
+
+    cfg = SyntheticConfig(**{k: getattr(args, k) for k in SyntheticConfig().__dict__})
+    profile = synthetic_profile(cfg, seed=args.seed)
+    save_profile(profile, args.out)
+    print(f"synthetic profile: {profile.num_requests} requests, {profile.num_tokens} tokens -> {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ split
+
+
+def _configure_split(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True)
+    p.add_argument("--fraction", type=float, default=0.2, help="share of requests in the first part (paper: 0.2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="first part (to solve on)")
+    p.add_argument("--heldout", required=True, help="second part (to evaluate on)")
+
+
+@command("split", "split a profile's requests into profiling and held-out parts", _configure_split)
+def _split(args: argparse.Namespace) -> int:
+    from .profile import load_profile, save_profile, split_profile
+
+    a, b = split_profile(load_profile(args.profile), args.fraction, args.seed)
+    save_profile(a, args.out)
+    save_profile(b, args.heldout)
+    print(f"{a.num_requests} requests -> {args.out}, {b.num_requests} requests -> {args.heldout}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moe_variants.semmoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for cmd in COMMANDS.values():
+        cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

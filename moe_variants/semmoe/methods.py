@@ -1,0 +1,99 @@
+"""Placement-method registry: one interface, ``place(name, profile, num_devices, seed, config) -> Tables``.
+
+* ``semmoe``: Algorithm 1 co-clustering with token and sequence tables (module ``solver``).
+* ``contiguous``: megatron-core's default split, no scheduling.
+* ``eplb``: EPLB-style load balancing without replicas (greedy LPT, equal experts per device) on
+  the profile's per-layer expert loads, no scheduling.
+* ``milp``: the exact co-clustering optimum per layer (HiGHS), for small profiles only; its token
+  table is the optimal token assignment with ``Tp`` = the token's predicted local share.
+
+A new method is a function ``(profile, num_devices, seed, config) -> Tables`` registered with
+:func:`register_method`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Callable
+
+import numpy as np
+
+from .baselines import balanced_packing, contiguous_placement, milp_coclustering
+from .profile import Profile
+from .solver import SolverConfig, sequence_tables, solve
+from .tables import Tables
+
+__all__ = ["METHODS", "register_method", "place"]
+
+PlacementFn = Callable[[Profile, int, int, SolverConfig], Tables]
+METHODS: dict[str, PlacementFn] = {}
+
+
+def register_method(name: str) -> Callable[[PlacementFn], PlacementFn]:
+    def deco(fn: PlacementFn) -> PlacementFn:
+        if name in METHODS:
+            raise ValueError(f"placement method {name!r} registered twice")
+        METHODS[name] = fn
+        return fn
+
+    return deco
+
+
+def place(method: str, profile: Profile, num_devices: int, seed: int = 0, config: SolverConfig = SolverConfig()) -> Tables:
+    """Run the registered placement ``method``."""
+    if method not in METHODS:
+        raise ValueError(f"unknown --method {method!r}; choose from {sorted(METHODS)}")
+    if num_devices < 1 or profile.num_experts % num_devices:
+        raise ValueError(f"--ep {num_devices} must divide the number of experts ({profile.num_experts})")
+    return METHODS[method](profile, num_devices, seed, config)
+
+
+def _expert_loads(profile: Profile) -> np.ndarray:
+    """[L, N] activations per expert in the profile."""
+    return np.stack([np.asarray(c.sum(axis=0)).ravel() for c in profile.counts]).astype(np.float64)
+
+
+@register_method("semmoe")
+def _semmoe(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
+    return solve(profile, num_devices, seed, config)
+
+
+@register_method("contiguous")
+def _contiguous(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
+    e2d = contiguous_placement(profile.num_layers, profile.num_experts, num_devices)
+    return Tables("contiguous", num_devices, e2d, meta={"seed": seed})
+
+
+@register_method("eplb")
+def _eplb(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
+    e2d, _ = balanced_packing(_expert_loads(profile), num_devices)
+    return Tables("eplb", num_devices, e2d, meta={"seed": seed})
+
+
+@register_method("milp")
+def _milp(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
+    config.validate(num_devices)
+    t0 = time.perf_counter()
+    a = profile.token_weights()
+    num_layers, v = profile.num_layers, profile.vocab_size
+    e2d = np.empty((num_layers, profile.num_experts), dtype=np.int64)
+    t_all = np.full((num_layers, v), -1, dtype=np.int16)
+    tp_all = np.zeros((num_layers, v), dtype=np.float32)
+    per_layer = []
+    for l in range(num_layers):
+        cp = profile.confidence(l)
+        res = milp_coclustering(cp, a, num_devices, config.theta, config.expert_balance)
+        e2d[l] = res.expert2device
+        seen = res.token2device >= 0
+        t_all[l, seen] = res.token2device[seen]
+        rows = np.repeat(np.arange(v), np.diff(cp.indptr))
+        local = cp.data * (res.expert2device[cp.indices] == res.token2device[rows])
+        tp_all[l] = np.bincount(rows, weights=local, minlength=v)
+        per_layer.append({"objective": res.objective, "optimal": res.optimal, "mip_gap": res.mip_gap})
+    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
+    t_all[:, ext] = t_all[:, profile.nn_source[ext]]
+    tp_all[:, ext] = tp_all[:, profile.nn_source[ext]]
+    seq, seq_conf = sequence_tables(profile.routes, e2d, num_devices, config.lookback)
+    meta = {"seed": seed, "config": asdict(config), "milp": per_layer, "solve_seconds": time.perf_counter() - t0}
+    return Tables("milp", num_devices, e2d, t_all, tp_all, seq, seq_conf, config.lookback, meta)
