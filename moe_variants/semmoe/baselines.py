@@ -173,7 +173,7 @@ class MilpResult:
     expert2device: np.ndarray  # [N]
     token2device: np.ndarray  # [V], -1 for tokens with zero frequency
     objective: float  # J of the returned solution
-    optimal: bool  # HiGHS proved optimality (within its default mip_rel_gap)
+    optimal: bool  # HiGHS proved optimality (within mip_rel_gap)
     mip_gap: float  # HiGHS' relative gap between incumbent and bound
     status: str
 
@@ -186,6 +186,7 @@ def milp_coclustering(
     lam: float,
     time_limit: float = 60.0,
     max_pair_vars: int = 200_000,
+    mip_rel_gap: float = 1e-6,
 ) -> MilpResult:
     """Solve the paper's 0-1 co-clustering program for one layer exactly with HiGHS.
 
@@ -276,7 +277,7 @@ def milp_coclustering(
         constraints=LinearConstraint(a_mat, np.array(lo), np.array(hi)),
         integrality=integrality,
         bounds=Bounds(lower, upper),
-        options={"time_limit": float(time_limit), "disp": False},
+        options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": float(mip_rel_gap)},
     )
     if res.x is None:
         raise RuntimeError(f"milp found no feasible solution: {res.message}")

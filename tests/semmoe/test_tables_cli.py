@@ -1,0 +1,79 @@
+"""Table files and the ``python -m moe_variants.semmoe`` commands (run in-process; exact checks)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_variants.semmoe.cli import COMMANDS, main
+from moe_variants.semmoe.methods import place
+from moe_variants.semmoe.profile import save_profile, split_profile
+from moe_variants.semmoe.synthetic import SyntheticConfig, synthetic_profile
+from moe_variants.semmoe.tables import EXPERT_MAP_FILE, TABLES_FILE, Tables, load_tables, save_tables
+
+CFG = SyntheticConfig(num_requests=200, vocab_size=500, num_layers=3, num_experts=8, top_k=2, num_topics=4)
+
+
+def test_tables_roundtrip_and_expert_map(tmp_path):
+    prof = synthetic_profile(CFG, seed=0)
+    t = place("semmoe", prof, 4)
+    save_tables(t, tmp_path / "tab")
+    assert sorted(p.name for p in (tmp_path / "tab").iterdir()) == [EXPERT_MAP_FILE, TABLES_FILE]
+    u = load_tables(tmp_path / "tab")
+    assert (u.method, u.num_devices, u.lookback) == ("semmoe", 4, 2)
+    for name in ("expert2device", "token2device", "token2device_conf", "seq2device", "seq2device_conf"):
+        np.testing.assert_array_equal(getattr(u, name), getattr(t, name))
+    emap = json.loads((tmp_path / "tab" / EXPERT_MAP_FILE).read_text())
+    assert list(emap) == ["physical_to_logical_map"]  # SGLang's init_by_mapping takes exactly this key
+    phy2log = np.array(emap["physical_to_logical_map"])
+    per_rank = CFG.num_experts // 4
+    for l in range(CFG.num_layers):
+        assert sorted(phy2log[l].tolist()) == list(range(CFG.num_experts))
+        ranks = np.arange(CFG.num_experts) // per_rank  # rank of each physical slot
+        np.testing.assert_array_equal(t.expert2device[l][phy2log[l]], ranks)
+
+
+def test_tables_validation_and_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="same number of experts"):
+        save_tables(Tables("x", 2, np.array([[0, 0, 0, 1]])), tmp_path / "t")
+    with pytest.raises(ValueError, match="no such semmoe-tables file"):
+        load_tables(tmp_path / "missing")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / TABLES_FILE).write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="not an npz archive"):
+        load_tables(tmp_path / "bad")
+
+
+def test_cli_solve_and_evaluate(tmp_path, capsys):
+    prof, held = split_profile(synthetic_profile(CFG, seed=1), 0.3, seed=0)
+    save_profile(prof, tmp_path / "prof.npz")
+    save_profile(held, tmp_path / "held.npz")
+    for method in ("contiguous", "eplb", "semmoe"):
+        rc = main(["solve", "--profile", str(tmp_path / "prof.npz"), "--ep", "4", "--method", method,
+                   "--seed", "3", "--out", str(tmp_path / method)])  # fmt: skip
+        assert rc == 0
+    out_json = tmp_path / "eval.json"
+    rc = main(["evaluate", "--tables", *(str(tmp_path / m) for m in ("contiguous", "eplb", "semmoe")),
+               "--profile", str(tmp_path / "held.npz"), "--mode", "tp", "--out", str(out_json)])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "semmoe" in printed and "LAR" in printed
+    res = json.loads(out_json.read_text())
+    assert [r["method"] for r in res["results"]] == ["contiguous", "eplb", "semmoe"]
+    assert all(r["mode"] == "tp" for r in res["results"])
+    by = {r["method"]: r for r in res["results"]}
+    assert by["semmoe"]["lar"] > by["contiguous"]["lar"]
+    assert load_tables(tmp_path / "semmoe").meta["seed"] == 3
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    rc = main(["solve", "--profile", str(tmp_path / "nope.npz"), "--ep", "2", "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
+    save_profile(synthetic_profile(CFG, seed=0), tmp_path / "p.npz")
+    rc = main(["solve", "--profile", str(tmp_path / "p.npz"), "--ep", "3", "--out", str(tmp_path / "t")])
+    assert rc == 2 and "--ep 3" in capsys.readouterr().err
+
+
+def test_commands_are_registered():
+    assert {"solve", "evaluate", "synth", "split"} <= set(COMMANDS)
