@@ -184,6 +184,7 @@ def milp_coclustering(
     num_devices: int,
     theta: float,
     lam: float,
+    slack: float = 0.0,
     time_limit: float = 60.0,
     max_pair_vars: int = 200_000,
     mip_rel_gap: float = 1e-6,
@@ -192,7 +193,7 @@ def milp_coclustering(
 
     cp: [V, N] row-normalised counts; a: [V] token weights summing to 1. Variables: R[d, j] token j
     on device d, C[d, k] expert k on device d, z[d, (j, k)] <= min(R, C) for each nonzero of cp
-    (the linearised local activation), u/v the absolute deviations of the two balance terms.
+    (the linearised local activation), u the token-balance deviations, v the expert overloads.
     Minimises :func:`coclustering_objective` (module ``objective``) subject to one device per
     token and expert and N/D experts per device; expert 0 is pinned to device 0 (devices are
     interchangeable). Sizes beyond ``max_pair_vars`` z variables raise ``ValueError``.
@@ -258,10 +259,11 @@ def milp_coclustering(
             lo.extend([-np.inf] * nnz)
             hi.extend([0.0] * nnz)
             row += nnz
-    for q in range(d):  # |token load - 1/D| <= u, |expert load - 1/D| <= v
-        for o_abs, idx, weights in ((o_u, r_idx(q, np.arange(t)), a[toks]), (o_v, c_idx(q, np.arange(n)), w)):
-            add(np.concatenate([[o_abs + q], idx]), np.concatenate([[1.0], -weights]), -1.0 / d, np.inf)
-            add(np.concatenate([[o_abs + q], idx]), np.concatenate([[1.0], weights]), 1.0 / d, np.inf)
+    for q in range(d):  # u >= |token load - 1/D|, v >= expert load - (1 + slack)/D (and v >= 0)
+        tok_idx = np.concatenate([[o_u + q], r_idx(q, np.arange(t))])
+        add(tok_idx, np.concatenate([[1.0], -a[toks]]), -1.0 / d, np.inf)
+        add(tok_idx, np.concatenate([[1.0], a[toks]]), 1.0 / d, np.inf)
+        add(np.concatenate([[o_v + q], c_idx(q, np.arange(n))]), np.concatenate([[1.0], -w]), -(1.0 + slack) / d, np.inf)
 
     a_mat = sp.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, num_vars)
@@ -285,7 +287,7 @@ def milp_coclustering(
     expert2device = np.argmax(x[o_c:o_z].reshape(d, n), axis=0)
     token2device = np.full(num_tokens_all, -1, dtype=np.int64)
     token2device[toks] = np.argmax(x[:o_c].reshape(d, t), axis=0)
-    obj = coclustering_objective(cp, a, token2device, expert2device, d, theta, lam).total
+    obj = coclustering_objective(cp, a, token2device, expert2device, d, theta, lam, slack).total
     return MilpResult(
         expert2device=expert2device,
         token2device=token2device,

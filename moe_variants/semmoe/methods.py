@@ -83,7 +83,7 @@ def _milp(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -
     per_layer = []
     for l in range(num_layers):
         cp = profile.confidence(l)
-        res = milp_coclustering(cp, a, num_devices, config.theta, config.expert_balance)
+        res = milp_coclustering(cp, a, num_devices, config.theta, config.expert_balance, config.balance_slack)
         e2d[l] = res.expert2device
         seen = res.token2device >= 0
         t_all[l, seen] = res.token2device[seen]

@@ -4,11 +4,20 @@ Paper §3.3, with token frequencies normalised (``sum_j a_j = 1``) so every term
 
     J = theta * sum_d |sum_{j: T(j)=d} a_j - 1/D|                       token (attention) balance
       + (1 - theta) * sum_j a_j * (1 - sum_{k: E(k)=T(j)} Cp[j, k])     expected remote activations
-      + lam * sum_d |sum_{k: E(k)=d} w_k - 1/D|,  w = Cp^T a              expert (MoE) load balance
+      + lam * sum_d max(0, sum_{k: E(k)=d} w_k - (1 + slack)/D),  w = Cp^T a   expert overload
 
 The last term is our addition: the paper's ILP balances only token counts, while Algorithm 1
-penalises cluster load (``gamma_e``) and the paper reports expert-device imbalance; putting it in
-the objective lets the heuristic and the MILP be compared on the same number.
+penalises cluster load (``gamma_e``) and the paper reports expert-device imbalance (max / median
+load); putting it in the objective lets the heuristic and the MILP be compared on the same number.
+It charges only the load above ``(1 + slack)`` times the mean, so moderate imbalance is free and
+affinity decides, while overload beyond the slack is penalised hard (``slack = 0`` gives half the
+L1 deviation from the mean).
+
+The solver's default is ``theta = 0``: online, tokens are balanced over devices by the schedulers
+(Algorithm 2's rotating mask, Algorithm 3's equal slices), not by the token table, so T should
+name each token's best device. With ``theta = 0`` the optimal T for a placement E is exactly
+that (each token's argmax device), which makes the MILP optimum over (T, E) directly comparable
+with the heuristic's E and its derived T.
 """
 
 from __future__ import annotations
@@ -23,9 +32,9 @@ __all__ = ["ObjectiveTerms", "coclustering_objective"]
 
 @dataclass(frozen=True)
 class ObjectiveTerms:
-    token_balance: float
-    remote: float
-    expert_balance: float
+    token_balance: float  # sum_d |token share of d - 1/D|
+    remote: float  # expected share of activations computed off the token's device
+    expert_balance: float  # sum_d of expert load share above (1 + slack) / D
     total: float
 
 
@@ -37,6 +46,7 @@ def coclustering_objective(
     num_devices: int,
     theta: float,
     lam: float,
+    slack: float = 0.0,
 ) -> ObjectiveTerms:
     """Evaluate J for one layer.
 
@@ -55,7 +65,7 @@ def coclustering_objective(
     w = cp.T @ a
     exp_load = np.bincount(expert2device, weights=w, minlength=num_devices)
     token_balance = float(np.abs(tok_load - target).sum())
-    expert_balance = float(np.abs(exp_load - target).sum())
+    expert_balance = float(np.maximum(exp_load - (1.0 + slack) * target, 0.0).sum())
     remote = float(a[seen].sum()) - local
     total = theta * token_balance + (1 - theta) * remote + lam * expert_balance
     return ObjectiveTerms(token_balance, remote, expert_balance, total)

@@ -5,7 +5,8 @@ Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``V`` vocabulary, ``D``
 
 * ``expert2device`` E [L, N]: device of every expert (equal count per device).
 * ``token2device`` T [L, V] and ``token2device_conf`` Tp [L, V]: predicted device of a token id and
-  its confidence (paper Alg. 1 lines 54-55); -1 / 0 where there is no prediction.
+  its confidence (by default the device with the largest share of the token's activations and
+  that share; see ``solver.TokenTable``); -1 / 0 where there is no prediction.
 * ``seq2device`` A [L, G] and ``seq2device_conf`` Ap [L, G]: predicted device given the devices the
   token was routed to in the previous ``lookback`` layers (App. B.1); the context index is
   ``sum_j d_{l-j} * D**(j-1)`` for j = 1..lookback (previous layer least significant). -1 / 0
