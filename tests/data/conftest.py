@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ def load_script(name: str):
     """Import ``scripts/<name>.py`` as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so worker processes can unpickle its functions
     spec.loader.exec_module(module)
     return module
 

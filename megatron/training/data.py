@@ -1,0 +1,563 @@
+"""The data layer: indexed datasets on disk, GPT datasets over them, and batch iterators.
+
+* Writing: ``read_text_documents`` (plain text -> documents), ``write_indexed_dataset`` (token
+  documents -> megatron-core ``.bin``/``.idx``, atomically) and ``ensure_embedded_dataset`` (the
+  shipped tiny-shakespeare corpus, preprocessed once into a cache directory).
+  ``scripts/preprocess_data.py`` is the command-line front end.
+* Reading: ``build_pretraining_datasets`` builds (train, valid, test) ``GPTDataset``s (or
+  ``BlendedDataset``s for weighted blends) through megatron-core's
+  ``BlendedMegatronDatasetBuilder`` from Megatron-LM's ``--data-path`` and ``--split``.
+  Under ``torch.distributed`` rank 0 builds and caches the sample indices, then the other ranks
+  load them (megatron-core's own rank-0-first protocol); without it everything is built locally.
+* Iterating: ``build_data_iterator`` yields micro-batches in a fixed order starting at any
+  consumed-sample count (Megatron-LM's ``MegatronPretrainingSampler``), so a run resumed at step k
+  sees exactly the batches the uninterrupted run saw after step k.
+* Held-out text: ``build_heldout_windows`` cuts a text file into ``[N, seq_length + 1]`` windows.
+
+megatron-core's sample-index builders are C++ (``megatron/core/datasets/helpers.cpp``). The
+megatron-core wheels ship them compiled (``helpers_cpp.*.so``) and its sdist compiles them at
+install time with pybind11, so nothing is compiled at run time; ``ensure_dataset_helpers`` checks
+they import and says how to repair an install where they do not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import re
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DOCUMENT_BOUNDARIES",
+    "IndexedDatasetStats",
+    "ensure_dataset_helpers",
+    "read_text_documents",
+    "indexed_dataset_paths",
+    "check_outputs_free",
+    "write_indexed_dataset",
+    "ensure_embedded_dataset",
+    "parse_data_path",
+    "get_train_valid_test_num_samples",
+    "build_pretraining_datasets",
+    "PretrainingSampler",
+    "build_data_iterator",
+    "build_heldout_windows",
+]
+
+DOCUMENT_BOUNDARIES = ("blank-line", "file")
+
+
+# --------------------------------------------------------------------------------------------
+# C++ helpers
+# --------------------------------------------------------------------------------------------
+def ensure_dataset_helpers() -> None:
+    """Check that megatron-core's compiled dataset helpers import (``helpers_cpp``).
+
+    ``megatron.core.datasets.utils.compile_helpers()`` is Megatron-LM's source-checkout path (it
+    runs ``make`` in a directory that the wheel does not ship a Makefile for), so it is not used.
+    """
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "megatron-core's compiled dataset helpers (megatron.core.datasets.helpers_cpp) are "
+            f"missing ({err}); reinstall megatron-core so that they are built: "
+            "pip install --force-reinstall --no-deps megatron-core==0.16.1 (binary wheels ship "
+            "them; a source build compiles helpers.cpp with pybind11 and a C++ compiler)"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Writing indexed datasets
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class IndexedDatasetStats:
+    """What ``write_indexed_dataset`` wrote."""
+
+    prefix: str
+    num_documents: int
+    num_tokens: int
+    dtype: str
+
+
+def read_text_documents(path: str, boundary: str = "blank-line") -> Iterator[str]:
+    """Documents of a UTF-8 text file.
+
+    ``blank-line``: each run of non-blank lines is a document (its line breaks kept, the final
+    one dropped); blank or whitespace-only lines only separate documents. ``file``: the whole
+    file is one document, byte for byte. Streams, so the file may be larger than memory.
+    """
+    if boundary not in DOCUMENT_BOUNDARIES:
+        raise ValueError(
+            f"--document-boundary: unknown value {boundary!r} (choose from {', '.join(DOCUMENT_BOUNDARIES)})"
+        )
+    if not os.path.isfile(path):
+        raise ValueError(f"--input: no such file: {path}")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            if boundary == "file":
+                text = f.read()
+                if text.strip():
+                    yield text
+                return
+            block: list[str] = []
+            for line in f:
+                if line.strip():
+                    block.append(line)
+                elif block:
+                    yield "".join(block).rstrip("\r\n")
+                    block = []
+            if block:
+                yield "".join(block).rstrip("\r\n")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--input: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def indexed_dataset_paths(prefix: str) -> tuple[str, str]:
+    """(``prefix.bin``, ``prefix.idx``)."""
+    return prefix + ".bin", prefix + ".idx"
+
+
+def check_outputs_free(prefixes: Sequence[str], overwrite: bool) -> None:
+    """Refuse (``ValueError`` naming the file) when an output exists and ``overwrite`` is off."""
+    if overwrite:
+        return
+    for prefix in prefixes:
+        for path in indexed_dataset_paths(prefix):
+            if os.path.exists(path):
+                raise ValueError(f"--output-prefix: {path} exists (pass --overwrite to replace it)")
+
+
+def write_indexed_dataset(
+    documents: Iterable[Sequence[int]],
+    output_prefix: str,
+    vocab_size: int,
+    overwrite: bool = False,
+) -> IndexedDatasetStats:
+    """Write token documents as a megatron-core ``IndexedDataset`` (``.bin`` + ``.idx``).
+
+    One sequence per document (Megatron-LM's layout without sentence splitting); empty documents
+    are skipped. The token dtype is ``uint16`` when ``vocab_size`` allows, else ``int32``
+    (``DType.optimal_dtype``). Both files are written under temporary names in the output
+    directory and renamed into place only when complete: ``.bin`` first, then ``.idx``, so a
+    reader (which needs both) never sees a new index over an old data file. An existing output
+    raises ``ValueError`` unless ``overwrite``; it is then replaced, never modified in place.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    check_outputs_free([output_prefix], overwrite)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix)) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    dtype = DType.optimal_dtype(vocab_size)
+    max_id = np.iinfo(dtype).max
+    tmp_prefix = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.tmp{os.getpid()}")
+    tmp_bin, tmp_idx = indexed_dataset_paths(tmp_prefix)
+    num_documents = num_tokens = 0
+    try:
+        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+        try:
+            for doc in documents:
+                arr = np.asarray(doc, dtype=np.int64)
+                if arr.size == 0:
+                    continue
+                if arr.min() < 0 or arr.max() > max_id:
+                    raise ValueError(
+                        f"token id {int(arr.max() if arr.max() > max_id else arr.min())} does not fit "
+                        f"{np.dtype(dtype).name} (vocab size {vocab_size})"
+                    )
+                builder.add_document(arr.astype(dtype), [arr.size])
+                num_documents += 1
+                num_tokens += arr.size
+        finally:
+            builder.data_file.close()
+        if num_documents == 0:
+            raise ValueError(f"no documents to write to {output_prefix} (is the input empty?)")
+        builder.finalize(tmp_idx)
+        for path in (tmp_bin, tmp_idx):
+            _fsync(path)
+        final_bin, final_idx = indexed_dataset_paths(output_prefix)
+        if overwrite and os.path.exists(final_idx):
+            os.unlink(final_idx)  # never leave the old index next to the new data
+        os.replace(tmp_bin, final_bin)
+        os.replace(tmp_idx, final_idx)
+    finally:
+        for path in (tmp_bin, tmp_idx):
+            if os.path.exists(path):
+                os.unlink(path)
+    return IndexedDatasetStats(output_prefix, num_documents, num_tokens, np.dtype(dtype).name)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_embedded_dataset(cache_dir: str) -> str:
+    """Preprocess the shipped tiny-shakespeare corpus with the shipped BPE into ``cache_dir``
+    (once) and return the ``--data-path`` prefix.
+
+    Documents are blank-line separated blocks (speeches), each followed by ``<|endoftext|>``.
+    The prefix name carries a hash of the corpus and tokenizer files, so a changed asset is
+    preprocessed afresh. Under ``torch.distributed`` rank 0 writes and the others wait.
+    """
+    from megatron.training.tokenizer import DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL, build_tokenizer
+
+    digest = hashlib.sha256()
+    for path in (DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    prefix = os.path.join(cache_dir, f"tinyshakespeare-{digest.hexdigest()[:10]}_text_document")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not _indexed_dataset_exists(prefix) and (not distributed or torch.distributed.get_rank() == 0):
+        tokenizer = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+        docs = list(read_text_documents(DEFAULT_CORPUS, "blank-line"))
+        token_docs = (ids + [tokenizer.eod] for ids in tokenizer.tokenize_batch(docs))
+        # Same bytes whoever writes them, so replacing a concurrently written copy is harmless.
+        write_indexed_dataset(token_docs, prefix, tokenizer.vocab_size, overwrite=True)
+    if distributed:
+        torch.distributed.barrier()
+    return prefix
+
+
+def _indexed_dataset_exists(prefix: str) -> bool:
+    return all(os.path.isfile(p) for p in indexed_dataset_paths(prefix))
+
+
+# --------------------------------------------------------------------------------------------
+# GPT datasets through BlendedMegatronDatasetBuilder
+# --------------------------------------------------------------------------------------------
+def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Optional[list[float]]]:
+    """Megatron-LM's ``--data-path``: ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
+
+    Returns (prefixes, weights or None). A string is split on whitespace.
+    """
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
+    if not items:
+        raise ValueError("--data-path is empty")
+
+    def as_weight(s: str) -> Optional[float]:
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    numeric = [as_weight(s) is not None for s in items]
+    if len(items) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2]):
+        weights = [as_weight(s) for s in items[0::2]]
+        bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
+        if bad:
+            raise ValueError(f"--data-path: blend weights must be positive numbers, got {bad[0]}")
+        return items[1::2], weights
+    if any(numeric):
+        raise ValueError(
+            f"--data-path: expected 'PREFIX ...' or 'WEIGHT PREFIX WEIGHT PREFIX ...', got {' '.join(items)!r}"
+        )
+    return items, None
+
+
+def _parse_split(split: str) -> list[float]:
+    parts = [p.strip() for p in str(split).split(",")]
+    try:
+        vec = [float(p) for p in parts]
+    except ValueError:
+        vec = []
+    if not 1 <= len(vec) <= 3 or any(not math.isfinite(v) or v < 0 for v in vec) or sum(vec) <= 0:
+        raise ValueError(f"--split: expected up to three non-negative weights like '969,30,1', got {split!r}")
+    return vec + [0.0] * (3 - len(vec))
+
+
+def get_train_valid_test_num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> tuple[int, int, int]:
+    """Samples each split must supply, as Megatron-LM computes them: train for every step,
+    valid for every evaluation (one per ``eval_interval`` and one at the end), test once."""
+    train = train_iters * global_batch_size
+    evals = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    return train, evals * eval_iters * global_batch_size, eval_iters * global_batch_size
+
+
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def build_pretraining_datasets(
+    data_path: Union[str, Sequence[str]],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[Optional[int]],
+    tokenizer,
+    cache_dir: Optional[str] = None,
+    *,
+    is_built_on_rank: Optional[Callable[[], bool]] = None,
+    eod_mask_loss: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    create_attention_mask: bool = False,
+) -> tuple:
+    """(train, valid, test) datasets for ``GPTModel`` pretraining; a split is ``None`` when its
+    ``--split`` weight is 0.
+
+    Args:
+        data_path: ``--data-path`` (see ``parse_data_path``). Prefixes given without weights are
+            blended in proportion to their token counts (Megatron-LM would cap such a blend at
+            one pass over the data, silently ignoring ``num_samples``).
+        split: ``--split``, e.g. ``"969,30,1"``: contiguous document ranges of every prefix.
+        seq_length: tokens per sample; each sample reads ``seq_length + 1`` tokens.
+        seed: seed of the document and sample shuffles (same seed -> same order).
+        num_samples: minimum samples per split (``get_train_valid_test_num_samples``). A single
+            prefix gives whole epochs (``len >= num_samples``); a blend gives exactly the
+            per-dataset ``ceil(num * weight)`` summed.
+        tokenizer: from ``megatron.training.tokenizer.build_tokenizer`` (its ``eod``/``pad`` and
+            identity enter the samples and the cache key).
+        cache_dir: where the sample indices are cached (``--data-cache-path``); default
+            ``<directory of the first prefix>/cache``. Must be shared by all ranks of a node.
+        is_built_on_rank: megatron-core's hook; default every rank builds (and reads) its data.
+        eod_mask_loss, reset_position_ids, reset_attention_mask: as Megatron-LM's flags.
+        create_attention_mask: put ``attention_mask`` ([1, S, S] float, 1 = attend, the opposite
+            of megatron-core's bool "True = masked" convention) in each sample.
+
+    Items are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (and
+    ``attention_mask``; blends add ``dataset_id``). Raises ``ValueError`` naming ``--data-path``
+    or ``--split`` for a missing prefix or a split that would have no documents.
+    """
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    ensure_dataset_helpers()
+    prefixes, weights = parse_data_path(data_path)
+    split_vec = _parse_split(split)
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must give (train, valid, test), got {list(num_samples)}")
+    if seq_length < 1:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+    token_counts = [_check_prefix(p, split_vec) for p in prefixes]
+    if len(prefixes) > 1 and weights is None:
+        weights = [float(n) for n in token_counts]
+    if weights is not None and any(n is None for n, w in zip(num_samples, split_vec) if w > 0):
+        raise ValueError("a weighted --data-path blend needs a sample count for every split")
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=",".join(np.format_float_positional(v, trim="-") for v in split_vec),
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = _builder_class()(
+        GPTDataset,
+        [None if n is None else int(n) for n in num_samples],
+        is_built_on_rank or (lambda: True),
+        config,
+    )
+    return tuple(builder.build())
+
+
+def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
+    """Validate one prefix against the split; return its token count."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import normalize
+
+    if not _indexed_dataset_exists(prefix):
+        raise ValueError(
+            f"--data-path: no indexed dataset at {prefix} (needs {prefix}.bin and {prefix}.idx; "
+            "make them with scripts/preprocess_data.py)"
+        )
+    index = IndexedDataset(prefix)
+    lengths = np.array(index.sequence_lengths)  # a copy: the mmap closes with `index`
+    del index
+    # the document ranges megatron-core's builder will cut (blended_megatron_dataset_builder.py:443)
+    matrix = convert_split_vector_to_split_matrix(normalize(list(split_vec)))
+    for name, bookends in zip(_SPLIT_NAMES, matrix):
+        if bookends is None:
+            continue
+        beg, end = (int(round(b * float(len(lengths)))) for b in bookends)
+        if end <= beg or int(lengths[beg:end].sum()) == 0:
+            raise ValueError(
+                f"--split {','.join(f'{v:g}' for v in split_vec)} leaves the {name} split of {prefix} "
+                f"with no tokens ({len(lengths)} documents in all); give it a larger share, or 0"
+            )
+    return int(lengths.sum())
+
+
+_BUILDER_CLASS = None
+
+
+def _builder_class():
+    """``BlendedMegatronDatasetBuilder`` whose blends also work without ``torch.distributed``.
+
+    megatron-core 0.16.1 ``blended_dataset.py:153`` calls ``torch.distributed.get_rank()`` on a
+    blend-cache miss, which raises in a single process. There the blend indices (cheap and
+    deterministic) are built in memory instead of cached; the GPT sample indices are still cached.
+    """
+    global _BUILDER_CLASS
+    if _BUILDER_CLASS is None:
+        from megatron.core.datasets.blended_dataset import BlendedDataset
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+        class LocalBlendedDataset(BlendedDataset):
+            def __init__(self, datasets, weights, size, config):
+                if not torch.distributed.is_initialized() and config.path_to_cache:
+                    config = copy.copy(config)
+                    config.path_to_cache = None
+                super().__init__(datasets, weights, size, config)
+
+        class Builder(BlendedMegatronDatasetBuilder):
+            @staticmethod
+            def build_generic_dataset(dataset_cls, is_built_on_rank, synchronize_ranks, *args):
+                if dataset_cls is BlendedDataset:
+                    dataset_cls = LocalBlendedDataset
+                return BlendedMegatronDatasetBuilder.build_generic_dataset(
+                    dataset_cls, is_built_on_rank, synchronize_ranks, *args
+                )
+
+        _BUILDER_CLASS = Builder
+        logging.getLogger("megatron.core.datasets.blended_dataset").addFilter(_NoCacheNoticeFilter())
+    return _BUILDER_CLASS
+
+
+class _NoCacheNoticeFilter(logging.Filter):
+    """Drop the "cannot save ... path_to_cache is None" warning for the single-process case above."""
+
+    def filter(self, record):
+        return "Cannot save the LocalBlendedDataset" not in record.getMessage()
+
+
+# --------------------------------------------------------------------------------------------
+# Iterators
+# --------------------------------------------------------------------------------------------
+class PretrainingSampler:
+    """Batches of dataset indices in order, from ``consumed_samples`` on (Megatron-LM's
+    ``MegatronPretrainingSampler``).
+
+    Global sample ``g`` (counted over all data-parallel ranks) is index ``g`` of the dataset; each
+    step takes the next ``micro_batch_size * data_parallel_size`` indices and rank ``r`` gets the
+    ``r``-th slice of ``micro_batch_size``. Resuming with ``consumed_samples = k * global batch``
+    therefore continues exactly where step k left off. The order is random because ``GPTDataset``
+    shuffles its samples (seeded), not because of this sampler.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        drop_last: bool = True,
+    ):
+        if micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} outside the dataset's {total_samples} samples")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        step = self.micro_batch_size * self.data_parallel_size
+        remaining = self.total_samples - self.consumed_samples
+        return remaining // step if self.drop_last else -(-remaining // step)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.data_parallel_size
+        beg = self.data_parallel_rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples, step):
+            batch = list(range(start, min(start + step, self.total_samples)))
+            if len(batch) == step:
+                yield batch[beg : beg + self.micro_batch_size]
+            elif not self.drop_last:
+                # the last partial step: spread what is left evenly (Megatron-LM does the same)
+                per_rank = -(-len(batch) // self.data_parallel_size)
+                part = batch[self.data_parallel_rank * per_rank : (self.data_parallel_rank + 1) * per_rank]
+                if part:
+                    yield part
+
+
+def build_data_iterator(
+    dataset,
+    micro_batch_size: int,
+    consumed_samples: int = 0,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+    num_workers: int = 0,
+    cyclic: bool = False,
+) -> Iterator[dict]:
+    """Iterator over collated micro-batches (dicts of ``[micro_batch_size, ...]`` tensors).
+
+    Deterministic: batch ``j`` holds global samples ``consumed_samples + j * mbs * dp`` onwards
+    (this rank's slice). ``cyclic`` restarts at ``consumed_samples`` when the data runs out (for
+    validation); otherwise the iterator ends. ``num_workers > 0`` prefetches in worker processes
+    without changing the order. Returns ``None`` for a ``None`` dataset (an empty split).
+    """
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+    )
+    if len(sampler) == 0:
+        raise ValueError(
+            f"the dataset has {len(dataset)} samples, fewer than one step of "
+            f"{micro_batch_size} x {data_parallel_size} after {consumed_samples} consumed"
+        )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+    if not cyclic:
+        return iter(loader)
+
+    def forever():
+        while True:
+            yield from loader
+
+    return forever()
+
+
+def build_heldout_windows(text_path: str, tokenizer, seq_length: int) -> torch.Tensor:
+    """LongTensor ``[N, seq_length + 1]`` of a held-out text file, for perplexity.
+
+    The whole file is tokenized as one text (no EOD added) and ``windows[i] =
+    ids[i * S : i * S + S + 1]`` with ``S = seq_length``: inputs ``windows[:, :-1]``, labels
+    ``windows[:, 1:]``. Consecutive windows share only their boundary token (the last label of
+    one is the first input of the next), so the label sets do not overlap and every token after
+    the first is scored exactly once; the tail shorter than a window is dropped.
+    """
+    if seq_length < 1:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+    if not os.path.isfile(text_path):
+        raise ValueError(f"held-out text: no such file: {text_path}")
+    with open(text_path, encoding="utf-8", newline="") as f:
+        text = f.read()
+    ids = torch.tensor(tokenizer.tokenize(text), dtype=torch.long)
+    num_windows = (ids.numel() - 1) // seq_length
+    if num_windows < 1:
+        raise ValueError(
+            f"held-out text {text_path} has {ids.numel()} tokens, fewer than one window of {seq_length + 1}"
+        )
+    return ids.unfold(0, seq_length + 1, seq_length)[:num_windows].contiguous()
