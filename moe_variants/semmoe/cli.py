@@ -68,10 +68,12 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Algorithm 1 (semmoe, milp)")
     g.add_argument("--n-steps", type=_positive_int, default=d.n_steps)
     g.add_argument("--ft-steps", type=int, default=d.ft_steps)
-    for name in ("alpha_e", "beta_e", "gamma_e", "alpha_r", "beta_r", "theta", "expert_balance"):
+    for name in ("alpha_e", "beta_e", "gamma_e", "alpha_r", "beta_r", "theta", "expert_balance", "balance_slack"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    g.add_argument("--patience", type=_positive_int, default=d.patience)
     g.add_argument("--lookback", type=_positive_int, default=d.lookback)
     g.add_argument("--token-table", choices=[t.value for t in TokenTable], default=d.token_table.value)
+    g.add_argument("--polish", action=argparse.BooleanOptionalAction, default=d.polish, help="token-level descent (mass table)")
 
 
 @command("solve", "place experts and build scheduling tables from a profile", _configure_solve)
@@ -92,8 +94,11 @@ def _solve(args: argparse.Namespace) -> int:
         beta_r=args.beta_r,
         theta=args.theta,
         expert_balance=args.expert_balance,
+        balance_slack=args.balance_slack,
+        patience=args.patience,
         lookback=args.lookback,
         token_table=args.token_table,
+        polish=args.polish,
     )
     t0 = time.perf_counter()
     tables = place(args.method, profile, args.ep, args.seed, config)

@@ -108,6 +108,8 @@ class SolverConfig:
         if not 0.0 <= self.theta <= 1.0:
             raise ValueError(f"theta must be in [0, 1], got {self.theta}")
         TokenTable(self.token_table)
+        if self.balance_slack < 0 or self.expert_balance < 0:
+            raise ValueError("expert_balance and balance_slack must be >= 0")
         if self.lookback < 1:
             raise ValueError(f"lookback must be >= 1, got {self.lookback}")
         if num_devices**self.lookback > MAX_SEQUENCE_CONTEXTS:
