@@ -158,7 +158,9 @@ def rebalance_experts(
     """
     weight = np.asarray(weight, dtype=np.float64)
     if num_groups % num_nodes == 0:
-        phy2log, phy_rank, logcnt = rebalance_experts_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log, phy_rank, logcnt = rebalance_experts_hierarchical(
+            weight, num_replicas, num_groups, num_nodes, num_gpus
+        )
     else:
         phy2log, phy_rank, logcnt = rebalance_experts_hierarchical(weight, num_replicas, 1, 1, num_gpus)
     num_layers = weight.shape[0]
@@ -263,7 +265,8 @@ def milp_coclustering(
         tok_idx = np.concatenate([[o_u + q], r_idx(q, np.arange(t))])
         add(tok_idx, np.concatenate([[1.0], -a[toks]]), -1.0 / d, np.inf)
         add(tok_idx, np.concatenate([[1.0], a[toks]]), 1.0 / d, np.inf)
-        add(np.concatenate([[o_v + q], c_idx(q, np.arange(n))]), np.concatenate([[1.0], -w]), -(1.0 + slack) / d, np.inf)
+        exp_idx = np.concatenate([[o_v + q], c_idx(q, np.arange(n))])
+        add(exp_idx, np.concatenate([[1.0], -w]), -(1.0 + slack) / d, np.inf)
 
     a_mat = sp.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, num_vars)

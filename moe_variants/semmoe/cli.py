@@ -73,7 +73,9 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
     g.add_argument("--patience", type=_positive_int, default=d.patience)
     g.add_argument("--lookback", type=_positive_int, default=d.lookback)
     g.add_argument("--token-table", choices=[t.value for t in TokenTable], default=d.token_table.value)
-    g.add_argument("--polish", action=argparse.BooleanOptionalAction, default=d.polish, help="token-level descent (mass table)")
+    g.add_argument(
+        "--polish", action=argparse.BooleanOptionalAction, default=d.polish, help="token-level descent (mass table)"
+    )
 
 
 @command("solve", "place experts and build scheduling tables from a profile", _configure_solve)
@@ -122,7 +124,10 @@ def _configure_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-size", type=_positive_int, default=None, help="default: the profile's meta hidden_size")
     p.add_argument("--bytes-per-element", type=_positive_int, default=2, help="activation element size (bf16: 2)")
     p.add_argument(
-        "--tp-batch-tokens", type=int, default=0, help="TP mode: pack requests into batches of this many tokens (0: one request per batch)"
+        "--tp-batch-tokens",
+        type=int,
+        default=0,
+        help="TP mode: pack requests into batches of this many tokens (0: one request per batch)",
     )
     p.add_argument("--out", default=None, help="JSON path (default: evaluation_<profile>.json in the first tables dir)")
 
@@ -145,12 +150,15 @@ def _evaluate(args: argparse.Namespace) -> int:
         for mode in modes:
             r = evaluate(tables, profile, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens)
             rows.append({"tables": str(path), **r.to_dict()})
-    header = f"{'method':<12}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}{'imb.mean':>10}{'imb.max':>9}{'a2a GiB':>10}"
-    print(header)
+    print(
+        f"{'method':<12}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}"
+        f"{'imb.mean':>10}{'imb.max':>9}{'a2a GiB':>10}"
+    )
     for r in rows:
         print(
-            f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{r['lar']:>8.3f}{r['lar_p25']:>8.3f}{r['lar_p50']:>8.3f}"
-            f"{r['lar_p75']:>8.3f}{r['imbalance_mean']:>10.3f}{r['imbalance_max']:>9.3f}{r['a2a_bytes'] / 2**30:>10.3f}"
+            f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{r['lar']:>8.3f}{r['lar_p25']:>8.3f}"
+            f"{r['lar_p50']:>8.3f}{r['lar_p75']:>8.3f}{r['imbalance_mean']:>10.3f}{r['imbalance_max']:>9.3f}"
+            f"{r['a2a_bytes'] / 2**30:>10.3f}"
         )
     out = Path(args.out) if args.out else Path(args.tables[0]) / f"evaluation_{Path(args.profile).stem}.json"
     payload = {

@@ -40,7 +40,9 @@ def register_method(name: str) -> Callable[[PlacementFn], PlacementFn]:
     return deco
 
 
-def place(method: str, profile: Profile, num_devices: int, seed: int = 0, config: SolverConfig = SolverConfig()) -> Tables:
+def place(
+    method: str, profile: Profile, num_devices: int, seed: int = 0, config: SolverConfig = SolverConfig()
+) -> Tables:
     """Run the registered placement ``method``."""
     if method not in METHODS:
         raise ValueError(f"unknown --method {method!r}; choose from {sorted(METHODS)}")

@@ -68,7 +68,9 @@ def _check_compatible(tables: Tables, profile: Profile) -> None:
             f"{profile.num_layers} x {profile.num_experts}"
         )
     if tables.has_schedule and tables.token2device.shape[1] != profile.vocab_size:
-        raise ValueError(f"tables cover a vocabulary of {tables.token2device.shape[1]}, the profile {profile.vocab_size}")
+        raise ValueError(
+            f"tables cover a vocabulary of {tables.token2device.shape[1]}, the profile {profile.vocab_size}"
+        )
 
 
 def token_devices_dp(tables: Tables, profile: Profile) -> np.ndarray:

@@ -51,7 +51,9 @@ PROFILE_VERSION = 1
 
 
 def _route_dtype(num_experts: int) -> np.dtype:
-    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16) if num_experts <= 65536 else np.dtype(np.int32)
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if num_experts <= 65536 else np.dtype(np.int32)
 
 
 @dataclass
@@ -215,7 +217,9 @@ def profile_from_traces(
         if tok.ndim != 1 or topk.ndim != 3 or topk.shape[1] != tok.shape[0]:
             raise ValueError(f"trace {i}: expected token_ids [S] and topk [L, S, K], got {tok.shape} and {topk.shape}")
         if route_list and topk.shape[::2] != route_list[0].shape[::2]:
-            raise ValueError(f"trace {i}: topk has L, K = {topk.shape[::2]}, earlier traces had {route_list[0].shape[::2]}")
+            raise ValueError(
+                f"trace {i}: topk has L, K = {topk.shape[::2]}, earlier traces had {route_list[0].shape[::2]}"
+            )
         if len(tok) == 0:
             raise ValueError(f"trace {i}: empty request")
         tok_list.append(tok)

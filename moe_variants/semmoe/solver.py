@@ -227,7 +227,11 @@ def _expert_place(lay: _Layer, req2c: np.ndarray, d: int, cfg: SolverConfig) -> 
     e2d = np.empty(n, dtype=np.int64)
     for e in np.argsort(-lay.w, kind="stable"):
         valid = count < per
-        score = cfg.alpha_e * _minmax(aff[e], valid) + cfg.beta_e * _minmax(q[e], valid) - cfg.gamma_e * _minmax(load, valid)
+        score = (
+            cfg.alpha_e * _minmax(aff[e], valid)
+            + cfg.beta_e * _minmax(q[e], valid)
+            - cfg.gamma_e * _minmax(load, valid)
+        )
         c = int(np.argmax(np.where(valid, score, -np.inf)))
         e2d[e] = c
         count[c] += 1
@@ -345,7 +349,8 @@ def sequence_tables(
             ctx = np.zeros_like(dev)
             for j, prev in enumerate(history):
                 ctx += prev * num_devices**j
-            hist = np.bincount(ctx * num_devices + dev, minlength=ctx_count * num_devices).reshape(ctx_count, num_devices)
+            hist = np.bincount(ctx * num_devices + dev, minlength=ctx_count * num_devices)
+            hist = hist.reshape(ctx_count, num_devices)
             total = hist.sum(1)
             ok = total > 0
             seq[l, ok] = np.argmax(hist[ok], axis=1)
@@ -386,6 +391,11 @@ def solve(
         if req2c is None:  # Alg. 1 line 44: cluster requests against a load-balanced placement
             init = balanced_packing(lay.w[None, :], d)[0][0]
             req2c = _request_schedule(lay, init, order, d, config)
+        def objective(t2d, e2d):
+            return coclustering_objective(
+                lay.cp, a, t2d, e2d, d, config.theta, config.expert_balance, config.balance_slack
+            )
+
         best, stale = None, 0
         for _ in range(config.n_steps):
             e2d = _expert_place(lay, req2c, d, config)
@@ -394,7 +404,7 @@ def solve(
                 t, tp = token_vote_tables(profile.token_ids, new_req[req_of_occ], profile.token_freq, d)
             else:
                 t, tp = token_mass_tables(lay.cp, e2d, d)
-            obj = coclustering_objective(lay.cp, a, t, e2d, d, config.theta, config.expert_balance, config.balance_slack)
+            obj = objective(t, e2d)
             if best is None or obj.total < best[0].total - 1e-12:
                 best, stale = (obj, e2d, new_req, t, tp), 0
             else:
@@ -411,7 +421,7 @@ def solve(
             for cand in (_polish(e2d, lay, d, config), _polish(coact, lay, d, config)):
                 cand = _align_labels(cand, lay, req2c, d)
                 t_c, tp_c = token_mass_tables(lay.cp, cand, d)
-                obj_c = coclustering_objective(lay.cp, a, t_c, cand, d, config.theta, config.expert_balance, config.balance_slack)
+                obj_c = objective(t_c, cand)
                 if obj_c.total < obj.total - 1e-12:
                     obj, e2d, t, tp = obj_c, cand, t_c, tp_c
         e2d_all[l], t_all[l], tp_all[l] = e2d, t, tp

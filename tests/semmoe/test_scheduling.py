@@ -44,7 +44,8 @@ def test_request_scores_are_confidence_weighted_votes():
         for tok in toks:
             if tab.token2device[l, tok] >= 0:
                 expect[tab.token2device[l, tok]] += tab.token2device_conf[l, tok]
-    np.testing.assert_allclose(request_device_scores(toks, tab.token2device, tab.token2device_conf, D), expect, rtol=1e-6)
+    scores = request_device_scores(toks, tab.token2device, tab.token2device_conf, D)
+    np.testing.assert_allclose(scores, expect, rtol=1e-6)
     with pytest.raises(ValueError, match="token ids"):
         request_device_scores(np.array([20]), tab.token2device, tab.token2device_conf, D)
 
@@ -128,9 +129,8 @@ def test_rebatch_round_trip_moves_metadata_with_tokens():
     assert sorted(perm.tolist()) == list(range(n))
     shuffled = hidden[perm]
     # each rank's slice holds exactly the tokens aligned to it, in their original order
-    pred, conf = predict_token_devices(
-        tokens, D, *(torch.as_tensor(x[2]) for x in (tab.token2device, tab.token2device_conf, tab.seq2device, tab.seq2device_conf)), prev
-    )
+    layer_tables = (tab.token2device, tab.token2device_conf, tab.seq2device, tab.seq2device_conf)
+    pred, conf = predict_token_devices(tokens, D, *(torch.as_tensor(x[2]) for x in layer_tables), prev)
     assigned = align_to_ranks(pred, conf, D)
     for r in range(D):
         rows = perm[r * n // D : (r + 1) * n // D]
