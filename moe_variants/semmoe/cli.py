@@ -65,6 +65,7 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="semmoe", choices=sorted(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="tables directory to write")
+    p.add_argument("--verbose", action="store_true", help="print per-layer objective terms (semmoe)")
     g = p.add_argument_group("Algorithm 1 (semmoe, milp)")
     g.add_argument("--n-steps", type=_positive_int, default=d.n_steps)
     g.add_argument("--ft-steps", type=int, default=d.ft_steps)
@@ -82,7 +83,7 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
 def _solve(args: argparse.Namespace) -> int:
     from .methods import place
     from .profile import load_profile
-    from .solver import SolverConfig
+    from .solver import SolverConfig, solve
     from .tables import save_tables
 
     profile = load_profile(args.profile)
@@ -103,7 +104,10 @@ def _solve(args: argparse.Namespace) -> int:
         polish=args.polish,
     )
     t0 = time.perf_counter()
-    tables = place(args.method, profile, args.ep, args.seed, config)
+    if args.method == "semmoe" and args.verbose:
+        tables = solve(profile, args.ep, args.seed, config, log=print)
+    else:
+        tables = place(args.method, profile, args.ep, args.seed, config)
     elapsed = time.perf_counter() - t0
     tables.meta.setdefault("profile_path", str(args.profile))
     save_tables(tables, args.out)
