@@ -428,7 +428,7 @@ def solve(
         terms.append(asdict(obj))
         if log:
             log(f"layer {l}: J={obj.total:.4f} remote={obj.remote:.4f} tok_bal={obj.token_balance:.4f} "
-                f"exp_bal={obj.expert_balance:.4f} ({time.perf_counter() - t0:.1f}s)")
+                f"overload={obj.expert_balance:.4f} ({time.perf_counter() - t0:.1f}s)")
 
     # Tokens covered by the vocabulary extension take their nearest seen neighbour's entries.
     ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
