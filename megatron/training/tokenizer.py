@@ -128,7 +128,8 @@ class HFTokenizer(MegatronTokenizerBase):
         self._tokenizer = tokenizer
         self._eod = int(eod)
         self.tokenizer_type = tokenizer_type
-        self.paths = [str(p) for p in paths]
+        # absolute, so that every rank derives the same dataset cache key whatever its cwd
+        self.paths = [os.path.abspath(str(p)) for p in paths]
         self._pad = next(
             (i for i in (tokenizer.token_to_id(t) for t in _PAD_CANDIDATES) if i is not None),
             NO_PAD_ID,

@@ -187,3 +187,18 @@ def test_cli_error_is_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"preprocess_data.py: error: --input: no such file: {tmp_path / 'nope.txt'}"]
+
+
+def test_prepare_corpus_script_checks_its_input(tmp_path):
+    """The corpus recipe stops with one line naming the missing file (the full run, about 50 s,
+    is documented in docs/data.md rather than run here)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts/prepare_pretrain_corpus.sh"), str(tmp_path / "no_shared"), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"prepare_pretrain_corpus.sh: error: missing {tmp_path / 'no_shared'}/pretrain/war_and_peace/warpeace_input.txt "
+        f"(is {tmp_path / 'no_shared'} the shared data directory?)"
+    ]
+    assert not (tmp_path / "out").exists()
