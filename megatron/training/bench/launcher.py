@@ -1,0 +1,180 @@
+"""Start one worker process per rank (inside its namespace), bound their run time, collect results.
+
+Each rank runs ``[ip netns exec <ns>] <this python> -m <worker module> <spec.json>`` in its own
+session (process group), with the repository on ``PYTHONPATH`` and the ``torch.distributed``
+environment (``MASTER_ADDR`` = rank 0's address, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``GLOO_SOCKET_IFNAME``) set, so ``init_process_group("gloo")`` with the default
+``env://`` rendezvous works across namespaces. stdout/stderr go to ``rank<r>.log`` in the run
+directory. A rank that fails, or a launch that outlives ``timeout_s``, kills every rank's process
+group (SIGTERM, then SIGKILL) and raises with the tail of the failing ranks' logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from .schema import WorkerSpec
+
+__all__ = ["LaunchError", "LaunchTimeout", "launch", "repo_root", "free_port"]
+
+_KILL_GRACE_S = 3.0
+_FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others may take to exit on their own
+_LOG_TAIL_CHARS = 4000
+
+
+class LaunchError(RuntimeError):
+    """A worker rank failed (non-zero exit, or no valid result file)."""
+
+
+class LaunchTimeout(LaunchError):
+    """The launch outlived its wall-clock limit; every rank was killed."""
+
+
+def repo_root() -> str:
+    """The checkout that holds this package (``megatron/training/bench`` -> three levels up)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for the loopback fallback; namespaces need none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, n: int = _LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return "<no log>"
+
+
+def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every rank's process group, then SIGKILL what is left after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+    for p in procs:
+        try:
+            p.wait(timeout=_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def launch(
+    network,
+    worker_module: str,
+    spec: WorkerSpec,
+    run_dir: str,
+    timeout_s: float,
+    master_port: Optional[int] = None,
+    extra_env: Optional[dict] = None,
+) -> list[dict]:
+    """Run ``worker_module`` on every rank of ``network`` and return the per-rank result dicts.
+
+    ``network`` is a :class:`~.netns.ShapedNetwork` or :class:`~.netns.LoopbackNetwork` that is
+    already set up. ``spec.output_dir`` is where the ranks write ``rank<r>.json``; the spec itself
+    is written to ``run_dir/spec.json``. Returns the parsed result JSON of ranks 0..R-1.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"--timeout-s must be > 0, got {timeout_s}")
+    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(spec.output_dir, exist_ok=True)
+    for r in range(network.num_ranks):
+        if os.path.exists(spec.result_path(r)):
+            raise LaunchError(f"result file {spec.result_path(r)} already exists; use a fresh directory")
+    spec_path = os.path.join(run_dir, "spec.json")
+    spec.write(spec_path)
+    if master_port is None:
+        # Inside private namespaces every port is free; on loopback we must find one.
+        master_port = 29500 if network.shaped else free_port()
+    root = repo_root()
+    base_env = dict(os.environ)
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
+    base_env.update(
+        MASTER_ADDR=network.endpoints[0].addr,
+        MASTER_PORT=str(master_port),
+        WORLD_SIZE=str(network.num_ranks),
+        OMP_NUM_THREADS=str(spec.num_threads),
+        PYTHONUNBUFFERED="1",
+    )
+    base_env.update(extra_env or {})
+
+    procs: list[subprocess.Popen] = []
+    logs: list[str] = []
+    try:
+        for ep in network.endpoints:
+            env = dict(base_env, RANK=str(ep.rank), LOCAL_RANK=str(ep.rank), GLOO_SOCKET_IFNAME=ep.ifname)
+            log_path = os.path.join(run_dir, f"rank{ep.rank}.log")
+            logs.append(log_path)
+            with open(log_path, "wb") as log_file:
+                procs.append(
+                    subprocess.Popen(
+                        [*ep.command_prefix(), sys.executable, "-m", worker_module, spec_path],
+                        env=env,
+                        cwd=root,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # own process group: killpg reaches all of it
+                    )
+                )
+        _wait(procs, logs, timeout_s)
+    finally:
+        _kill_all(procs)  # no-op when all exited; on errors/signals nothing is left running
+
+    results = []
+    for r in range(network.num_ranks):
+        path = spec.result_path(r)
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            raise LaunchError(f"rank {r} exited 0 but left no valid result ({e})\n{_tail(logs[r])}") from e
+    return results
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    first_failure: Optional[float] = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        failed = [r for r, c in enumerate(codes) if c not in (0, None)]
+        now = time.monotonic()
+        if failed and first_failure is None:
+            first_failure = now
+        if failed and (all(c is not None for c in codes) or now - first_failure > _FAILURE_GRACE_S):
+            _kill_all(procs)
+            details = "\n".join(
+                f"--- rank {r} (exit {procs[r].returncode}), last lines of {logs[r]}:\n{_tail(logs[r])}"
+                for r in failed
+            )
+            raise LaunchError(f"worker rank(s) {failed} failed\n{details}")
+        if now > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            _kill_all(procs)
+            details = "\n".join(f"--- rank {r}, last lines of {logs[r]}:\n{_tail(logs[r])}" for r in running)
+            raise LaunchTimeout(
+                f"timed out after {timeout_s:.0f}s (--timeout-s); killed ranks {running}\n{details}"
+            )
+        time.sleep(0.05)
