@@ -1,0 +1,183 @@
+"""Calibration (``--collectives``): time gloo collectives over the shaped link, write a CSV.
+
+Worker (``python -m megatron.training.bench.collectives SPEC.json``, one process per rank): for
+each op and message size it runs ``warmup`` untimed calls, then ``repeats`` timed ones, each
+preceded by a barrier so all ranks start together. Every rank records its own wall time per call.
+
+Driver (:func:`run_calibration`): one launch per rank count on a fresh network with the same
+link. A call's time is the *slowest* rank's (the collective is done when the last rank is), and a
+row's ``seconds`` is the median over repeats.
+
+CSV columns ``op,ranks,bytes,seconds``:
+
+* ``op``       ``all_to_all`` (``all_to_all_single``, equal splits) or ``all_reduce`` (sum, fp32).
+* ``ranks``    number of ranks (one per namespace).
+* ``bytes``    what *each rank contributes*: the size of its input tensor. For ``all_to_all``
+               a rank sends ``bytes x (ranks-1)/ranks`` off-rank and keeps ``bytes/ranks``; for
+               ``all_reduce`` every rank holds ``bytes`` (gloo's ring moves about
+               ``2 x bytes x (ranks-1)/ranks`` through each rank's link each way).
+* ``seconds``  median over repeats of the slowest rank's time for one call.
+
+A sidecar JSON next to the CSV records the exact command, link, date, repeats, machine load and
+every repeat's time (min/median/max), so the fit can be reproduced and judged.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import statistics
+import sys
+import time
+from typing import Sequence
+
+from .schema import WorkerSpec, write_json_atomic
+
+__all__ = ["OPS", "default_sizes", "aggregate_rows", "write_csv", "run_calibration", "main"]
+
+OPS = ("all_to_all", "all_reduce")
+WORKER_MODULE = "megatron.training.bench.collectives"
+
+
+def default_sizes(lo: int = 4 << 10, hi: int = 64 << 20, per_octave: int = 1) -> list[int]:
+    """Log-spaced sizes from ``lo`` to ``hi`` bytes: ``per_octave`` points per factor of 2.
+
+    Each size is rounded to a multiple of 64 bytes (divisible into 4 ranks' fp32 chunks).
+    """
+    if not 0 < lo <= hi:
+        raise ValueError(f"--sizes: need 0 < lo <= hi, got {lo}, {hi}")
+    import math
+
+    n = int(round(math.log2(hi / lo) * per_octave))
+    sizes = {max(64, int(round(lo * 2 ** (i / per_octave) / 64)) * 64) for i in range(n + 1)}
+    return sorted(sizes)
+
+
+# --------------------------------------------------------------------------------- worker side
+
+
+def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    numel = num_bytes // 4
+    if numel % world:
+        raise ValueError(f"size {num_bytes} B is not divisible into {world} fp32 chunks")
+    x = torch.ones(numel, dtype=torch.float32)
+    out = torch.empty_like(x)
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if op == "all_to_all":
+            dist.all_to_all_single(out, x)
+        elif op == "all_reduce":
+            dist.all_reduce(x)
+        else:
+            raise ValueError(f"unknown op {op!r}; known: {OPS}")
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append(t1 - t0)
+        if op == "all_reduce":
+            x.fill_(1.0)  # keep values finite over many repeats
+    return times
+
+
+def main(argv=None) -> int:
+    from .worker_env import init_gloo_from_env, read_spec_from_argv
+
+    spec = read_spec_from_argv(argv)
+    opts = spec.options
+    init_gloo_from_env(spec.num_threads)
+    import torch.distributed as dist
+
+    rows = []
+    for op in opts["ops"]:
+        for num_bytes in opts["sizes"]:
+            rows.append({"op": op, "bytes": int(num_bytes),
+                         "seconds": _time_op(op, int(num_bytes), spec.warmup, spec.steps)})  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    write_json_atomic(spec.result_path(rank), {"rank": rank, "world_size": world, "rows": rows})
+    return 0
+
+
+# --------------------------------------------------------------------------------- driver side
+
+
+def aggregate_rows(per_rank: Sequence[dict]) -> list[dict]:
+    """Per (op, bytes): slowest rank per repeat, then median/min/max over repeats.
+
+    ``per_rank`` are the workers' result dicts (same ops, sizes and repeat counts on every rank).
+    """
+    ranks = len(per_rank)
+    out = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        series = [r["rows"][i]["seconds"] for r in per_rank]
+        for r in per_rank:
+            assert r["rows"][i]["op"] == row["op"] and r["rows"][i]["bytes"] == row["bytes"]
+        slowest = [max(vals) for vals in zip(*series)]
+        out.append({
+            "op": row["op"], "ranks": ranks, "bytes": row["bytes"],
+            "seconds": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
+            "repeats_s": slowest,
+        })  # fmt: skip
+    return out
+
+
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+    """``op,ranks,bytes,seconds`` (atomically: temporary file, then rename)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["op", "ranks", "bytes", "seconds"])
+    for r in rows:
+        w.writerow([r["op"], r["ranks"], r["bytes"], f"{r['seconds']:.6e}"])
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    with open(tmp, "w") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def run_calibration(
+    rank_counts: Sequence[int],
+    link,
+    sizes: Sequence[int],
+    warmup: int,
+    repeats: int,
+    use_netns: bool,
+    work_dir: str,
+    timeout_s: float,
+    ops: Sequence[str] = OPS,
+    num_threads: int = 1,
+    log=print,
+) -> tuple[list[dict], list[dict]]:
+    """Run the sweep for each rank count; return (rows, networks described)."""
+    from .launcher import launch
+    from .netns import open_network
+
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"--ops: unknown op {op!r}; known: {', '.join(OPS)}")
+    rows, networks = [], []
+    for ranks in rank_counts:
+        with open_network(ranks, link, use_netns) as net:
+            run_dir = os.path.join(work_dir, f"collectives-r{ranks}")
+            spec = WorkerSpec(
+                variant="collectives", output_dir=os.path.join(run_dir, "out"), warmup=warmup,
+                steps=repeats, num_threads=num_threads, options={"ops": list(ops), "sizes": list(sizes)},
+            )  # fmt: skip
+            t0 = time.monotonic()
+            per_rank = launch(net, WORKER_MODULE, spec, run_dir, timeout_s)
+            log(f"collectives: {ranks} ranks done in {time.monotonic() - t0:.1f}s")
+            rows.extend(aggregate_rows(per_rank))
+            networks.append(net.describe())
+    return rows, networks
+
+
+if __name__ == "__main__":
+    sys.exit(main())
