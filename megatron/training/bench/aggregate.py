@@ -1,0 +1,136 @@
+"""Per-variant statistics, ratios against the baseline, and the printed table (pure functions).
+
+Statistics pool every (rank, measured step) pair of a variant: a metric's ``median``/``min``/
+``max`` are over ranks x steps. Ranks run in lock-step (every all-to-all synchronises them), so
+pooling adds rank spread to the min/max without moving the median much. Derived per-(rank, step)
+quantities:
+
+* ``comm_fraction``     ``a2a_time_s / step_time_s``: share of the step an all-to-all was in flight.
+* ``exposed_fraction``  ``exposed_comm_s / step_time_s``: share the compute thread was blocked.
+* ``a2a_bytes``         ``a2a_bytes_dispatch + a2a_bytes_combine`` (forward, off-rank).
+
+``tokens_per_s`` is the global rate per step: the sum of every rank's tokens divided by the
+slowest rank's step time; its stats are over steps. Ratios compare medians:
+``step_time_speedup = baseline step / variant step`` (> 1: faster than the baseline),
+``bytes_ratio = variant a2a_bytes / baseline a2a_bytes``, ``a2a_time_ratio`` likewise.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional, Sequence
+
+from .schema import RankResult
+
+__all__ = ["summarize", "variant_stats", "ratios_vs", "format_table", "TABLE_COLUMNS"]
+
+_TIME_FIELDS = ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s")
+_COUNT_FIELDS = ("a2a_bytes_dispatch", "a2a_bytes_combine", "tokens")
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """``{"median", "min", "max", "n"}`` of a non-empty sequence."""
+    values = list(values)
+    if not values:
+        raise ValueError("no values to summarize")
+    return {
+        "median": float(statistics.median(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "n": len(values),
+    }
+
+
+def _pooled(results: Sequence[RankResult], field: str) -> list[float]:
+    return [float(v) for r in results for v in getattr(r, field)]
+
+
+def variant_stats(results: Sequence[RankResult]) -> dict:
+    """Statistics of one variant's launch from its per-rank results (see the module docstring)."""
+    if not results:
+        raise ValueError("no rank results")
+    num_steps = len(results[0].step_time_s)
+    for r in results:
+        r.validate(num_steps)
+    ranks = sorted(r.rank for r in results)
+    if ranks != list(range(results[0].world_size)):
+        raise ValueError(f"rank results {ranks} do not cover world size {results[0].world_size}")
+    out: dict = {"num_ranks": len(results), "num_steps": num_steps}
+    for field in _TIME_FIELDS + _COUNT_FIELDS:
+        out[field] = summarize(_pooled(results, field))
+    out["a2a_bytes"] = summarize(
+        [float(d + c) for r in results for d, c in zip(r.a2a_bytes_dispatch, r.a2a_bytes_combine)]
+    )
+    if all(r.a2a_bytes_backward is not None for r in results):
+        out["a2a_bytes_backward"] = summarize(_pooled(results, "a2a_bytes_backward"))
+    out["comm_fraction"] = summarize(
+        [a / s for r in results for a, s in zip(r.a2a_time_s, r.step_time_s) if s > 0]
+    )
+    out["exposed_fraction"] = summarize(
+        [e / s for r in results for e, s in zip(r.exposed_comm_s, r.step_time_s) if s > 0]
+    )
+    per_step_rate = []
+    for i in range(num_steps):
+        slowest = max(r.step_time_s[i] for r in results)
+        if slowest > 0:
+            per_step_rate.append(sum(r.tokens[i] for r in results) / slowest)
+    out["tokens_per_s"] = summarize(per_step_rate)
+    out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
+    return out
+
+
+def _ratio(num: float, den: float) -> Optional[float]:
+    return None if den == 0 else num / den
+
+
+def ratios_vs(stats: dict, baseline: str) -> dict:
+    """``{variant: {step_time_speedup, bytes_ratio, a2a_time_ratio, comm_fraction}}`` vs ``baseline``."""
+    if baseline not in stats:
+        raise ValueError(f"baseline variant {baseline!r} was not measured")
+    base = stats[baseline]
+    out = {}
+    for name, s in stats.items():
+        out[name] = {
+            "step_time_speedup": _ratio(base["step_time_s"]["median"], s["step_time_s"]["median"]),
+            "bytes_ratio": _ratio(s["a2a_bytes"]["median"], base["a2a_bytes"]["median"]),
+            "a2a_time_ratio": _ratio(s["a2a_time_s"]["median"], base["a2a_time_s"]["median"]),
+            "comm_fraction": s["comm_fraction"]["median"],
+        }
+    return out
+
+
+TABLE_COLUMNS = (
+    "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %",
+    "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
+)  # fmt: skip
+
+
+def _fmt_ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
+    """A fixed-width table: medians, with [min-max] for the step time, one row per variant."""
+    rows = [TABLE_COLUMNS]
+    for name, s in stats.items():
+        st = s["step_time_s"]
+        r = (ratios or {}).get(name, {})
+        rows.append((
+            name,
+            f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}]",
+            f"{s['fwd_time_s']['median'] * 1e3:.1f}",
+            f"{s['bwd_time_s']['median'] * 1e3:.1f}",
+            f"{s['a2a_time_s']['median'] * 1e3:.1f}",
+            f"{s['exposed_comm_s']['median'] * 1e3:.1f}",
+            f"{s['comm_fraction']['median'] * 100:.1f}",
+            f"{s['a2a_bytes']['median'] / 2**20:.3f}",
+            f"{s['tokens_per_s']['median']:.0f}",
+            f"{s['peak_rss_mb']['max']:.0f}",
+            _fmt_ratio(r.get("step_time_speedup")),
+            _fmt_ratio(r.get("bytes_ratio")),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,359 @@
+"""``scripts/bench_ep.py``: measure MoE variants over a shaped link, or calibrate collectives.
+
+Benchmark mode: R ranks (one network namespace each, joined through a shaped bridge) run each
+requested variant's training step, W warm-up + N measured steps, one launch per variant on the
+same link; the command prints a table and writes JSON (``--json``). With
+``--target-comm-fraction F`` it first picks the link rate at which the probe variant
+(``standard`` if requested, else the first) spends about F of its step in all-to-all.
+Calibration mode (``--collectives``): times gloo all_to_all / all_reduce at 2 and 4 ranks over
+the link and writes ``op,ranks,bytes,seconds`` (``--csv``) plus a sidecar JSON.
+
+User errors print one line and exit with status 2. See docs/measuring_communication.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from . import netns
+from .aggregate import format_table, ratios_vs, variant_stats
+from .collectives import OPS, default_sizes, run_calibration, write_csv
+from .launcher import LaunchError, launch
+from .schema import RankResult, SyntheticOptions, WorkerSpec, write_json_atomic
+from .tune import find_rate
+
+__all__ = ["build_parser", "main", "WORKERS", "worker_module_for"]
+
+log = logging.getLogger("bench_ep")
+
+SYNTHETIC = "synthetic"
+MODEL_WORKER = "megatron.training.bench.variant_worker"
+WORKERS = {SYNTHETIC: "megatron.training.bench.synthetic_worker"}
+OUTPUT_SCHEMA = "bench_ep/1"
+# model-size flags passed through to the model worker as config overrides (flag -> field)
+MODEL_FLAGS = (
+    ("--num-layers", int), ("--hidden-size", int), ("--num-experts", int),
+    ("--moe-router-topk", int), ("--moe-ffn-hidden-size", int), ("--seq-length", int),
+    ("--micro-batch-size", int), ("--global-batch-size", int), ("--expert-model-parallel-size", int),
+)  # fmt: skip
+
+
+def worker_module_for(variant: str) -> str:
+    """The worker module that runs ``variant`` (the model worker for every model variant)."""
+    return WORKERS.get(variant, MODEL_WORKER)
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s}")
+    return v
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_ep.py", description=__doc__.splitlines()[0])
+    g = ap.add_argument_group("network")
+    g.add_argument("--ranks", type=_positive_int, default=2, help="number of ranks (1-4; default 2)")
+    g.add_argument("--link-gbit", type=float, default=1.0, help="per-rank link rate, each direction")
+    g.add_argument("--link-latency-ms", type=float, default=0.0,
+                   help="one-way rank-to-rank latency (needs the netem qdisc)")
+    g.add_argument("--shaper", choices=[s.value for s in netns.Shaper], default=netns.Shaper.tbf.value)
+    g.add_argument("--no-netns", action="store_true", help="run over unshaped loopback")
+    g = ap.add_argument_group("benchmark")
+    g.add_argument("--variants", default="standard",
+                   help="comma-separated: standard, bigmac, ... (model worker) or synthetic")
+    g.add_argument("--warmup", type=_nonneg_int, default=2)
+    g.add_argument("--steps", type=_positive_int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
+    g.add_argument("--json", metavar="PATH", help="write the results here")
+    g.add_argument("--target-comm-fraction", type=float, metavar="F",
+                   help="first pick the link rate giving the probe variant this all-to-all share")
+    g.add_argument("--probe-variant", help="variant the rate search measures (default: standard "
+                   "if requested, else the first)")
+    g.add_argument("--probe-steps", type=_positive_int, default=3)
+    g.add_argument("--probe-warmup", type=_nonneg_int, default=1)
+    g.add_argument("--max-probes", type=_positive_int, default=7)
+    g.add_argument("--fraction-tol", type=float, default=0.03, help="stop the rate search within this")
+    g.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="wall-clock limit of the whole command (every launch is killed past it)")
+    g.add_argument("--work-dir", help="keep rank logs and results here (default: temporary)")
+    g = ap.add_argument_group("model (passed to the model worker)")
+    g.add_argument("--config", metavar="YAML", help="model config file")
+    for flag, typ in MODEL_FLAGS:
+        g.add_argument(flag, type=typ)
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other config override (VALUE parsed as JSON when possible)")
+    g = ap.add_argument_group("synthetic worker (--variants synthetic)")
+    for f in dataclasses.fields(SyntheticOptions):
+        g.add_argument(f"--synthetic-{f.name}", type=_positive_int, default=f.default)
+    g = ap.add_argument_group("calibration")
+    g.add_argument("--collectives", action="store_true", help="time gloo collectives, write a CSV")
+    g.add_argument("--csv", metavar="PATH", help="calibration CSV (sidecar JSON: same name, .json)")
+    g.add_argument("--calibration-ranks", type=_int_list, default=[2, 4])
+    g.add_argument("--sizes", type=_int_list, help="message sizes in bytes (default 4 KiB..64 MiB, x2)")
+    g.add_argument("--ops", default=",".join(OPS))
+    g.add_argument("--repeats", type=_positive_int, default=10)
+    g.add_argument("--cleanup-stale", action="store_true",
+                   help="only remove namespaces left by crashed runs, then exit")
+    return ap
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for flag, _ in MODEL_FLAGS:
+        key = flag[2:].replace("-", "_")
+        value = getattr(args, key)
+        if value is not None:
+            out[key] = value
+    for item in args.set:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-").replace("-", "_")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _variants(args) -> list[str]:
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not names:
+        raise ValueError("--variants is empty")
+    for v in names:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*", v):
+            raise ValueError(f"--variants: bad variant name {v!r}")
+        if v == "collectives":
+            raise ValueError("--variants collectives: use --collectives for calibration")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variants lists a variant twice: {args.variants}")
+    for v in names:
+        module = worker_module_for(v)
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--variants {v}: worker module {module} is not available in this checkout")
+    return names
+
+
+def _host_info() -> dict:
+    import torch
+
+    return {
+        "hostname": platform.node(),
+        "cpus": os.cpu_count(),
+        "loadavg_1_5_15": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kernel": platform.release(),
+    }
+
+
+class _Budget:
+    """The command's wall-clock budget, shared by every launch."""
+
+    def __init__(self, seconds: float):
+        if seconds <= 0:
+            raise ValueError(f"--timeout-s must be > 0, got {seconds}")
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 1.0:
+            raise LaunchError(f"--timeout-s {self.seconds:.0f}s spent before the run finished")
+        return left
+
+
+def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps) -> list[RankResult]:
+    run_dir = os.path.join(work_dir, tag)
+    options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
+    spec = WorkerSpec(
+        variant=variant, output_dir=os.path.join(run_dir, "out"), warmup=warmup, steps=steps,
+        seed=args.seed, config_path=os.path.abspath(args.config) if args.config else None,
+        overrides=overrides, options=options, num_threads=args.threads,
+    )  # fmt: skip
+    raw = launch(net, worker_module_for(variant), spec, run_dir, budget.remaining())
+    results = [RankResult.from_dict(d) for d in raw]
+    for r in results:
+        r.validate(steps)
+    return results
+
+
+def _synthetic_options(args) -> SyntheticOptions:
+    return SyntheticOptions(**{f.name: getattr(args, f"synthetic_{f.name}") for f in dataclasses.fields(SyntheticOptions)})
+
+
+def _benchmark(args, argv, work_dir, budget) -> int:
+    variants = _variants(args)
+    overrides = _overrides(args)
+    if args.config and not os.path.isfile(args.config):
+        raise ValueError(f"--config {args.config}: no such file")
+    if variants == [SYNTHETIC] and (overrides or args.config):
+        log.warning("model options (--config and overrides) are ignored by the synthetic worker")
+    link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
+    host_start = _host_info()
+    tuning = None
+    with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
+        if args.target_comm_fraction is not None:
+            if not net.shaped:
+                raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); "
+                                 "it cannot be used with --no-netns or loopback")  # fmt: skip
+            probe_variant = args.probe_variant or ("standard" if "standard" in variants else variants[0])
+            if probe_variant not in variants:
+                raise ValueError(f"--probe-variant {probe_variant} is not one of --variants")
+            counter = iter(range(10**6))
+
+            def measure(gbit: float) -> float:
+                net.set_link(dataclasses.replace(link, gbit=gbit))
+                res = _run_variant(net, probe_variant, args, overrides, work_dir, f"probe{next(counter)}",
+                                   budget, args.probe_warmup, args.probe_steps)  # fmt: skip
+                return variant_stats(res)["comm_fraction"]["median"]
+
+            result = find_rate(measure, args.target_comm_fraction, start=args.link_gbit,
+                               tol=args.fraction_tol, max_probes=args.max_probes, log=print)  # fmt: skip
+            tuning = result.as_dict()
+            tuning["probe_variant"] = probe_variant
+            if not result.converged:
+                log.warning("rate search did not converge: %s; using the closest probe", result.message)
+            net.set_link(dataclasses.replace(link, gbit=result.gbit))
+            print(f"link set to {result.gbit:.4g} Gbit/s (probe comm fraction {result.fraction:.3f})")
+        stats, per_rank = {}, {}
+        for variant in variants:
+            t0 = time.monotonic()
+            results = _run_variant(net, variant, args, overrides, work_dir, f"run-{variant}", budget,
+                                   args.warmup, args.steps)  # fmt: skip
+            stats[variant] = variant_stats(results)
+            per_rank[variant] = [r.to_dict() for r in results]
+            print(f"{variant}: {args.warmup}+{args.steps} steps on {args.ranks} ranks in {time.monotonic() - t0:.1f}s")
+        network = net.describe()
+    baseline = "standard" if "standard" in stats else variants[0]
+    ratios = ratios_vs(stats, baseline)
+    print()
+    print(f"network: {network['mode']}" + (f", {network['link']['gbit']:.4g} Gbit/s per rank link, "
+          f"{network['link']['latency_ms']} ms one-way, {network['link']['shaper']}" if network["shaped"] else
+          " (UNSHAPED loopback)") + f"; ratios vs {baseline}")  # fmt: skip
+    print(format_table(stats, ratios))
+    if args.json:
+        write_json_atomic(args.json, {
+            "schema": OUTPUT_SCHEMA,
+            "command": argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
+            "config": {
+                "ranks": args.ranks, "variants": variants, "warmup": args.warmup, "steps": args.steps,
+                "seed": args.seed, "threads": args.threads, "config_path": args.config,
+                "overrides": overrides,
+                "synthetic": dataclasses.asdict(_synthetic_options(args)) if SYNTHETIC in variants else None,
+            },
+            "network": network,
+            "tuning": tuning,
+            "baseline": baseline,
+            "variants": stats,
+            "ratios": ratios,
+            "per_rank": per_rank,
+        })  # fmt: skip
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _calibrate(args, argv, work_dir, budget) -> int:
+    if not args.csv:
+        raise ValueError("--collectives needs --csv PATH")
+    for r in args.calibration_ranks:
+        if not 2 <= r <= netns.MAX_RANKS:
+            raise ValueError(f"--calibration-ranks: {r} is not between 2 and {netns.MAX_RANKS}")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    sizes = args.sizes or default_sizes()
+    for s in sizes:
+        if s < 64 or s % 64:
+            raise ValueError(f"--sizes: {s} is not a positive multiple of 64 bytes")
+    link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
+    host_start = _host_info()
+    t0 = time.monotonic()
+    rows, networks = run_calibration(
+        args.calibration_ranks, link, sizes, warmup=args.warmup, repeats=args.repeats,
+        use_netns=not args.no_netns, work_dir=work_dir, timeout_s=budget.remaining(), ops=ops,
+        num_threads=args.threads,
+    )  # fmt: skip
+    write_csv(args.csv, rows)
+    sidecar = os.path.splitext(args.csv)[0] + ".json"
+    write_json_atomic(sidecar, {
+        "schema": "bench_ep_collectives/1",
+        "command": argv,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "csv": os.path.basename(args.csv),
+        "columns": {"op": "all_to_all (all_to_all_single, equal splits) | all_reduce (sum)",
+                    "ranks": "number of ranks, one network namespace each",
+                    "bytes": "input tensor size per rank (what each rank contributes)",
+                    "seconds": "median over repeats of the slowest rank's time for one call"},
+        "link": link.as_dict(), "warmup": args.warmup, "repeats": args.repeats,
+        "networks": networks, "wall_s": time.monotonic() - t0,
+        "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
+        "rows": rows,
+    })  # fmt: skip
+    print(f"{'op':>10} {'ranks':>5} {'bytes':>10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'MB/s/rank':>9}")
+    for r in rows:
+        print(f"{r['op']:>10} {r['ranks']:>5} {r['bytes']:>10} {r['seconds'] * 1e3:>10.3f} "
+              f"{r['min_s'] * 1e3:>8.3f} {r['max_s'] * 1e3:>8.3f} {r['bytes'] / r['seconds'] / 1e6:>9.1f}")  # fmt: skip
+    print(f"wrote {args.csv} and {sidecar}")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    command = [os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "bench_ep.py", *argv]
+    try:
+        if args.cleanup_stale:
+            removed = netns.cleanup_stale()
+            print(f"removed {len(removed)} stale namespace(s)")
+            return 0
+        budget = _Budget(args.timeout_s)
+        if os.geteuid() == 0 and shutil.which("ip"):
+            netns.cleanup_stale()
+        keep = args.work_dir is not None
+        work_dir = args.work_dir or tempfile.mkdtemp(prefix="bench_ep-")
+        os.makedirs(work_dir, exist_ok=True)
+        try:
+            with netns.terminate_on_signals():
+                if args.collectives:
+                    return _calibrate(args, command, work_dir, budget)
+                return _benchmark(args, command, work_dir, budget)
+        finally:
+            if not keep:
+                shutil.rmtree(work_dir, ignore_errors=True)
+    except ValueError as e:
+        print(f"bench_ep.py: error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"bench_ep.py: launch failed: {e}", file=sys.stderr)
+        return 1
