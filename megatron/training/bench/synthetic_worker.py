@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     rec = {k: [] for k in ("step", "fwd", "bwd", "a2a", "exposed", "disp", "comb", "bwdbytes", "loss")}
     for step in range(spec.warmup + spec.steps):
         x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(spec.seed * 1000003 + step * 31 + rank))
+        x_TH.requires_grad_(True)  # as if from an embedding: the first dispatch has a backward too
         dist.barrier()  # steps start together, so skew from the previous step is not booked as comm
         counters.reset()
         t0 = time.perf_counter()
