@@ -1,0 +1,107 @@
+"""End to end over loopback: the CLI runs the synthetic worker and writes the documented JSON.
+
+The synthetic worker's byte counters are checked against a hand computation (exact): per layer
+and step, a rank sends ``tokens x topk`` rows split evenly over the ranks, so the rows leaving
+rank r are ``tokens x topk - split[r]``, each ``hidden x 4`` bytes (fp32).
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.bench.collectives import aggregate_rows, default_sizes
+from megatron.training.bench.launcher import repo_root
+from megatron.training.bench.schema import STEP_FIELDS, RankResult
+from megatron.training.bench.synthetic_worker import even_splits
+
+SCRIPT = os.path.join(repo_root(), "scripts", "bench_ep.py")
+TOKENS, HIDDEN, TOPK, LAYERS = 6, 8, 2, 2
+
+
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_loopback_synthetic_run_writes_the_documented_json(tmp_path):
+    out = tmp_path / "out.json"
+    proc = _run(
+        "--variants", "synthetic", "--no-netns", "--ranks", "2", "--warmup", "1", "--steps", "2",
+        "--synthetic-tokens", str(TOKENS), "--synthetic-hidden", str(HIDDEN), "--synthetic-ffn", "16",
+        "--synthetic-topk", str(TOPK), "--synthetic-layers", str(LAYERS), "--json", str(out),
+        "--timeout-s", "100",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "NOT shaped" in proc.stderr  # the loopback warning
+    assert "synthetic" in proc.stdout and "comm %" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["schema"] == "bench_ep/1"
+    assert set(data) >= {"command", "date", "host", "config", "network", "tuning", "baseline", "variants",
+                         "ratios", "per_rank"}  # fmt: skip
+    assert data["network"]["mode"] == "loopback" and data["network"]["shaped"] is False
+    assert data["config"]["ranks"] == 2 and data["config"]["steps"] == 2
+    stats = data["variants"]["synthetic"]
+    for key in (*STEP_FIELDS, "a2a_bytes", "comm_fraction", "exposed_fraction", "tokens_per_s", "peak_rss_mb"):
+        assert set(stats[key]) == {"median", "min", "max", "n"}, key
+        assert stats[key]["min"] <= stats[key]["median"] <= stats[key]["max"]
+    assert stats["step_time_s"]["n"] == 4  # 2 ranks x 2 steps
+    assert data["ratios"]["synthetic"]["step_time_speedup"] == pytest.approx(1.0)
+    ranks = [RankResult.from_dict(d) for d in data["per_rank"]["synthetic"]]
+    assert [r.rank for r in ranks] == [0, 1]
+    for r in ranks:
+        r.validate(2)
+        off_rank_rows = TOKENS * TOPK - even_splits(TOKENS * TOPK, 2)[r.rank]
+        expected = LAYERS * off_rank_rows * HIDDEN * 4
+        assert r.a2a_bytes_dispatch == [expected, expected]
+        assert r.a2a_bytes_combine == [expected, expected]
+        assert r.a2a_bytes_backward == [2 * expected, 2 * expected]
+        assert r.tokens == [TOKENS, TOKENS]
+        for step, fwd, bwd in zip(r.step_time_s, r.fwd_time_s, r.bwd_time_s):
+            assert fwd + bwd <= step
+
+
+def test_user_errors_are_one_line_with_status_2(tmp_path):
+    proc = _run("--variants", "Bad Name", "--no-netns")
+    assert proc.returncode == 2 and "--variants" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = _run("--variants", "synthetic", "--no-netns", "--target-comm-fraction", "0.5")
+    assert proc.returncode == 2 and "--target-comm-fraction" in proc.stderr
+    proc = _run("--collectives", "--no-netns")
+    assert proc.returncode == 2 and "--csv" in proc.stderr
+    proc = _run("--variants", "synthetic", "--no-netns", "--config", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "--config" in proc.stderr
+
+
+def test_loopback_calibration_writes_csv_and_sidecar(tmp_path):
+    path = tmp_path / "cal.csv"
+    proc = _run("--collectives", "--no-netns", "--csv", str(path), "--calibration-ranks", "2",
+                "--sizes", "4096,65536", "--repeats", "2", "--warmup", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["op"], r["ranks"], r["bytes"]) for r in rows] == [
+        ("all_to_all", "2", "4096"), ("all_to_all", "2", "65536"),
+        ("all_reduce", "2", "4096"), ("all_reduce", "2", "65536"),
+    ]  # fmt: skip
+    assert all(float(r["seconds"]) > 0 for r in rows)
+    side = json.loads((tmp_path / "cal.json").read_text())
+    assert side["repeats"] == 2 and side["networks"][0]["mode"] == "loopback"
+    assert side["command"][1:3] == ["--collectives", "--no-netns"]
+
+
+def test_calibration_aggregation_by_hand():
+    per_rank = [
+        {"rows": [{"op": "all_reduce", "bytes": 64, "seconds": [1.0, 5.0, 2.0]}]},
+        {"rows": [{"op": "all_reduce", "bytes": 64, "seconds": [3.0, 1.0, 2.5]}]},
+    ]
+    (row,) = aggregate_rows(per_rank)
+    # slowest rank per repeat: 3, 5, 2.5 -> median 3
+    assert row == {"op": "all_reduce", "ranks": 2, "bytes": 64, "seconds": 3.0, "min_s": 2.5, "max_s": 5.0,
+                   "repeats_s": [3.0, 5.0, 2.5]}  # fmt: skip
+
+
+def test_default_sizes_cover_4k_to_64m_log_spaced():
+    sizes = default_sizes()
+    assert sizes[0] == 4096 and sizes[-1] == 64 << 20 and len(sizes) >= 8
+    assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))

@@ -1,0 +1,53 @@
+"""The launcher: per-rank environment, result collection, timeout and failure handling.
+
+No timing is asserted beyond the launcher's own wall-clock bound (timeout plus its kill grace).
+"""
+
+import os
+import time
+
+import pytest
+
+from megatron.training.bench.launcher import LaunchError, LaunchTimeout, launch
+from megatron.training.bench.netns import LoopbackNetwork
+from megatron.training.bench.schema import WorkerSpec
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); look at its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_timeout_kills_a_hung_worker_and_its_children(tmp_path):
+    spec = WorkerSpec("hang", str(tmp_path / "out"))
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="timed out after 3s"):
+        launch(LoopbackNetwork(2), "tests.bench.hang_worker", spec, str(tmp_path), timeout_s=3)
+    assert time.monotonic() - t0 < 3 + 10  # timeout + SIGTERM/SIGKILL grace
+    for rank in range(2):
+        pid_file = tmp_path / f"hang{rank}.pid"
+        assert pid_file.exists(), "the hung worker never started"
+        worker, grandchild = (int(x) for x in pid_file.read_text().split())
+        assert not _alive(worker)
+        assert not _alive(grandchild)  # same process group: killed with the worker
+
+
+def test_failing_rank_surfaces_its_stderr_and_stops_the_others(tmp_path):
+    spec = WorkerSpec("fail", str(tmp_path / "out"))
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] failed") as info:
+        launch(LoopbackNetwork(2), "tests.bench.fail_worker", spec, str(tmp_path), timeout_s=60)
+    assert "simulated failure on rank 1" in str(info.value)
+    assert not isinstance(info.value, LaunchTimeout)
+
+
+def test_refuses_to_overwrite_results(tmp_path):
+    spec = WorkerSpec("x", str(tmp_path / "out"))
+    os.makedirs(spec.output_dir)
+    open(spec.result_path(0), "w").close()
+    with pytest.raises(LaunchError, match="already exists"):
+        launch(LoopbackNetwork(2), "tests.bench.hang_worker", spec, str(tmp_path), timeout_s=5)
