@@ -87,18 +87,18 @@ def test_loopback_calibration_writes_csv_and_sidecar(tmp_path):
     assert all(float(r["seconds"]) > 0 for r in rows)
     side = json.loads((tmp_path / "cal.json").read_text())
     assert side["repeats"] == 2 and side["networks"][0]["mode"] == "loopback"
-    assert side["command"][1:3] == ["--collectives", "--no-netns"]
+    assert side["command"][:4] == ["python", "scripts/bench_ep.py", "--collectives", "--no-netns"]
 
 
 def test_calibration_aggregation_by_hand():
     per_rank = [
-        {"rows": [{"op": "all_reduce", "bytes": 64, "seconds": [1.0, 5.0, 2.0]}]},
-        {"rows": [{"op": "all_reduce", "bytes": 64, "seconds": [3.0, 1.0, 2.5]}]},
+        {"rows": [{"op": "all_reduce", "bytes": 64, "start": [10.0, 20.0, 30.0], "end": [13.0, 25.0, 32.0]}]},
+        {"rows": [{"op": "all_reduce", "bytes": 64, "start": [10.5, 21.0, 30.0], "end": [12.0, 24.0, 32.5]}]},
     ]
     (row,) = aggregate_rows(per_rank)
-    # slowest rank per repeat: 3, 5, 2.5 -> median 3
-    assert row == {"op": "all_reduce", "ranks": 2, "bytes": 64, "seconds": 3.0, "min_s": 2.5, "max_s": 5.0,
-                   "repeats_s": [3.0, 5.0, 2.5]}  # fmt: skip
+    # last exit - last entry: 13 - 10.5, 25 - 21, 32.5 - 30 = 2.5, 4, 2.5 -> median 2.5
+    assert row == {"op": "all_reduce", "ranks": 2, "bytes": 64, "seconds": 2.5, "min_s": 2.5, "max_s": 4.0,
+                   "repeats_s": [2.5, 4.0, 2.5]}  # fmt: skip
 
 
 def test_default_sizes_cover_4k_to_64m_log_spaced():

@@ -313,7 +313,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
         "columns": {"op": "all_to_all (all_to_all_single, equal splits) | all_reduce (sum)",
                     "ranks": "number of ranks, one network namespace each",
                     "bytes": "input tensor size per rank (what each rank contributes)",
-                    "seconds": "median over repeats of the slowest rank's time for one call"},
+                    "seconds": "median over repeats of (last rank's exit - last rank's entry) for one call"},
         "link": link.as_dict(), "warmup": args.warmup, "repeats": args.repeats,
         "networks": networks, "wall_s": time.monotonic() - t0,
         "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
@@ -327,11 +327,22 @@ def _calibrate(args, argv, work_dir, budget) -> int:
     return 0
 
 
+def _script_path() -> str:
+    """How the running script is best named in a record: relative to the repository if inside it."""
+    from .launcher import repo_root
+
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    root = repo_root()
+    if script.startswith(root + os.sep):
+        return os.path.relpath(script, root)
+    return script or "scripts/bench_ep.py"
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    command = [os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "bench_ep.py", *argv]
+    command = ["python", _script_path(), *argv]
     try:
         if args.cleanup_stale:
             removed = netns.cleanup_stale()

@@ -2,11 +2,14 @@
 
 Worker (``python -m megatron.training.bench.collectives SPEC.json``, one process per rank): for
 each op and message size it runs ``warmup`` untimed calls, then ``repeats`` timed ones, each
-preceded by a barrier so all ranks start together. Every rank records its own wall time per call.
+preceded by a barrier so all ranks start together. Every rank records when it entered and left
+each call on ``CLOCK_MONOTONIC``, which all processes of the machine share (network namespaces
+do not change it).
 
 Driver (:func:`run_calibration`): one launch per rank count on a fresh network with the same
-link. A call's time is the *slowest* rank's (the collective is done when the last rank is), and a
-row's ``seconds`` is the median over repeats.
+link. A call's time runs from the last rank's entry to the last rank's exit, so the skew with
+which ranks leave the barrier is not booked as communication; a row's ``seconds`` is the median
+of that over repeats.
 
 CSV columns ``op,ranks,bytes,seconds``:
 
@@ -16,7 +19,7 @@ CSV columns ``op,ranks,bytes,seconds``:
                a rank sends ``bytes x (ranks-1)/ranks`` off-rank and keeps ``bytes/ranks``; for
                ``all_reduce`` every rank holds ``bytes`` (gloo's ring moves about
                ``2 x bytes x (ranks-1)/ranks`` through each rank's link each way).
-* ``seconds``  median over repeats of the slowest rank's time for one call.
+* ``seconds``  median over repeats of (last exit - last entry) for one call.
 
 A sidecar JSON next to the CSV records the exact command, link, date, repeats, machine load and
 every repeat's time (min/median/max), so the fit can be reproduced and judged.
@@ -57,7 +60,8 @@ def default_sizes(lo: int = 4 << 10, hi: int = 64 << 20, per_octave: int = 1) ->
 # --------------------------------------------------------------------------------- worker side
 
 
-def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> list[float]:
+def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+    """(entry times, exit times) of the timed calls, in CLOCK_MONOTONIC seconds."""
     import torch
     import torch.distributed as dist
 
@@ -67,22 +71,23 @@ def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> list[float]:
         raise ValueError(f"size {num_bytes} B is not divisible into {world} fp32 chunks")
     x = torch.ones(numel, dtype=torch.float32)
     out = torch.empty_like(x)
-    times = []
+    starts, ends = [], []
     for i in range(warmup + repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
         if op == "all_to_all":
             dist.all_to_all_single(out, x)
         elif op == "all_reduce":
             dist.all_reduce(x)
         else:
             raise ValueError(f"unknown op {op!r}; known: {OPS}")
-        t1 = time.perf_counter()
+        t1 = time.clock_gettime(time.CLOCK_MONOTONIC)
         if i >= warmup:
-            times.append(t1 - t0)
+            starts.append(t0)
+            ends.append(t1)
         if op == "all_reduce":
             x.fill_(1.0)  # keep values finite over many repeats
-    return times
+    return starts, ends
 
 
 def main(argv=None) -> int:
@@ -96,8 +101,8 @@ def main(argv=None) -> int:
     rows = []
     for op in opts["ops"]:
         for num_bytes in opts["sizes"]:
-            rows.append({"op": op, "bytes": int(num_bytes),
-                         "seconds": _time_op(op, int(num_bytes), spec.warmup, spec.steps)})  # fmt: skip
+            starts, ends = _time_op(op, int(num_bytes), spec.warmup, spec.steps)
+            rows.append({"op": op, "bytes": int(num_bytes), "start": starts, "end": ends})
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
@@ -109,21 +114,22 @@ def main(argv=None) -> int:
 
 
 def aggregate_rows(per_rank: Sequence[dict]) -> list[dict]:
-    """Per (op, bytes): slowest rank per repeat, then median/min/max over repeats.
+    """Per (op, bytes): last exit - last entry per repeat, then median/min/max over repeats.
 
     ``per_rank`` are the workers' result dicts (same ops, sizes and repeat counts on every rank).
     """
     ranks = len(per_rank)
     out = []
     for i, row in enumerate(per_rank[0]["rows"]):
-        series = [r["rows"][i]["seconds"] for r in per_rank]
         for r in per_rank:
             assert r["rows"][i]["op"] == row["op"] and r["rows"][i]["bytes"] == row["bytes"]
-        slowest = [max(vals) for vals in zip(*series)]
+        starts = zip(*(r["rows"][i]["start"] for r in per_rank))
+        ends = zip(*(r["rows"][i]["end"] for r in per_rank))
+        durations = [max(e) - max(s) for s, e in zip(starts, ends)]
         out.append({
             "op": row["op"], "ranks": ranks, "bytes": row["bytes"],
-            "seconds": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
-            "repeats_s": slowest,
+            "seconds": statistics.median(durations), "min_s": min(durations), "max_s": max(durations),
+            "repeats_s": durations,
         })  # fmt: skip
     return out
 
