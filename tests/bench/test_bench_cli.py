@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron.training.bench.collectives import aggregate_rows, default_sizes
+from megatron.training.bench.collectives import aggregate_rows, default_sizes, repeats_for
 from megatron.training.bench.launcher import repo_root
 from megatron.training.bench.schema import STEP_FIELDS, RankResult
 from megatron.training.bench.synthetic_worker import even_splits
@@ -98,7 +98,12 @@ def test_calibration_aggregation_by_hand():
     (row,) = aggregate_rows(per_rank)
     # last exit - last entry: 13 - 10.5, 25 - 21, 32.5 - 30 = 2.5, 4, 2.5 -> median 2.5
     assert row == {"op": "all_reduce", "ranks": 2, "bytes": 64, "seconds": 2.5, "min_s": 2.5, "max_s": 4.0,
-                   "repeats_s": [2.5, 4.0, 2.5]}  # fmt: skip
+                   "mean_s": 3.0, "repeats_s": [2.5, 4.0, 2.5]}  # fmt: skip
+
+
+def test_repeats_rule():
+    assert repeats_for(64 << 20, 10) == 10 and repeats_for(1 << 20, 10) == 10
+    assert repeats_for(512 << 10, 10) == 20 and repeats_for(4096, 10) == 100
 
 
 def test_default_sizes_cover_4k_to_64m_log_spaced():

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "if requested, else the first)")
     g.add_argument("--probe-steps", type=_positive_int, default=3)
     g.add_argument("--probe-warmup", type=_nonneg_int, default=1)
-    g.add_argument("--max-probes", type=_positive_int, default=7)
-    g.add_argument("--fraction-tol", type=float, default=0.03, help="stop the rate search within this")
+    g.add_argument("--max-probes", type=_positive_int, default=8)
+    g.add_argument("--fraction-tol", type=float, default=0.02, help="stop the rate search within this")
     g.add_argument("--timeout-s", type=float, default=1800.0,
                    help="wall-clock limit of the whole command (every launch is killed past it)")
     g.add_argument("--work-dir", help="keep rank logs and results here (default: temporary)")
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--calibration-ranks", type=_int_list, default=[2, 4])
     g.add_argument("--sizes", type=_int_list, help="message sizes in bytes (default 4 KiB..64 MiB, x2)")
     g.add_argument("--ops", default=",".join(OPS))
-    g.add_argument("--repeats", type=_positive_int, default=10)
+    g.add_argument("--repeats", type=_positive_int, default=10,
+                   help="timed calls per size (x 1 MiB/size below 1 MiB, at most 10x)")
     g.add_argument("--cleanup-stale", action="store_true",
                    help="only remove namespaces left by crashed runs, then exit")
     return ap
@@ -315,6 +316,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
                     "bytes": "input tensor size per rank (what each rank contributes)",
                     "seconds": "median over repeats of (last rank's exit - last rank's entry) for one call"},
         "link": link.as_dict(), "warmup": args.warmup, "repeats": args.repeats,
+        "repeats_rule": "repeats x ceil(1 MiB / bytes), clamped to [repeats, 10 x repeats]",
         "networks": networks, "wall_s": time.monotonic() - t0,
         "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
         "rows": rows,

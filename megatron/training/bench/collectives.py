@@ -2,7 +2,8 @@
 
 Worker (``python -m megatron.training.bench.collectives SPEC.json``, one process per rank): for
 each op and message size it runs ``warmup`` untimed calls, then ``repeats`` timed ones, each
-preceded by a barrier so all ranks start together. Every rank records when it entered and left
+preceded by a barrier so all ranks start together; messages under 1 MiB get more repeats (see
+:func:`repeats_for`) because their times are short and scheduler noise on a busy CPU is large. Every rank records when it entered and left
 each call on ``CLOCK_MONOTONIC``, which all processes of the machine share (network namespaces
 do not change it).
 
@@ -37,7 +38,7 @@ from typing import Sequence
 
 from .schema import WorkerSpec, write_json_atomic
 
-__all__ = ["OPS", "default_sizes", "aggregate_rows", "write_csv", "run_calibration", "main"]
+__all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 
 OPS = ("all_to_all", "all_reduce")
 WORKER_MODULE = "megatron.training.bench.collectives"
@@ -55,6 +56,11 @@ def default_sizes(lo: int = 4 << 10, hi: int = 64 << 20, per_octave: int = 1) ->
     n = int(round(math.log2(hi / lo) * per_octave))
     sizes = {max(64, int(round(lo * 2 ** (i / per_octave) / 64)) * 64) for i in range(n + 1)}
     return sorted(sizes)
+
+
+def repeats_for(num_bytes: int, repeats: int) -> int:
+    """Timed calls for one size: ``repeats`` x (1 MiB / size), between ``repeats`` and 10 x ``repeats``."""
+    return max(repeats, min(10 * repeats, -(-repeats * (1 << 20) // num_bytes)))
 
 
 # --------------------------------------------------------------------------------- worker side
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
     rows = []
     for op in opts["ops"]:
         for num_bytes in opts["sizes"]:
-            starts, ends = _time_op(op, int(num_bytes), spec.warmup, spec.steps)
+            starts, ends = _time_op(op, int(num_bytes), spec.warmup, repeats_for(int(num_bytes), spec.steps))
             rows.append({"op": op, "bytes": int(num_bytes), "start": starts, "end": ends})
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
@@ -129,6 +135,7 @@ def aggregate_rows(per_rank: Sequence[dict]) -> list[dict]:
         out.append({
             "op": row["op"], "ranks": ranks, "bytes": row["bytes"],
             "seconds": statistics.median(durations), "min_s": min(durations), "max_s": max(durations),
+            "mean_s": statistics.fmean(durations),
             "repeats_s": durations,
         })  # fmt: skip
     return out

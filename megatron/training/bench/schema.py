@@ -63,6 +63,9 @@ def write_json_atomic(path: str, obj: Any) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=False)
             f.write("\n")
