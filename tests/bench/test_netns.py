@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -124,3 +125,36 @@ def test_synthetic_worker_across_namespaces(tmp_path):
         r.validate(1)
         assert r.a2a_bytes_dispatch == [4 * 8 * 4]  # 4 of 8 rows go to the other rank, 8 fp32 each
     assert _ours() == []
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_cli_signal_mid_run_stops_workers_and_removes_namespaces(sig, code):
+    """Ctrl-C / SIGTERM while the workers run: the CLI kills them and removes its namespaces."""
+    script = os.path.join(repo_root(), "scripts", "bench_ep.py")
+    proc = subprocess.Popen(
+        [sys.executable, script, "--variants", "synthetic", "--warmup", "0", "--steps", "100000",
+         "--synthetic-tokens", "8", "--synthetic-hidden", "8", "--synthetic-ffn", "8", "--timeout-s", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not workers:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "workers never started"
+            ranks = sorted(n for n in _ours(proc.pid) if not n.endswith("-br"))
+            pids = [subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+                    for n in ranks]  # fmt: skip
+            if len(ranks) == 2 and all(pids):
+                workers = [int(p) for group in pids for p in group]
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    assert "namespaces removed" in err
+    assert _ours(proc.pid) == []
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]

@@ -370,3 +370,9 @@ def main(argv: Optional[list] = None) -> int:
     except LaunchError as e:
         print(f"bench_ep.py: launch failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("bench_ep.py: interrupted; workers stopped and namespaces removed", file=sys.stderr)
+        return 130
+    except netns.Terminated as e:
+        print("bench_ep.py: terminated by a signal; workers stopped and namespaces removed", file=sys.stderr)
+        return e.code

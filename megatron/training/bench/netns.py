@@ -61,6 +61,7 @@ __all__ = [
     "cleanup_stale",
     "list_project_namespaces",
     "terminate_on_signals",
+    "Terminated",
 ]
 
 log = logging.getLogger(__name__)
@@ -237,8 +238,8 @@ def _unique_name(prefix: str, role: str, seq: Optional[int] = None) -> str:
 # ------------------------------------------------------------------------------------ signals
 
 
-class _Terminated(SystemExit):
-    pass
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM/SIGHUP while :func:`terminate_on_signals` is active."""
 
 
 @contextlib.contextmanager
@@ -250,7 +251,7 @@ def terminate_on_signals() -> Iterator[None]:
         return
 
     def handler(signum, frame):
-        raise _Terminated(128 + signum)
+        raise Terminated(128 + signum)
 
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
