@@ -51,3 +51,16 @@ def test_refuses_to_overwrite_results(tmp_path):
     open(spec.result_path(0), "w").close()
     with pytest.raises(LaunchError, match="already exists"):
         launch(LoopbackNetwork(2), "tests.bench.hang_worker", spec, str(tmp_path), timeout_s=5)
+
+
+def test_open_network_falls_back_to_loopback_with_a_warning(monkeypatch, caplog):
+    from megatron.training.bench import netns
+
+    monkeypatch.setattr(netns, "netns_available", lambda: (False, "not root (simulated)"))
+    with caplog.at_level("WARNING"):
+        net = netns.open_network(2, netns.LinkSpec(1.0), use_netns=True)
+    assert isinstance(net, netns.LoopbackNetwork) and not net.shaped
+    assert "NOT shaped" in caplog.text and "not root (simulated)" in caplog.text
+    assert net.describe()["reason"] == "not root (simulated)"
+    with pytest.raises(ValueError, match="loopback"):
+        net.set_link(netns.LinkSpec(2.0))
