@@ -1,0 +1,489 @@
+"""``python -m netsim <command>``: the network-topology cost model for MoE serving.
+
+* ``collectives``        alpha-beta time of every algorithm for one collective, and the fastest
+* ``fit``                fit the alpha-beta constants to measurements (bench_ep CSV / nccl-tests)
+* ``synth-collectives``  write a synthetic measurement CSV from known constants (for checking ``fit``)
+* ``compute-table``      write a roofline-estimate compute table, or project one to a GPU generation
+* ``serve``              best layout, batch, TPOT and throughput for one network and scenario
+* ``cost``               cost breakdown of one network
+* ``sweep``              the full design-space sweep: JSON, PNG plots and a summary table
+
+User errors (``ValueError``) print one line and exit with status 2. Bandwidths on the command line
+are GB/s (1e9 bytes/s) per XPU, one direction; times are printed in microseconds or milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = ["main", "COMMANDS"]
+
+COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
+    def deco(run):
+        if name in COMMANDS:
+            raise ValueError(f"command {name!r} registered twice")
+        COMMANDS[name] = (help, configure, run)
+        return run
+
+    return deco
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return v
+
+
+def _pos_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s}")
+    return v
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _topology_arg(p: argparse.ArgumentParser, default: str = "scale-up", choices: Optional[list] = None) -> None:
+    from .collectives import Topology
+
+    p.add_argument("--topology", default=default, choices=choices or [t.value for t in Topology if t != Topology.SWITCH])
+
+
+def _constants_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("alpha-beta constants (default: the paper's DGX H100 fit, Table 1)")
+    g.add_argument("--constants", metavar="JSON", help="fitted constants (`fit --out`) for the primary links")
+    g.add_argument("--inter-constants", metavar="JSON", help="fitted constants for scale-out NICs")
+
+
+def _load_constants(path: Optional[str], default):
+    if not path:
+        return default
+    from .collectives import AlphaBeta
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--constants {path}: no such file")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    return AlphaBeta.from_dict(d.get("constants", d))
+
+
+def _network(args, bandwidth_gbps: Optional[float] = None):
+    from .collectives import DGX_H100_INTER, DGX_H100_INTRA, GB, Network
+
+    dims = tuple(args.dims) if getattr(args, "dims", None) else ()
+    return Network(
+        args.topology, args.num_xpus, (bandwidth_gbps or args.bandwidth_gbps) * GB, dims=dims,
+        constants=_load_constants(args.constants, DGX_H100_INTRA),
+        inter_constants=_load_constants(args.inter_constants, DGX_H100_INTER),
+    )  # fmt: skip
+
+
+def _network_args(p: argparse.ArgumentParser, bandwidth: Optional[float] = 450.0) -> None:
+    _topology_arg(p)
+    p.add_argument("--num-xpus", type=_pos_int, default=64)
+    p.add_argument("--bandwidth-gbps", type=_pos_float, default=bandwidth,
+                   help="per-XPU bandwidth, GB/s one direction (scale-out: the NIC; default %(default)s)")  # fmt: skip
+    p.add_argument("--dims", type=_ints, help="torus / full-mesh dimensions, e.g. 4,4,4 (default: most cubic)")
+    _constants_args(p)
+
+
+# --------------------------------------------------------------------------------------- collectives
+
+
+def _configure_collectives(p):
+    _network_args(p)
+    p.add_argument("--op", default="all_to_all", choices=["all_to_all", "all_reduce"])
+    p.add_argument("--ranks", type=_pos_int, help="group size (default: all XPUs)")
+    p.add_argument("--bytes", type=_floats, default=[2.0**k for k in range(10, 31, 2)],
+                   help="message sizes in bytes (per-rank input), comma-separated")  # fmt: skip
+
+
+@command("collectives", "time of every algorithm for one collective, and the fastest", _configure_collectives)
+def _collectives(args) -> int:
+    import numpy as np
+
+    from .collectives import algorithms, best_algorithm
+
+    net = _network(args)
+    p = args.ranks or net.num_xpus
+    algos = algorithms(net, args.op, p)
+    sizes = np.array(args.bytes)
+    best_t, best_n = best_algorithm(net, args.op, p, sizes)
+    print(f"{args.op} on {net.topology.value} ({net.num_xpus} XPUs, {net.bandwidth / 1e9:g} GB/s per XPU), group of {p}; microseconds")
+    print(f"{'bytes':>12}" + "".join(f"{a.name:>16}" for a in algos) + f"{'fastest':>20}")
+    for i, s in enumerate(sizes):
+        cells = "".join(f"{float(a.time(s)) * 1e6:>16.2f}" for a in algos)
+        print(f"{s:>12.0f}{cells}{best_n[i]:>20}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ fit
+
+
+def _configure_fit(p):
+    from .fit import FIT_TOPOLOGIES
+
+    p.add_argument("--csv", action="append", default=[], metavar="FILE", help="op,ranks,bytes,seconds CSV (repeatable)")
+    p.add_argument("--nccl", action="append", default=[], metavar="FILE", help="nccl-tests output (repeatable)")
+    p.add_argument("--op", choices=["all_to_all", "all_reduce"], help="collective of --nccl files whose log does not say")
+    p.add_argument("--ranks", type=_pos_int, help="rank count of --nccl files whose log does not say")
+    p.add_argument("--topology", default="switch", choices=[t.value for t in FIT_TOPOLOGIES],
+                   help="network the ranks sit on (default: a flat non-blocking switch)")  # fmt: skip
+    p.add_argument("--algorithm", default="auto",
+                   help="'auto' (fastest per row), or op=name pairs, e.g. all_to_all=p2p,all_reduce=ring")  # fmt: skip
+    p.add_argument("--bandwidth-gbps", type=_pos_float,
+                   help="nominal per-rank bandwidth, GB/s (default: the CSV's sidecar JSON link, else fit s/byte)")  # fmt: skip
+    p.add_argument("--out", help="write the fitted constants and errors as JSON")
+    p.add_argument("--show-rows", action="store_true", help="print every row with its prediction")
+
+
+def _parse_algorithm(s: str) -> dict:
+    if s == "auto":
+        return {}
+    out = {}
+    for part in s.split(","):
+        if "=" not in part:
+            raise ValueError(f"--algorithm: expected op=name pairs or 'auto', got {part!r}")
+        op, name = part.split("=", 1)
+        if op.strip() not in ("all_to_all", "all_reduce"):
+            raise ValueError(f"--algorithm: unknown op {op!r}")
+        out[op.strip()] = name.strip()
+    return out
+
+
+@command("fit", "fit alpha-beta constants to measured collectives", _configure_fit)
+def _fit(args) -> int:
+    from ._files import write_json
+    from .fit import fit_constants, read_csv, read_nccl_tests, read_sidecar_bandwidth
+
+    if not args.csv and not args.nccl:
+        raise ValueError("fit: give at least one --csv or --nccl file")
+    rows = []
+    for f in args.csv:
+        rows += read_csv(f)
+    for f in args.nccl:
+        rows += read_nccl_tests(f, args.op, args.ranks)
+    bw = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None
+    bw_src = "--bandwidth-gbps"
+    if bw is None:
+        for f in args.csv:
+            bw = read_sidecar_bandwidth(f)
+            if bw:
+                bw_src = f"sidecar of {f}"
+                break
+    res = fit_constants(rows, args.topology, bw, _parse_algorithm(args.algorithm))
+    c = res.constants
+    print(f"fit of {len(rows)} measurements on a {res.topology.value} model"
+          + (f", nominal bandwidth {bw / 1e9:g} GB/s per rank ({bw_src})" if bw else ", bandwidth unknown"))  # fmt: skip
+    print(f"  one-time latency   alpha0      = {c.alpha0 * 1e6:10.3f} us")
+    print(f"  per-round latency  alpha_round = {c.alpha_round * 1e6:10.3f} us")
+    print(f"  per-destination    alpha_dest  = {c.alpha_dest * 1e6:10.3f} us")
+    if bw:
+        print(f"  link utilisation   eta         = {c.utilization * 100:10.1f} %")
+    print(f"  effective bandwidth            = {1 / res.beta_s_per_byte / 1e9 if res.beta_s_per_byte > 0 else float('inf'):10.4f} GB/s")
+    if not res.identifiable:
+        print("  note: the data cannot separate the three latencies (too few rank counts / algorithms); only their"
+              " per-call sum is determined")  # fmt: skip
+    print(f"mean relative error {res.mean_relative_error * 100:.2f}% (max {res.max_relative_error * 100:.2f}%); "
+          + ", ".join(f"{k} {v * 100:.2f}%" for k, v in res.per_op_error.items()))  # fmt: skip
+    counts = res.as_dict()["algorithm_counts"]
+    print("algorithms: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    if args.show_rows:
+        print(f"{'op':>11} {'ranks':>5} {'bytes':>12} {'measured us':>12} {'model us':>12} {'rel err':>8}  algorithm")
+        for m, pr, e, a in zip(rows, res.predicted, res.relative_errors, res.algorithms):
+            print(f"{m.op.value:>11} {m.ranks:>5} {m.bytes:>12.0f} {m.seconds * 1e6:>12.2f} {pr * 1e6:>12.2f} {e * 100:>7.2f}%  {a.split(':')[1]}")
+    if args.out:
+        d = res.as_dict()
+        d["inputs"] = {"csv": args.csv, "nccl": args.nccl, "rows": len(rows), "algorithm": args.algorithm}
+        write_json(args.out, d)
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ synth-collectives
+
+
+def _configure_synth(p):
+    from .fit import FIT_TOPOLOGIES
+
+    p.add_argument("--out", required=True, help="CSV to write")
+    p.add_argument("--topology", default="switch", choices=[t.value for t in FIT_TOPOLOGIES])
+    p.add_argument("--tier", default="intra", choices=["intra", "inter"], help="which Table 1 column to use")
+    p.add_argument("--constants", metavar="JSON", help="constants to use instead of --tier")
+    p.add_argument("--bandwidth-gbps", type=_pos_float, default=450.0)
+    p.add_argument("--ranks", type=_ints, default=[4, 8, 16, 32])
+    p.add_argument("--noise", type=float, default=0.03, help="log-normal relative noise (default 0.03)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("synth-collectives", "write synthetic measurements from known constants", _configure_synth)
+def _synth(args) -> int:
+    from ._files import write_text
+    from .collectives import DGX_H100_INTER, DGX_H100_INTRA
+    from .fit import synthetic_measurements
+
+    c = _load_constants(args.constants, DGX_H100_INTRA if args.tier == "intra" else DGX_H100_INTER)
+    if args.noise < 0:
+        raise ValueError("--noise must be >= 0")
+    rows = synthetic_measurements(c, args.bandwidth_gbps * 1e9, args.topology, args.ranks, noise=args.noise, seed=args.seed)
+    text = "op,ranks,bytes,seconds\n" + "".join(f"{m.op.value},{m.ranks},{m.bytes:.0f},{m.seconds:.9e}\n" for m in rows)
+    write_text(args.out, text)
+    print(f"wrote {len(rows)} rows to {args.out} ({args.topology}, {args.bandwidth_gbps:g} GB/s, noise {args.noise:g}); "
+          f"true constants: {c.as_dict()}")  # fmt: skip
+    return 0
+
+
+# -------------------------------------------------------------------------------------- compute-table
+
+
+def _configure_table(p):
+    from .compute import GENERATION_SCALING, RooflineEfficiency
+
+    p.add_argument("--out", required=True, help="table JSON to write")
+    p.add_argument("--gpu", default="h100", choices=list(GENERATION_SCALING), help="target GPU (Table 5 projection)")
+    p.add_argument("--project", metavar="TABLE", help="project this (e.g. measured) table to --gpu instead of "
+                   "estimating one by the roofline")  # fmt: skip
+    d = RooflineEfficiency()
+    g = p.add_argument_group("roofline efficiencies (assumptions; see netsim/compute.py)")
+    for f in ("gemm_compute", "gemm_memory", "attention_compute", "attention_memory", "memory_only", "kernel_overhead_s"):
+        g.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f))
+
+
+@command("compute-table", "write a roofline-estimate compute table or project one", _configure_table)
+def _table(args) -> int:
+    from .compute import RooflineEfficiency, generation_spec, load_table, project_table, roofline_table
+
+    eff = RooflineEfficiency(args.gemm_compute, args.gemm_memory, args.attention_compute, args.attention_memory,
+                             args.memory_only, args.kernel_overhead_s)  # fmt: skip
+    spec = generation_spec(args.gpu)
+    if args.project:
+        tab = project_table(load_table(args.project), spec, eff=eff)
+    else:
+        tab = roofline_table(gpu=spec, eff=eff)
+    tab.save(args.out)
+    n = sum(kt.seconds.size for kt in tab.kinds.values())
+    print(f"wrote {args.out}: {len(tab.kinds)} layer kinds, {n} grid points, method={tab.provenance['method']}, gpu={spec.name}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- serve
+
+
+def _variant_args(p, defaults: bool = False):
+    g = p.add_argument_group("variants (knobs)")
+    g.add_argument("--bigmac-ratio", type=float, default=0.25 if defaults else 1.0, help="BigMac r: all-to-all at r x hidden")
+    g.add_argument("--lar", type=float, default=0.5 if defaults else None, help="Sem-MoE local activation rate")
+    g.add_argument("--farskip-overlap", type=float, default=0.889 if defaults else 0.0,
+                   help="FarSkip: share of each all-to-all the next op overlaps")  # fmt: skip
+
+
+def _serving_args(p):
+    from .serving import DraftCost, SpecDecode
+
+    d = SpecDecode()
+    g = p.add_argument_group("serving")
+    g.add_argument("--table", metavar="JSON", help="compute table (default: shipped H100 roofline estimate)")
+    g.add_argument("--gpu", default="h100", choices=["h100", "blackwell", "rubin"],
+                   help="project the table and memory to this generation (Table 5)")  # fmt: skip
+    g.add_argument("--num-draft", type=_pos_int, default=d.num_draft, help="speculative decoding: drafted tokens")
+    g.add_argument("--pass-rate", type=float, default=d.pass_rate, help="speculative decoding: average pass rate")
+    g.add_argument("--draft-cost", default=d.draft_cost.value, choices=[c.value for c in DraftCost])
+    g.add_argument("--mem-usable-fraction", type=float, default=0.9)
+    g.add_argument("--network-cost-factor", type=float, default=1.0, help="scales network CapEx (paper's adjustment)")
+
+
+def _serving_cfg(args):
+    from .compute import default_table, generation_spec, load_table, project_table
+    from .serving import ServingConfig, SpecDecode
+
+    table = load_table(args.table) if args.table else default_table()
+    spec = generation_spec(args.gpu)
+    if table.provenance.get("gpu_spec") != spec.as_dict():
+        table = project_table(table, spec)
+    cfg = ServingConfig(mem_capacity=spec.mem_capacity, mem_usable_fraction=args.mem_usable_fraction,
+                        spec=SpecDecode(args.num_draft, args.pass_rate, args.draft_cost))  # fmt: skip
+    return cfg, table
+
+
+def _configure_serve(p):
+    _network_args(p)
+    p.add_argument("--tpot-ms", type=_pos_float, default=40.0, help="TPOT SLO in ms")
+    p.add_argument("--context", type=_pos_int, default=512, help="average context length (input + output)")
+    p.add_argument("--optimization", default="dbo+sd", choices=["noopt", "dbo", "dbo+sd"])
+    _serving_args(p)
+    _variant_args(p)
+
+
+@command("serve", "best layout, batch, TPOT and throughput for one network and scenario", _configure_serve)
+def _serve(args) -> int:
+    import numpy as np
+
+    from .cost import CostConfig, cluster_cost, normalized_cost_per_xpu
+    from .serving import Technique, Variant, best_under_slo, cases_for, evaluate_cases
+
+    net = _network(args)
+    cfg, table = _serving_cfg(args)
+    variant = Variant("cli", args.bigmac_ratio, args.lar, args.farskip_overlap)
+    cases = cases_for(net, [args.context], cfg)
+    if not cases:
+        raise ValueError("no (tp, ep) layout fits this network's memory")
+    res = evaluate_cases(cases, cfg, variant, tuple(Technique), table)
+    best = best_under_slo(res, args.tpot_ms / 1000, args.optimization)
+    cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
+    cost = normalized_cost_per_xpu(net, cc)
+    order = np.argsort(-best["throughput_per_xpu"])
+    print(f"{net.topology.value}, {net.num_xpus} XPUs, {net.bandwidth / 1e9:g} GB/s per XPU; TPOT <= {args.tpot_ms:g} ms, "
+          f"context {args.context}, {args.optimization}; normalised cost per XPU {cost:.4f}")  # fmt: skip
+    print(f"{'tp':>3} {'ep':>4} {'batch/TP grp':>12} {'TPOT ms':>8} {'technique':>9} {'tok/s/XPU':>10} {'tok/s/cost':>10}")
+    for i in order[:8]:
+        c = cases[i]
+        thr = best["throughput_per_xpu"][i]
+        if thr <= 0:
+            print(f"{c.tp:>3} {c.ep:>4}   (nothing meets the SLO)")
+            continue
+        print(f"{c.tp:>3} {c.ep:>4} {best['batch'][i]:>12.0f} {best['tpot'][i] * 1e3:>8.2f} {best['technique'][i]:>9} "
+              f"{thr:>10.1f} {thr / cost:>10.1f}")  # fmt: skip
+    b = cluster_cost(net, cc)
+    print(f"max batch by memory per TP group: " + ", ".join(f"tp{c.tp}/ep{c.ep}: {res.max_batch[Technique.NONE][i]:.0f}"
+                                                              for i, c in enumerate(cases)))  # fmt: skip
+    print(f"network CapEx share {b.network_capex / b.total_capex * 100:.1f}%")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- cost
+
+
+def _configure_cost(p):
+    _network_args(p)
+    p.add_argument("--network-cost-factor", type=float, default=1.0)
+
+
+@command("cost", "cost breakdown of one network", _configure_cost)
+def _cost(args) -> int:
+    from .cost import CostConfig, cluster_cost, normalized_cost_per_xpu
+
+    net = _network(args)
+    cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
+    b = cluster_cost(net, cc)
+    n = net.num_xpus
+    print(f"{net.topology.value}, {n} XPUs, {net.bandwidth / 1e9:g} GB/s per XPU (network cost factor {args.network_cost_factor:g})")
+    print(f"{'item':<22}{'cluster $':>14}{'per XPU $':>12}")
+    for k in ("xpu_capex", "switch_capex", "copper_capex", "optical_capex", "nic_capex", "node_switch_capex"):
+        v = getattr(b, k)
+        print(f"{k:<22}{v:>14,.0f}{v / n:>12,.0f}")
+    print(f"{'total CapEx':<22}{b.total_capex:>14,.0f}{b.total_capex / n:>12,.0f}")
+    print(f"switches: {b.num_switches:g}; power: XPUs {b.xpu_power_w / 1e3:.1f} kW, network {b.network_power_w / 1e3:.2f} kW")
+    print(f"per month: CapEx {b.capex_per_month:,.0f} + OpEx {b.opex_per_month:,.0f} = {b.total_per_month:,.0f} $ "
+          f"({b.total_per_month / n:,.0f} $ per XPU)")  # fmt: skip
+    print(f"normalised cost per XPU (1 = a bare XPU): {normalized_cost_per_xpu(net, cc):.4f}; network share of CapEx "
+          f"{b.network_capex / b.total_capex * 100:.1f}%")  # fmt: skip
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- sweep
+
+
+def _configure_sweep(p):
+    p.add_argument("--out", required=True, help="output directory (sweep.json, summary.txt, *.png)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quick", action="store_true", help="64 XPUs only, fewer bandwidths, no generations")
+    p.add_argument("--no-generations", action="store_true", help="skip the Blackwell / Rubin projection")
+    p.add_argument("--sizes", type=_ints, help="cluster sizes (default 64,256)")
+    _serving_args(p)
+    _variant_args(p, defaults=True)
+    _constants_args(p)
+
+
+@command("sweep", "full design-space sweep: JSON, PNG plots, summary table", _configure_sweep)
+def _sweep(args) -> int:
+    from ._files import write_json, write_text
+    from .collectives import DGX_H100_INTER, DGX_H100_INTRA, Topology
+    from .cost import CostConfig
+    from .sweep import SweepConfig, default_variants, run_sweep, summary_table
+
+    # the sweep projects the (H100) table to --gpu itself, so load it unprojected
+    cfg_serving, table = _serving_cfg(replace_ns(args, gpu="h100"))
+    kw = {"generation": args.gpu}
+    if args.quick:
+        kw["cluster_sizes"] = (64,)
+        kw["bandwidths_gbps"] = {Topology.SCALE_UP: (150, 300, 450, 900), Topology.TORUS_3D: (150, 300, 450, 900),
+                                 Topology.FULL_MESH_3D: (150, 300, 450, 900), Topology.SCALE_OUT: (50, 200)}  # fmt: skip
+        kw["generations"] = ()
+    if args.sizes:
+        kw["cluster_sizes"] = tuple(args.sizes)
+        if 64 not in args.sizes:
+            kw["reference_size"] = args.sizes[0]
+    if args.no_generations:
+        kw["generations"] = ()
+    cfg = SweepConfig(
+        variants=default_variants(args.bigmac_ratio, args.lar, args.farskip_overlap),
+        serving=cfg_serving, cost=replace(CostConfig(), network_cost_factor=args.network_cost_factor),
+        constants=_load_constants(args.constants, DGX_H100_INTRA),
+        inter_constants=_load_constants(args.inter_constants, DGX_H100_INTER), **kw,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result = run_sweep(cfg, table)
+    out = Path(args.out)
+    write_json(out / "sweep.json", result)
+    text = summary_table(result)
+    write_text(out / "summary.txt", text + "\n")
+    print(text)
+    if not args.no_plots:
+        from .plots import write_plots
+
+        for f in write_plots(result, out):
+            print(f"wrote {f}")
+    print(f"wrote {out / 'sweep.json'} and {out / 'summary.txt'} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def replace_ns(ns: argparse.Namespace, **kw) -> argparse.Namespace:
+    d = vars(ns).copy()
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m netsim", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (help, configure, _) in COMMANDS.items():
+        configure(sub.add_parser(name, help=help, description=help))
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][2](args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
