@@ -54,7 +54,6 @@ __all__ = [
     "RankEndpoint",
     "ShapedNetwork",
     "LoopbackNetwork",
-    "NetnsUnavailable",
     "netns_available",
     "netem_available",
     "open_network",
@@ -127,10 +126,6 @@ class RankEndpoint:
         return [] if self.netns is None else ["ip", "netns", "exec", self.netns]
 
 
-class NetnsUnavailable(RuntimeError):
-    """Namespaces cannot be used here (not root, no iproute2, or the kernel refuses)."""
-
-
 # ----------------------------------------------------------------------------------- commands
 
 
@@ -183,7 +178,11 @@ def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]
     for name in list_project_namespaces(prefix):
         pid = int(_NAME_RE.match(name).group("pid"))
         if include_live or not _pid_alive(pid):
-            _delete_namespace(name)
+            try:
+                _delete_namespace(name)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                log.warning("could not remove stale namespace %s: %s", name, e)
+                continue
             removed.append(name)
     if removed:
         log.warning("removed %d stale benchmark namespace(s): %s", len(removed), ", ".join(removed))
