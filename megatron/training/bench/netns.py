@@ -44,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from typing import Iterator, Optional, Sequence
 
 __all__ = [
@@ -339,7 +340,6 @@ class ShapedNetwork:
         ]
         self._created: list[str] = []
         self._signal_ctx = None
-        self._active = False
 
     @property
     def namespaces(self) -> list[str]:
@@ -364,7 +364,6 @@ class ShapedNetwork:
         _run(["ip", "netns", "add", name])
 
     def _setup(self) -> None:
-        self._active = True
         br = self.bridge_ns
         self._add_ns(br)
         _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0",
@@ -389,8 +388,6 @@ class ShapedNetwork:
         self._wait_links_up()
 
     def _wait_links_up(self, timeout_s: float = 10.0) -> None:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while True:
             states = [
@@ -442,7 +439,6 @@ class ShapedNetwork:
                 except Exception as e:  # keep going: remove as much as possible
                     errors.append(str(e))
             self._created = []
-            self._active = False
             if self._signal_ctx is not None:
                 ctx, self._signal_ctx = self._signal_ctx, None
                 ctx.__exit__(None, None, None)
