@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -230,7 +231,7 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             probe_variant = args.probe_variant or ("standard" if "standard" in variants else variants[0])
             if probe_variant not in variants:
                 raise ValueError(f"--probe-variant {probe_variant} is not one of --variants")
-            counter = iter(range(10**6))
+            counter = itertools.count()
 
             def measure(gbit: float) -> float:
                 net.set_link(dataclasses.replace(link, gbit=gbit))
