@@ -287,10 +287,10 @@ def _tc_commands(link: LinkSpec, delay: bool) -> list[list[str]]:
 
     Rate limiter as root qdisc ``1:``: ``tbf`` with burst >= 64 KiB + one frame, so a full GSO
     super-packet (64 KiB on veth) passes without being re-segmented (and about 1 ms of traffic at
-    higher rates), or ``htb`` with one class at rate = ceil. Queue limit: 64 ms of traffic, at
-    least 4 MiB (at most 64 MiB), so TCP is held back by socket backpressure instead of drops; a 512 KiB queue
-    dropped hundreds of packets per 4-rank all-to-all burst for no throughput gain (measured, see
-    docs/measuring_communication.md). ``delay``: a netem child adds the one-way latency.
+    higher rates), or ``htb`` with one class at rate = ceil. Queue limit: 64 ms of traffic
+    (4-64 MiB), so TCP is held back by socket backpressure instead of drops; a 512 KiB queue
+    dropped hundreds of packets per 4-rank all-to-all burst for no throughput gain (measured,
+    see docs/measuring_communication.md). ``delay``: a netem child adds the one-way latency.
     """
     bps = link.bits_per_s
     burst = max(64 * 1024 + 1514, bps // 8 // 1000)
