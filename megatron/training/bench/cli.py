@@ -210,7 +210,8 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
 
 
 def _synthetic_options(args) -> SyntheticOptions:
-    return SyntheticOptions(**{f.name: getattr(args, f"synthetic_{f.name}") for f in dataclasses.fields(SyntheticOptions)})
+    fields = dataclasses.fields(SyntheticOptions)
+    return SyntheticOptions(**{f.name: getattr(args, f"synthetic_{f.name}") for f in fields})
 
 
 def _benchmark(args, argv, work_dir, budget) -> int:
@@ -254,7 +255,8 @@ def _benchmark(args, argv, work_dir, budget) -> int:
                                    args.warmup, args.steps)  # fmt: skip
             stats[variant] = variant_stats(results)
             per_rank[variant] = [r.to_dict() for r in results]
-            print(f"{variant}: {args.warmup}+{args.steps} steps on {args.ranks} ranks in {time.monotonic() - t0:.1f}s")
+            took = time.monotonic() - t0
+            print(f"{variant}: {args.warmup}+{args.steps} steps on {args.ranks} ranks in {took:.1f}s")
         network = net.describe()
     baseline = "standard" if "standard" in stats else variants[0]
     ratios = ratios_vs(stats, baseline)
@@ -322,10 +324,10 @@ def _calibrate(args, argv, work_dir, budget) -> int:
         "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
         "rows": rows,
     })  # fmt: skip
-    print(f"{'op':>10} {'ranks':>5} {'bytes':>10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'MB/s/rank':>9}")
+    print(f"{'op':>10} {'ranks':>5} {'bytes':>10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'contrib MB/s':>12}")
     for r in rows:
         print(f"{r['op']:>10} {r['ranks']:>5} {r['bytes']:>10} {r['seconds'] * 1e3:>10.3f} "
-              f"{r['min_s'] * 1e3:>8.3f} {r['max_s'] * 1e3:>8.3f} {r['bytes'] / r['seconds'] / 1e6:>9.1f}")  # fmt: skip
+              f"{r['min_s'] * 1e3:>8.3f} {r['max_s'] * 1e3:>8.3f} {r['bytes'] / r['seconds'] / 1e6:>12.1f}")  # fmt: skip
     print(f"wrote {args.csv} and {sidecar}")
     return 0
 

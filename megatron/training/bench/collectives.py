@@ -3,9 +3,9 @@
 Worker (``python -m megatron.training.bench.collectives SPEC.json``, one process per rank): for
 each op and message size it runs ``warmup`` untimed calls, then ``repeats`` timed ones, each
 preceded by a barrier so all ranks start together; messages under 1 MiB get more repeats (see
-:func:`repeats_for`) because their times are short and scheduler noise on a busy CPU is large. Every rank records when it entered and left
-each call on ``CLOCK_MONOTONIC``, which all processes of the machine share (network namespaces
-do not change it).
+:func:`repeats_for`) because their times are short and scheduler noise on a busy CPU is large.
+Every rank records when it entered and left each call on ``CLOCK_MONOTONIC``, which all
+processes of the machine share (network namespaces do not change it).
 
 Driver (:func:`run_calibration`): one launch per rank count on a fresh network with the same
 link. A call's time runs from the last rank's entry to the last rank's exit, so the skew with

@@ -58,15 +58,20 @@ def main(argv=None) -> int:
         h_TH = x_TH
         for w1_HF, w2_FH in layers:
             rows_NH = h_TH.repeat_interleave(K, dim=0)
-            recv_MH = all_to_all(group, rows_NH, output_splits, input_splits, counters=counters, kind="dispatch")
+            recv_MH = all_to_all(
+                group, rows_NH, output_splits, input_splits, counters=counters, kind="dispatch"
+            )
             out_MH = torch.nn.functional.gelu(recv_MH @ w1_HF) @ w2_FH
-            back_NH = all_to_all(group, out_MH, input_splits, output_splits, counters=counters, kind="combine")
+            back_NH = all_to_all(
+                group, out_MH, input_splits, output_splits, counters=counters, kind="combine"
+            )
             h_TH = h_TH + back_NH.view(T, K, H).sum(dim=1)
         return h_TH.pow(2).mean()
 
     rec = {k: [] for k in ("step", "fwd", "bwd", "a2a", "exposed", "disp", "comb", "bwdbytes", "loss")}
     for step in range(spec.warmup + spec.steps):
-        x_TH = torch.randn(T, H, generator=torch.Generator().manual_seed(spec.seed * 1000003 + step * 31 + rank))
+        gen = torch.Generator().manual_seed(spec.seed * 1000003 + step * 31 + rank)
+        x_TH = torch.randn(T, H, generator=gen)
         x_TH.requires_grad_(True)  # as if from an embedding: the first dispatch has a backward too
         dist.barrier()  # steps start together, so skew from the previous step is not booked as comm
         counters.reset()
