@@ -12,9 +12,12 @@ reweighted least squares towards the mean absolute relative error, the paper's m
 ``W`` is the wire time at the nominal per-rank bandwidth; if the bandwidth is unknown it is 1 byte/s
 and the last coefficient is the effective seconds per byte instead of ``1/eta``.
 
-Which algorithm ran is unknown for NCCL (it picks internally), so ``auto`` assigns each row the
-algorithm the current constants make fastest: start from every uniform assignment (one algorithm
-per op for all rows), then alternate reassigning and refitting while the error drops.
+Which algorithm ran is unknown for NCCL (it picks internally), so ``auto`` searches the
+assignment: every uniform one (one algorithm per op for all rows), then rows move to the algorithm
+the fitted constants make fastest while that lowers the error. The reported predictions use the
+final assignment; ``fastest_fraction`` says how many rows it explains with the model's own fastest
+algorithm (what the serving model will assume). Libraries with a fixed algorithm (gloo: a P2P
+all-to-all, a ring all-reduce) are best fitted with the algorithm pinned.
 """
 
 from __future__ import annotations
@@ -227,6 +230,7 @@ class FitResult:
     predicted: np.ndarray = field(repr=False)
     algorithms: list = field(repr=False)
     identifiable: bool = True
+    fastest_fraction: float = 1.0  # rows whose fitted algorithm is the fastest under the constants
 
     def as_dict(self) -> dict:
         counts: dict = {}
@@ -243,6 +247,7 @@ class FitResult:
             "per_op_mean_relative_error": self.per_op_error,
             "algorithm_counts": counts,
             "latencies_identifiable": self.identifiable,
+            "fastest_algorithm_fraction": self.fastest_fraction,
         }
 
 
@@ -278,16 +283,10 @@ def fit_constants(
         theta = _solve(X, t)
         return theta, float(np.mean(np.abs(X @ theta - t) / t))
 
-    def predict_all(theta: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        pred, assign = np.empty(len(rows)), []
-        for i, algos in enumerate(cands):
-            times = [_features(a, nb[i]) @ theta for a in algos]
-            j = int(np.argmin(times))
-            assign.append(j)
-            pred[i] = times[j]
-        return pred, assign
+    def fastest(theta: np.ndarray) -> list[int]:
+        return [int(np.argmin([_features(a, nb[i]) @ theta for a in algos])) for i, algos in enumerate(cands)]
 
-    # uniform starts: one algorithm index per (op, ranks) family across all rows, by algorithm name
+    # uniform starts: one algorithm (by name) per op for all rows
     ops = sorted({m.op for m in rows}, key=lambda o: o.value)
     names_per_op = {o: sorted({a.name for i, m in enumerate(rows) if m.op == o for a in cands[i]}) for o in ops}
     best = None
@@ -300,18 +299,20 @@ def fit_constants(
         theta, err = fit_assignment(assign)
         if best is None or err < best[1]:
             best = (theta, err, assign)
+    # then let each row take the algorithm the constants make fastest, while that lowers the error
     theta, err, assign = best
     for _ in range(max_iters):
-        pred, new_assign = predict_all(theta)
+        new_assign = fastest(theta)
         if new_assign == assign:
             break
         theta2, err2 = fit_assignment(new_assign)
         if err2 >= err - 1e-12:
             break
         theta, err, assign = theta2, err2, new_assign
-    pred, assign = predict_all(theta)
-    rel = (t - pred) / t  # the paper's signed relative error; its mean absolute value is reported
     X = np.stack([_features(cands[i][j], nb[i]) for i, j in enumerate(assign)])
+    pred = X @ theta
+    consistent = float(np.mean([j == k for j, k in zip(assign, fastest(theta))]))
+    rel = (t - pred) / t  # the paper's signed relative error; its mean absolute value is reported
     identifiable = bool(np.linalg.matrix_rank(X[:, :3] / t[:, None], tol=1e-9) == 3)
     per_op = {o.value: float(np.mean(np.abs(rel[[m.op == o for m in rows]]))) for o in ops}
     a0, ar, ad, inv_eta = (float(x) for x in theta)
@@ -328,6 +329,7 @@ def fit_constants(
         predicted=pred,
         algorithms=[f"{m.op.value}:{cands[i][j].name}" for i, (m, j) in enumerate(zip(rows, assign))],
         identifiable=identifiable,
+        fastest_fraction=consistent,
     )
 
 

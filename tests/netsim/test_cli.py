@@ -1,0 +1,76 @@
+"""``python -m netsim`` commands run in-process (and one subprocess check that netsim never imports torch)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from netsim.cli import main
+
+
+def test_collectives_cost_serve(capsys):
+    assert main(["collectives", "--topology", "torus3d", "--num-xpus", "64", "--bytes", "1024,1e8"]) == 0
+    out = capsys.readouterr().out
+    assert "halfring" in out and "p2p" in out
+    assert main(["cost", "--topology", "scale-up", "--num-xpus", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "switch_capex" in out and "switches: 192" in out
+    assert main(["serve", "--topology", "fullmesh3d", "--tpot-ms", "40", "--context", "512", "--bigmac-ratio", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s/XPU" in out and "max batch by memory" in out
+
+
+def test_fit_on_synthetic_csv(tmp_path, capsys):
+    csv = tmp_path / "syn.csv"
+    assert main(["synth-collectives", "--out", str(csv), "--tier", "inter", "--bandwidth-gbps", "50", "--noise", "0.02"]) == 0
+    capsys.readouterr()
+    out_json = tmp_path / "fit.json"
+    assert main(["fit", "--csv", str(csv), "--bandwidth-gbps", "50", "--out", str(out_json), "--show-rows"]) == 0
+    out = capsys.readouterr().out
+    assert "mean relative error" in out
+    d = json.loads(out_json.read_text())
+    assert d["mean_relative_error"] < 0.03
+    assert d["constants"]["utilization"] == pytest.approx(0.843, rel=0.1)
+    # the fitted constants feed the other commands
+    assert main(["collectives", "--constants", str(out_json), "--bytes", "1e6"]) == 0
+
+
+def test_compute_table_and_projection(tmp_path, capsys):
+    h = tmp_path / "h100.json"
+    assert main(["compute-table", "--out", str(h), "--gemm-compute", "0.5"]) == 0
+    r = tmp_path / "rubin.json"
+    assert main(["compute-table", "--project", str(h), "--gpu", "rubin", "--out", str(r)]) == 0
+    d = json.loads(r.read_text())
+    assert d["provenance"]["method"] == "roofline-estimate" and "projected_to" in d["provenance"]
+    assert main(["serve", "--table", str(h), "--tpot-ms", "100"]) == 0
+
+
+def test_sweep_quick_writes_outputs(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["sweep", "--out", str(out), "--quick"]) == 0
+    text = capsys.readouterr().out
+    assert "Pareto frontier" in text and "switchless gain" in text
+    res = json.loads((out / "sweep.json").read_text())
+    assert res["format"] == "netsim-sweep/1" and res["records"]
+    assert (out / "summary.txt").read_text().startswith("Topologies at the 1x provision")
+    for png in ("bandwidth_scaleup.png", "pareto.png", "variants.png", "topologies_1x.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_user_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("op,ranks,bytes\n")
+    assert main(["fit", "--csv", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing CSV column" in err
+    assert main(["fit"]) == 2
+    assert main(["serve", "--lar", "1.5"]) == 2
+    assert main(["fit", "--csv", str(bad), "--algorithm", "ring"]) == 2
+
+
+def test_netsim_does_not_import_torch():
+    code = ("import sys, netsim, netsim.cli, netsim.sweep, netsim.plots; "
+            "netsim.cli.main(['cost']); assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
