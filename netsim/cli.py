@@ -158,6 +158,11 @@ def _configure_fit(p):
                    help="'auto' (fastest per row), or op=name pairs, e.g. all_to_all=p2p,all_reduce=ring")  # fmt: skip
     p.add_argument("--bandwidth-gbps", type=_pos_float,
                    help="nominal per-rank bandwidth, GB/s (default: the CSV's sidecar JSON link, else fit s/byte)")  # fmt: skip
+    p.add_argument("--burst", default="0", help="bytes per call a token-bucket shaper lets through before its rate "
+                   "applies ('auto' to fit it; default 0, the paper's model)")  # fmt: skip
+    p.add_argument("--statistic", default="median", choices=["median", "min", "mean"],
+                   help="per-row statistic of a bench_ep calibration (min / mean come from its sidecar JSON)")  # fmt: skip
+    p.add_argument("--per-op", action="store_true", help="fit all_to_all and all_reduce separately")
     p.add_argument("--out", help="write the fitted constants and errors as JSON")
     p.add_argument("--show-rows", action="store_true", help="print every row with its prediction")
 
@@ -179,13 +184,15 @@ def _parse_algorithm(s: str) -> dict:
 @command("fit", "fit alpha-beta constants to measured collectives", _configure_fit)
 def _fit(args) -> int:
     from ._files import write_json
-    from .fit import fit_constants, read_csv, read_nccl_tests, read_sidecar_bandwidth
+    from .fit import fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
 
     if not args.csv and not args.nccl:
         raise ValueError("fit: give at least one --csv or --nccl file")
     rows = []
     for f in args.csv:
-        rows += read_csv(f)
+        rows += read_bench_sidecar(f, args.statistic)
+    if args.statistic != "median" and args.nccl:
+        raise ValueError("--statistic applies to bench_ep CSVs only")
     for f in args.nccl:
         rows += read_nccl_tests(f, args.op, args.ranks)
     bw = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None
@@ -196,30 +203,51 @@ def _fit(args) -> int:
             if bw:
                 bw_src = f"sidecar of {f}"
                 break
-    res = fit_constants(rows, args.topology, bw, _parse_algorithm(args.algorithm))
-    c = res.constants
-    print(f"fit of {len(rows)} measurements on a {res.topology.value} model"
+    burst = args.burst if args.burst == "auto" else float(args.burst)
+    algo = _parse_algorithm(args.algorithm)
+    print(f"fit of {len(rows)} measurements ({args.statistic} per row) on a {args.topology} model"
           + (f", nominal bandwidth {bw / 1e9:g} GB/s per rank ({bw_src})" if bw else ", bandwidth unknown"))  # fmt: skip
-    print(f"  one-time latency   alpha0      = {c.alpha0 * 1e6:10.3f} us")
-    print(f"  per-round latency  alpha_round = {c.alpha_round * 1e6:10.3f} us")
-    print(f"  per-destination    alpha_dest  = {c.alpha_dest * 1e6:10.3f} us")
-    if bw:
-        print(f"  link utilisation   eta         = {c.utilization * 100:10.1f} %")
-    print(f"  effective bandwidth            = {1 / res.beta_s_per_byte / 1e9 if res.beta_s_per_byte > 0 else float('inf'):10.4f} GB/s")
-    if not res.identifiable:
-        print("  note: the data cannot separate the three latencies (too few rank counts / algorithms); only their"
-              " per-call sum is determined")  # fmt: skip
-    print(f"mean relative error {res.mean_relative_error * 100:.2f}% (max {res.max_relative_error * 100:.2f}%); "
-          + ", ".join(f"{k} {v * 100:.2f}%" for k, v in res.per_op_error.items()))  # fmt: skip
-    counts = res.as_dict()["algorithm_counts"]
-    print("algorithms: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    if args.per_op:
+        fits, err = fit_per_op(rows, args.topology, bw, algo, burst)
+    else:
+        res = fit_constants(rows, args.topology, bw, algo, burst)
+        fits, err = {"all": res}, res.mean_relative_error
+    for name, res in fits.items():
+        c = res.constants
+        if args.per_op:
+            print(f"[{name}]")
+        print(f"  one-time latency   alpha0      = {c.alpha0 * 1e6:10.3f} us")
+        print(f"  per-round latency  alpha_round = {c.alpha_round * 1e6:10.3f} us")
+        print(f"  per-destination    alpha_dest  = {c.alpha_dest * 1e6:10.3f} us")
+        if bw:
+            print(f"  link utilisation   eta         = {c.utilization * 100:10.1f} %")
+        print(f"  effective bandwidth            = {1 / res.beta_s_per_byte / 1e9 if res.beta_s_per_byte > 0 else float('inf'):10.4f} GB/s")
+        if res.burst_bytes:
+            print(f"  shaper burst per call          = {res.burst_bytes / 1024:10.1f} KiB")
+        if not res.identifiable:
+            print("  note: the data cannot separate the three latencies (too few rank counts / algorithms); only their"
+                  " per-call sum is determined")  # fmt: skip
+        print(f"  mean relative error {res.mean_relative_error * 100:.2f}% (max {res.max_relative_error * 100:.2f}%); "
+              + ", ".join(f"{k} {v * 100:.2f}%" for k, v in res.per_op_error.items()))  # fmt: skip
+        counts = res.as_dict()["algorithm_counts"]
+        print("  algorithms: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+              + f" ({res.fastest_fraction * 100:.0f}% of rows on the model's fastest)")  # fmt: skip
+    print(f"mean relative error {err * 100:.2f}% over {len(rows)} rows")
     if args.show_rows:
         print(f"{'op':>11} {'ranks':>5} {'bytes':>12} {'measured us':>12} {'model us':>12} {'rel err':>8}  algorithm")
-        for m, pr, e, a in zip(rows, res.predicted, res.relative_errors, res.algorithms):
-            print(f"{m.op.value:>11} {m.ranks:>5} {m.bytes:>12.0f} {m.seconds * 1e6:>12.2f} {pr * 1e6:>12.2f} {e * 100:>7.2f}%  {a.split(':')[1]}")
+        for res in fits.values():
+            sub = [m for m in rows if args.per_op is False or m.op.value == next(iter(res.per_op_error))]
+            for m, pr, e, a in zip(sub, res.predicted, res.relative_errors, res.algorithms):
+                print(f"{m.op.value:>11} {m.ranks:>5} {m.bytes:>12.0f} {m.seconds * 1e6:>12.2f} {pr * 1e6:>12.2f} "
+                      f"{e * 100:>7.2f}%  {a.split(':')[1]}")  # fmt: skip
     if args.out:
-        d = res.as_dict()
-        d["inputs"] = {"csv": args.csv, "nccl": args.nccl, "rows": len(rows), "algorithm": args.algorithm}
+        d = {"mean_relative_error": err, "statistic": args.statistic,
+             "inputs": {"csv": args.csv, "nccl": args.nccl, "rows": len(rows), "algorithm": args.algorithm,
+                        "burst": args.burst, "per_op": args.per_op}}  # fmt: skip
+        if args.per_op:
+            d["per_op_fits"] = {k: v.as_dict() for k, v in fits.items()}
+        else:
+            d.update(fits["all"].as_dict())
         write_json(args.out, d)
         print(f"wrote {args.out}")
     return 0

@@ -42,6 +42,9 @@ __all__ = [
     "read_csv",
     "read_nccl_tests",
     "read_sidecar_bandwidth",
+    "read_bench_sidecar",
+    "fit_per_op",
+    "BURST_GRID",
     "fit_constants",
     "predict",
     "synthetic_measurements",
@@ -111,6 +114,31 @@ def read_sidecar_bandwidth(csv_path: str | os.PathLike) -> Optional[float]:
         return float(gbit) * 1e9 / 8
     except (ValueError, KeyError, TypeError):
         return None
+
+
+BENCH_STATISTICS = {"median": "seconds", "min": "min_s", "mean": "mean_s"}
+
+
+def read_bench_sidecar(csv_path: str | os.PathLike, statistic: str = "median") -> list[Measurement]:
+    """Rows of a bench_ep calibration with another per-row statistic over the repeats, from its
+    sidecar JSON (``rows[*].min_s`` / ``mean_s``; ``median`` is the CSV's own ``seconds``)."""
+    if statistic not in BENCH_STATISTICS:
+        raise ValueError(f"--statistic must be one of {', '.join(BENCH_STATISTICS)}, got {statistic!r}")
+    if statistic == "median":
+        return read_csv(csv_path)
+    side = Path(csv_path).with_suffix(".json")
+    try:
+        d = json.loads(side.read_text())
+        key = BENCH_STATISTICS[statistic]
+        rows = [Measurement(_parse_op(r["op"], str(side)), int(r["ranks"]), float(r["bytes"]), float(r[key]))
+                for r in d["rows"]]  # fmt: skip
+    except FileNotFoundError:
+        raise ValueError(f"{side}: no sidecar JSON next to the CSV (needed for --statistic {statistic})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{side}: not a bench_ep calibration sidecar ({e})") from None
+    if not rows:
+        raise ValueError(f"{side}: no rows")
+    return rows
 
 
 _NCCL_OP = re.compile(r"(all_?reduce|all_?to_?all)_perf", re.IGNORECASE)
@@ -196,8 +224,11 @@ def _candidates(rows: Sequence[Measurement], topology: Topology, bandwidth: floa
     return out
 
 
-def _features(a: Algorithm, nbytes: float) -> np.ndarray:
-    return np.array([1.0, a.rounds, a.dests, a.wire_per_byte * nbytes])
+def _features(a: Algorithm, nbytes: float, bw: float = 1.0, burst: float = 0.0) -> np.ndarray:
+    wire = a.wire_per_byte * nbytes
+    if burst:
+        wire = max(0.0, wire * bw - burst) / bw  # the first `burst` bytes on the link pass unshaped
+    return np.array([1.0, a.rounds, a.dests, wire])
 
 
 def _solve(X: np.ndarray, t: np.ndarray, irls_steps: int = 20) -> np.ndarray:
@@ -217,6 +248,44 @@ def _solve(X: np.ndarray, t: np.ndarray, irls_steps: int = 20) -> np.ndarray:
     return best
 
 
+def _polish_fastest(cands, nb, t, bw, burst, starts, best_theta, max_starts: int = 8):
+    """Nelder-Mead on the mean relative error of the model itself, ``min_j features_j . theta``
+    (``theta = |x| * scale``, each coordinate scaled to explain the data alone), from several starts."""
+    from scipy.optimize import minimize
+
+    n, J = len(cands), max(len(c) for c in cands)
+    F = np.full((n, J, 4), np.nan)
+    for i, algos in enumerate(cands):
+        for j, a in enumerate(algos):
+            F[i, j] = _features(a, nb[i], bw, burst)
+
+    def err(theta):
+        pred = np.nanmin(F @ theta, axis=1)
+        return float(np.mean(np.abs(t - pred) / t))
+
+    col = np.nanmedian(F[:, 0, :], axis=0)
+    scale = np.where(col > 0, np.median(t) / np.where(col > 0, col, 1.0), 1.0)
+
+    def obj(x):
+        return err(np.abs(x) * scale)
+
+    best = (best_theta, err(best_theta))
+    uniq = [best_theta]
+    for th in starts:
+        if not any(np.allclose(th, u) for u in uniq):
+            uniq.append(th)
+    for th in uniq[:max_starts]:
+        x0 = th / scale
+        simplex = np.vstack([x0] + [x0 + 0.3 * np.eye(4)[k] for k in range(4)])
+        r = minimize(obj, x0, method="Nelder-Mead",
+                     options={"initial_simplex": simplex, "xatol": 1e-12, "fatol": 1e-14, "maxiter": 3000})  # fmt: skip
+        cand = np.abs(r.x) * scale
+        e = err(cand)
+        if e < best[1]:
+            best = (cand, e)
+    return best
+
+
 @dataclass
 class FitResult:
     constants: AlphaBeta
@@ -231,6 +300,7 @@ class FitResult:
     algorithms: list = field(repr=False)
     identifiable: bool = True
     fastest_fraction: float = 1.0  # rows whose fitted algorithm is the fastest under the constants
+    burst_bytes: float = 0.0  # shaper burst per call (0: the paper's model)
 
     def as_dict(self) -> dict:
         counts: dict = {}
@@ -248,7 +318,11 @@ class FitResult:
             "algorithm_counts": counts,
             "latencies_identifiable": self.identifiable,
             "fastest_algorithm_fraction": self.fastest_fraction,
+            "burst_bytes": self.burst_bytes,
         }
+
+
+BURST_GRID = (0.0,) + tuple(float(round(2 ** (k / 2))) for k in range(20, 49))  # 1 KiB .. 16 MiB
 
 
 def fit_constants(
@@ -256,14 +330,26 @@ def fit_constants(
     topology: Topology | str = Topology.SWITCH,
     bandwidth: Optional[float] = None,
     algorithm: Optional[dict] = None,
+    burst: float | str = 0.0,
     max_iters: int = 20,
 ) -> FitResult:
     """Fit one tier's constants to ``rows``.
 
     ``bandwidth``: nominal per-rank bandwidth, bytes/s (for the utilisation; None fits seconds per
     byte directly). ``algorithm``: ``{op: name}`` pins the algorithm for that op; the others are
-    chosen per row (``auto``).
+    chosen per row (``auto``). ``burst``: bytes per call that pass the bottleneck link before its
+    rate limit applies (a token-bucket shaper such as ``tc tbf``; 0 for real interconnects, the
+    paper's model), or ``"auto"`` to pick the best of :data:`BURST_GRID`.
     """
+    if burst == "auto":
+        fits = [_fit(rows, topology, bandwidth, algorithm, b, max_iters) for b in BURST_GRID]
+        return min(fits, key=lambda f: f.mean_relative_error)
+    if isinstance(burst, str) or not burst >= 0:
+        raise ValueError(f"burst must be >= 0 bytes or 'auto', got {burst!r}")
+    return _fit(rows, topology, bandwidth, algorithm, float(burst), max_iters)
+
+
+def _fit(rows, topology, bandwidth, algorithm, burst: float, max_iters: int) -> FitResult:
     topology = Topology(topology)
     if topology not in FIT_TOPOLOGIES:
         raise ValueError(f"--topology {topology.value}: fit one network tier at a time "
@@ -279,17 +365,18 @@ def fit_constants(
     nb = np.array([m.bytes for m in rows])
 
     def fit_assignment(assign: list[int]) -> tuple[np.ndarray, float]:
-        X = np.stack([_features(cands[i][j], nb[i]) for i, j in enumerate(assign)])
+        X = np.stack([_features(cands[i][j], nb[i], bw, burst) for i, j in enumerate(assign)])
         theta = _solve(X, t)
         return theta, float(np.mean(np.abs(X @ theta - t) / t))
 
     def fastest(theta: np.ndarray) -> list[int]:
-        return [int(np.argmin([_features(a, nb[i]) @ theta for a in algos])) for i, algos in enumerate(cands)]
+        return [int(np.argmin([_features(a, nb[i], bw, burst) @ theta for a in algos])) for i, algos in enumerate(cands)]
 
-    # uniform starts: one algorithm (by name) per op for all rows
+    # start from every uniform assignment (one algorithm, by name, per op for all rows); from each,
+    # let rows take the algorithm the constants make fastest while that lowers the error; keep the best
     ops = sorted({m.op for m in rows}, key=lambda o: o.value)
     names_per_op = {o: sorted({a.name for i, m in enumerate(rows) if m.op == o for a in cands[i]}) for o in ops}
-    best = None
+    best, starts = None, []
     for combo in itertools.product(*(names_per_op[o] for o in ops)):
         pick = dict(zip(ops, combo))
         assign = []
@@ -297,21 +384,27 @@ def fit_constants(
             names = [a.name for a in cands[i]]
             assign.append(names.index(pick[m.op]) if pick[m.op] in names else 0)
         theta, err = fit_assignment(assign)
-        if best is None or err < best[1]:
+        for _ in range(max_iters):
+            new_assign = fastest(theta)
+            if new_assign == assign:
+                break
+            theta2, err2 = fit_assignment(new_assign)
+            if err2 >= err - 1e-12:
+                break
+            theta, err, assign = theta2, err2, new_assign
+        starts.append(theta)
+        if best is None or err < best[1] - 1e-12:
             best = (theta, err, assign)
-    # then let each row take the algorithm the constants make fastest, while that lowers the error
     theta, err, assign = best
-    for _ in range(max_iters):
-        new_assign = fastest(theta)
-        if new_assign == assign:
-            break
-        theta2, err2 = fit_assignment(new_assign)
-        if err2 >= err - 1e-12:
-            break
-        theta, err, assign = theta2, err2, new_assign
-    X = np.stack([_features(cands[i][j], nb[i]) for i, j in enumerate(assign)])
+    # the local search above can stop in a poor assignment; also minimise the error of the model
+    # itself (fastest algorithm per row) directly over theta, from the best starts
+    theta_nm, err_nm = _polish_fastest(cands, nb, t, bw, burst, starts, theta)
+    if err_nm < err - 1e-12:
+        theta, err, assign = theta_nm, err_nm, fastest(theta_nm)
+    X = np.stack([_features(cands[i][j], nb[i], bw, burst) for i, j in enumerate(assign)])
     pred = X @ theta
-    consistent = float(np.mean([j == k for j, k in zip(assign, fastest(theta))]))
+    best_t = np.array([min(_features(a, nb[i], bw, burst) @ theta for a in algos) for i, algos in enumerate(cands)])
+    consistent = float(np.mean(pred <= best_t * (1 + 1e-9)))  # ties count as fastest
     rel = (t - pred) / t  # the paper's signed relative error; its mean absolute value is reported
     identifiable = bool(np.linalg.matrix_rank(X[:, :3] / t[:, None], tol=1e-9) == 3)
     per_op = {o.value: float(np.mean(np.abs(rel[[m.op == o for m in rows]]))) for o in ops}
@@ -330,7 +423,19 @@ def fit_constants(
         algorithms=[f"{m.op.value}:{cands[i][j].name}" for i, (m, j) in enumerate(zip(rows, assign))],
         identifiable=identifiable,
         fastest_fraction=consistent,
+        burst_bytes=burst,
     )
+
+
+def fit_per_op(rows: Sequence[Measurement], *args, **kwargs) -> tuple[dict, float]:
+    """Separate constants per collective (e.g. gloo's all-to-all and all-reduce are different code
+    paths with different overheads): ``({op: FitResult}, mean relative error over all rows)``."""
+    out, errs = {}, []
+    for op in sorted({m.op for m in rows}, key=lambda o: o.value):
+        res = fit_constants([m for m in rows if m.op == op], *args, **kwargs)
+        out[op.value] = res
+        errs.append(np.abs(res.relative_errors))
+    return out, float(np.mean(np.concatenate(errs)))
 
 
 def predict(rows: Iterable[Measurement], topology: Topology | str, bandwidth: float, constants: AlphaBeta) -> np.ndarray:

@@ -74,7 +74,7 @@ def test_gloo_like_switched_link():
     assert pinned.mean_relative_error < 0.06  # about the noise
     assert pinned.constants.utilization == pytest.approx(0.95, rel=0.05)
     auto = fit_constants(rows, "switch", 1e9 / 8)  # may explain rows with other algorithms
-    assert auto.mean_relative_error <= pinned.mean_relative_error + 1e-9
+    assert auto.mean_relative_error <= pinned.mean_relative_error * 1.001  # same optimum up to solver tolerance
 
 
 def test_read_csv_and_sidecar(tmp_path):
@@ -135,3 +135,44 @@ def test_read_nccl_tests(tmp_path):
     with pytest.raises(ValueError, match="--ranks"):
         read_nccl_tests(bare, op="all_reduce")
     assert read_nccl_tests(bare, op="all_reduce", ranks=8)[0].ranks == 8
+
+
+def test_token_bucket_burst_is_recovered():
+    """A shaped link lets the first `burst` bytes of a call through before its rate applies (tc
+    tbf); data made that way are fitted exactly once the burst is searched for, and badly without."""
+    truth = AlphaBeta(50e-6, 30e-6, 80e-6, 0.95)
+    bw, burst = 125e6, 65536.0
+    rows = []
+    for p in (2, 4):
+        for k in range(12, 27):
+            for op, name in ((Collective.ALL_TO_ALL, "p2p"), (Collective.ALL_REDUCE, "ring")):
+                m = 2.0**k
+                wire = (p - 1) / p * m if name == "p2p" else 2 * (p - 1) / p * m
+                r, d = (1, p - 1) if name == "p2p" else (2 * (p - 1), 2 * (p - 1))
+                t = truth.alpha0 + r * truth.alpha_round + d * truth.alpha_dest + max(0, wire - burst) / (0.95 * bw)
+                rows.append(Measurement(op, p, m, t))
+    pin = {"all_to_all": "p2p", "all_reduce": "ring"}
+    plain = fit_constants(rows, "switch", bw, pin)
+    auto = fit_constants(rows, "switch", bw, pin, burst="auto")
+    assert auto.burst_bytes == burst and auto.mean_relative_error < 1e-6
+    assert auto.constants.utilization == pytest.approx(0.95, rel=1e-6)
+    assert plain.mean_relative_error > 0.05
+    with pytest.raises(ValueError, match="burst"):
+        fit_constants(rows, "switch", bw, pin, burst=-1.0)
+
+
+def test_sidecar_statistics_and_per_op(tmp_path):
+    from netsim.fit import fit_per_op, read_bench_sidecar
+
+    f = tmp_path / "cal.csv"
+    f.write_text("op,ranks,bytes,seconds\nall_to_all,2,4096,0.002\n")
+    rows = [{"op": "all_to_all", "ranks": 2, "bytes": 4096, "seconds": 0.002, "min_s": 0.001, "mean_s": 0.003}]
+    (tmp_path / "cal.json").write_text(json.dumps({"link": {"gbit": 1}, "rows": rows}))
+    assert read_bench_sidecar(f, "median")[0].seconds == 0.002
+    assert read_bench_sidecar(f, "min")[0].seconds == 0.001
+    assert read_bench_sidecar(f, "mean")[0].seconds == 0.003
+    with pytest.raises(ValueError, match="--statistic"):
+        read_bench_sidecar(f, "p99")
+    data = synthetic_measurements(DGX_H100_INTRA, 450 * GB, "switch")
+    fits, err = fit_per_op(data, "switch", 450 * GB)
+    assert set(fits) == {"all_to_all", "all_reduce"} and err < 1e-9  # each op alone still identifies its constants
