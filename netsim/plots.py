@@ -37,6 +37,18 @@ def _grid(plt, result, title):
     return fig, axes, cfg
 
 
+def _log_ticks(ax, values):
+    """Log x axis labelled at the swept values only (matplotlib's minor labels overlap)."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    vals = sorted(set(float(v) for v in values))
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(vals)
+    ax.set_xticklabels([f"{v:g}" for v in vals], fontsize=6, rotation=45)
+
+
 def _key(t, c):
     return f"tpot{t:g}ms_ctx{c}"
 
@@ -88,7 +100,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                             key=lambda r: r["bandwidth_gbps"])  # fmt: skip
                 ax.plot([r["bandwidth_gbps"] for r in rs], [r["throughput_per_cost"] for r in rs], marker=_MARKERS[topo],
                         ms=3, color=_COLORS[topo], label=topo)  # fmt: skip
-            ax.set_xscale("log")
+            _log_ticks(ax, [r["bandwidth_gbps"] for r in recs if r["num_xpus"] == n_ref])
             ax.set_title(f"TPOT {t:g} ms, context {c}", fontsize=9)
             ax.set_xlabel("bandwidth per XPU (GB/s)")
             ax.set_ylabel("tokens/s per XPU / norm. cost")
@@ -176,7 +188,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                 for topo, thr in sc["throughput_per_xpu"].items():
                     ax.plot(gens[g]["bandwidths_gbps"], thr, marker=_MARKERS[topo], ms=3, color=_COLORS[topo], label=topo)
                 ax.axvline(gens[g]["provision_gbps"], color="k", lw=0.5, ls=":")
-                ax.set_xscale("log")
+                _log_ticks(ax, gens[g]["bandwidths_gbps"])
                 ax.set_title(f"{g}: {key}", fontsize=8)
                 ax.set_xlabel("bandwidth per XPU (GB/s)", fontsize=8)
                 ax.set_ylabel("tokens/s per XPU", fontsize=8)
