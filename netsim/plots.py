@@ -81,7 +81,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                     if "sweet_spot_gbps" in e:
                         k = e["bandwidths_gbps"].index(e["sweet_spot_gbps"])
                         ax.plot([e["sweet_spot_gbps"]], [e["throughput_per_cost"][k]], "k*", ms=9)
-                ax.axvline(450, color="k", lw=0.5, ls=":")
+                ax.axvline(450 * cfg.get("link_bandwidth_scale", 1.0), color="k", lw=0.5, ls=":")
                 ax.set_title(f"TPOT {t:g} ms, context {c}", fontsize=9)
                 ax.set_xlabel("link bandwidth per XPU (GB/s)")
                 ax.set_ylabel("tokens/s per XPU / norm. cost")

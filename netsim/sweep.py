@@ -103,6 +103,16 @@ def pareto_front(cost: np.ndarray, perf: np.ndarray) -> np.ndarray:
     return keep
 
 
+def _bw_scale(cfg: SweepConfig) -> float:
+    """Per-XPU bandwidths of the sweep are multiples of the H100 provision; on a projected
+    generation they scale with its link bandwidth (Table 5)."""
+    return generation_spec(cfg.generation).link_bandwidth / generation_spec("h100").link_bandwidth
+
+
+def _gbps(x: float) -> float:
+    return round(float(x), 6)  # exact matching of swept bandwidths in the analyses
+
+
 def _on_gpu(table: ProfileTable, spec) -> ProfileTable:
     """``table`` as is if it was made for ``spec``, else projected to it by the roofline."""
     return table if table.provenance.get("gpu_spec") == spec.as_dict() else project_table(table, spec)
@@ -125,12 +135,11 @@ def run_sweep(cfg: SweepConfig = SweepConfig(), table: Optional[ProfileTable] = 
     t_start = time.perf_counter()
     base_table = table = table or default_table()
     serving = cfg.serving
-    bw_scale = 1.0
+    bw_scale = _bw_scale(cfg)
     if cfg.generation != "h100":
         spec = generation_spec(cfg.generation)
         table = _on_gpu(table, spec)
         serving = replace(serving, mem_capacity=spec.mem_capacity)
-        bw_scale = spec.link_bandwidth / generation_spec("h100").link_bandwidth
     networks = []
     for topo in cfg.topologies:
         for n in cfg.cluster_sizes:
@@ -163,7 +172,7 @@ def run_sweep(cfg: SweepConfig = SweepConfig(), table: Optional[ProfileTable] = 
                     c = cases[k]
                     records.append({
                         "topology": net.topology.value, "num_xpus": net.num_xpus,
-                        "bandwidth_gbps": net.bandwidth / GB / bw_scale, "context": ctx, "tpot_slo_ms": tpot_ms,
+                        "bandwidth_gbps": _gbps(net.bandwidth / GB), "context": ctx, "tpot_slo_ms": tpot_ms,
                         "optimization": opt.value, "variant": variant.name,
                         "throughput_per_xpu": thr, "tp": c.tp if thr > 0 else None, "ep": c.ep if thr > 0 else None,
                         "batch_per_tp_group": float(best["batch"][k]) if thr > 0 else None,
@@ -244,6 +253,7 @@ def _config_json(cfg: SweepConfig) -> dict:
         "reference_size": cfg.reference_size,
         "constants": cfg.constants.as_dict(),
         "inter_constants": cfg.inter_constants.as_dict(),
+        "link_bandwidth_scale": _bw_scale(cfg),
         "generations": list(cfg.generations),
         "generation_size": cfg.generation_size,
         "generation_tpots_ms": list(cfg.generation_tpots_ms),
@@ -257,11 +267,13 @@ def _select(records, **kw):
 def _analyses(cfg: SweepConfig, records: list[dict], networks: list[Network]) -> dict:
     base = [r for r in records if r["variant"] == BASELINE.name]
     n_ref = cfg.reference_size
+    scale = _bw_scale(cfg)
+    provision = {t: _gbps(v * scale) for t, v in PROVISION_GBPS.items()}
     out: dict = {"bandwidth": {}, "topology": {}, "topology_best": {}, "pareto": {}, "variants": {}}
 
     # ---- scale-up link-bandwidth sweet spot (Fig. 12) and its sensitivity to the cost factor (Fig. 13)
     if Topology.SCALE_UP in cfg.topologies:
-        prov = PROVISION_GBPS[Topology.SCALE_UP]
+        prov = provision[Topology.SCALE_UP]
         for tpot_ms, ctx in _scenarios(cfg):
             key = _scen_key(tpot_ms, ctx)
             out["bandwidth"][key] = {}
@@ -296,7 +308,7 @@ def _analyses(cfg: SweepConfig, records: list[dict], networks: list[Network]) ->
             row, best_row = {}, {}
             for topo in cfg.topologies:
                 rs = _select(base, topology=topo.value, num_xpus=n_ref, context=ctx, tpot_slo_ms=tpot_ms,
-                             optimization=opt.value, bandwidth_gbps=PROVISION_GBPS[topo])  # fmt: skip
+                             optimization=opt.value, bandwidth_gbps=provision[topo])  # fmt: skip
                 if rs:
                     row[topo.value] = {k: rs[0][k] for k in ("throughput_per_xpu", "throughput_per_cost", "cost_per_xpu", "tp", "ep", "technique")}
                 allr = _select(base, topology=topo.value, context=ctx, tpot_slo_ms=tpot_ms, optimization=opt.value)
@@ -319,12 +331,13 @@ def _analyses(cfg: SweepConfig, records: list[dict], networks: list[Network]) ->
         pts = []
         for topo in cfg.topologies:
             for bw in cfg.bandwidths_gbps[topo]:
-                rs = _select(base, topology=topo.value, bandwidth_gbps=float(bw), context=ctx, tpot_slo_ms=tpot_ms,
+                bw = _gbps(bw * scale)
+                rs = _select(base, topology=topo.value, bandwidth_gbps=bw, context=ctx, tpot_slo_ms=tpot_ms,
                              optimization=opt.value)  # fmt: skip
                 if rs:
                     b = max(rs, key=lambda r: r["throughput_per_cost"])
                     if b["throughput_per_xpu"] > 0:
-                        pts.append({"topology": topo.value, "bandwidth_gbps": float(bw), "num_xpus": b["num_xpus"],
+                        pts.append({"topology": topo.value, "bandwidth_gbps": bw, "num_xpus": b["num_xpus"],
                                     "cost_per_xpu": b["cost_per_xpu"], "throughput_per_xpu": b["throughput_per_xpu"]})  # fmt: skip
         if pts:
             mask = pareto_front([p["cost_per_xpu"] for p in pts], [p["throughput_per_xpu"] for p in pts])
@@ -343,7 +356,7 @@ def _analyses(cfg: SweepConfig, records: list[dict], networks: list[Network]) ->
         out["variants"][key] = {}
         for topo in cfg.topologies:
             sel = dict(topology=topo.value, num_xpus=n_ref, context=ctx, tpot_slo_ms=tpot_ms, optimization=vo,
-                       bandwidth_gbps=PROVISION_GBPS[topo])  # fmt: skip
+                       bandwidth_gbps=provision[topo])  # fmt: skip
             b = _select(base, **sel)
             if not b or b[0]["throughput_per_cost"] <= 0:
                 continue
@@ -363,6 +376,10 @@ def summary_table(result: dict) -> str:
     a = result["analyses"]
     opt_last = result["config"]["optimizations"][-1]
     lines = []
+    gen = result["config"].get("generation", "h100")
+    if gen != "h100":
+        lines.append(f"GPU generation: {gen} (compute table and memory projected by Table 5; bandwidths x "
+                     f"{result['config']['link_bandwidth_scale']:g}; costs use today's prices)")  # fmt: skip
     lines.append(f"Topologies at the 1x provision, {result['config']['reference_size']} XPUs, {opt_last}: "
                  "throughput/cost relative to scale-up (tokens/s per XPU in brackets)")  # fmt: skip
     topos = result["config"]["topologies"]
@@ -387,7 +404,8 @@ def summary_table(result: dict) -> str:
         lines.append(f"  {key:<22} {('%.1f%%' % (g * 100)) if g is not None else '-':>8}   ({desc})")
     if a["bandwidth"]:
         lines.append("")
-        lines.append("Scale-up link bandwidth sweet spot (throughput/cost), gain over 450 GB/s")
+        lines.append(f"Scale-up link bandwidth sweet spot (throughput/cost), gain over the "
+                     f"{450 * result['config'].get('link_bandwidth_scale', 1.0):g} GB/s provision")  # fmt: skip
         opts = result["config"]["optimizations"]
         lines.append(f"{'scenario':<22}" + "".join(f"{o:>20}" for o in opts))
         for key, per in a["bandwidth"].items():
