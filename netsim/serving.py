@@ -154,7 +154,7 @@ class ServingConfig:
     mem_usable_fraction: float = 0.9  # the rest: activations, CUDA graphs, fragmentation
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     ep_sizes: Optional[tuple[int, ...]] = None  # None: every power of two that fits memory
-    batch_grid: tuple[float, ...] = field(default_factory=lambda: _geom(1, 4096, 4))
+    batch_grid: tuple[float, ...] = field(default_factory=lambda: _geom(1, 16384, 4))
     spec: SpecDecode = SpecDecode()
 
     def __post_init__(self):
