@@ -54,3 +54,36 @@ def build_and_load(model_cfg: ModelConfig, parallel: ParallelConfig, state=None,
     if state is not None:
         load_global_state_dict(model, state, pgc)
     return model, pgc
+
+
+def torchrun(module: str, args, nproc: int = 2, timeout: float = 300, env=None):
+    """Run ``torchrun --nproc_per_node=nproc -m module args`` from the repo root; returns the
+    CompletedProcess (stdout/stderr as text)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    full_env.update(env or {})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--standalone", "-m", module, *[str(a) for a in args],
+    ]
+    return subprocess.run(cmd, cwd=repo, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+SMALL_PRETRAIN_ARGS = [
+    "--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--ffn-hidden-size", 128,
+    "--seq-length", 32, "--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 64,
+    "--moe-shared-expert-intermediate-size", 64, "--transformer-impl", "local",
+    "--micro-batch-size", 4, "--global-batch-size", 16, "--lr", 3e-3, "--lr-warmup-iters", 2,
+    "--log-interval", 1, "--eval-interval", 100, "--eval-iters", 2, "--split", "949,50,1",
+]

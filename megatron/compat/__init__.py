@@ -26,7 +26,26 @@ import torch
 from megatron.compat import cpu_device
 from megatron.compat.sites import CHECKED_VERSION
 
-__all__ = ["apply", "AppliedCompat", "megatron_core_version", "CHECKED_VERSION"]
+__all__ = ["apply", "quiet_warnings", "AppliedCompat", "megatron_core_version", "CHECKED_VERSION"]
+
+# Notices megatron-core and torch print for optional packages or internal deprecations that a user
+# of this project cannot act on; Transformer Engine/apex being absent is reported by our own
+# `--transformer-impl` resolution instead.
+_QUIET = [
+    r".*Transformer Engine and Apex are not installed.*",
+    r".*Apex is not installed.*",
+    r".*TransformerEngine.*not installed.*",
+    r".*full scope is deprecated.*",
+    r".*`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*",
+]
+
+
+def quiet_warnings() -> None:
+    """Silence the upstream notices above (call before importing megatron.core)."""
+    import warnings
+
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +80,7 @@ def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
     global _applied
     if _applied is not None:
         return _applied
+    quiet_warnings()
     version = megatron_core_version()
     if version != CHECKED_VERSION and not allow_version_mismatch:
         raise RuntimeError(
@@ -89,3 +109,22 @@ def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
 def have_transformer_engine() -> bool:
     """True if Transformer Engine is importable (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def prepare_optimizer_for_load(optimizer) -> None:
+    """Give a fresh optimizer the state entries a distributed-checkpoint load expects.
+
+    Without apex/Transformer Engine, megatron-core's ``DistributedOptimizer.state_dict`` reads the
+    ``step`` of every torch-Adam state and asserts they agree (``optimizer/distrib_optimizer.py:641-642``);
+    a freshly built optimizer has no state yet, so building the *loading* sharded state dict fails.
+    megatron-core's own ``_init_optimizer_states_with_dummy_values`` (``:1137``) creates them with a
+    zero-gradient step; the loaded values then overwrite them. Call before loading, and load the
+    model weights after it (the dummy step applies weight decay to the current weights).
+    """
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for opt in inner:
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()

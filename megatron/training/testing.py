@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -92,10 +93,12 @@ def run_distributed(
             ctx.Process(
                 target=_worker,
                 args=(rank, world_size, backend, init_file, fn, args, kwargs, results, num_threads),
-                daemon=True,
+                daemon=False,  # dist_checkpointing saves through worker processes
             )
             for rank in range(world_size)
         ]
+        sys.stdout.flush()  # forked ranks would otherwise re-emit the parent's buffered output
+        sys.stderr.flush()
         for p in procs:
             p.start()
         outputs: dict[int, Any] = {}

@@ -1,0 +1,29 @@
+# Set-up and the two commands a newcomer needs: `make demo` (the main job on the embedded default)
+# and `make test` (the test suite). Both install into a local virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned: 2.13.0 is the release the project is tested with (a CPU build on CPU-only
+# machines; pip picks the CUDA build elsewhere).
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test test-fast clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,data]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m megatron.training.pretrain_gpt \
+		--config examples/tiny_moe_cpu.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

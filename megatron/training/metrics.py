@@ -1,0 +1,139 @@
+"""Training metrics: one writer on one rank, several sinks (console, JSONL, TensorBoard, wandb).
+
+The JSONL file is the machine-readable record of a run (one object per logged step, plus
+``"event"`` records for evaluations and checkpoints); TensorBoard and wandb are optional and
+imported only when asked for, with an install hint if missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Optional
+
+__all__ = ["MetricsWriter", "peak_rss_mb", "format_step_line"]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024.0
+    return f"{n:.1f} GB"
+
+
+def format_step_line(record: dict, train_iters: int) -> str:
+    """The one-line console summary of a logged step."""
+    parts = [
+        f"iter {record['step']:>6}/{train_iters}",
+        f"loss {record['loss']:.4f}",
+        f"lm {record['lm_loss']:.4f}",
+        f"aux {record['aux_loss']:.4f}",
+        f"lr {record['lr']:.2e}",
+    ]
+    if record.get("grad_norm") is not None:
+        parts.append(f"gnorm {record['grad_norm']:.3f}")
+    parts.append(f"{record['tokens_per_sec']:.0f} tok/s")
+    parts.append(f"{record['step_time_s']:.3f} s/step")
+    a2a = record.get("a2a_bytes_dispatch", 0) + record.get("a2a_bytes_combine", 0)
+    if a2a:
+        parts.append(f"a2a {_fmt_bytes(a2a)} in {record.get('a2a_time_s', 0.0):.3f} s")
+    parts.append(f"rss {record['peak_rss_mb']:.0f} MB")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Writes metrics from the logging rank only; every other rank gets a no-op writer."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        jsonl_path: Optional[str] = None,
+        tensorboard_dir: Optional[str] = None,
+        wandb_project: Optional[str] = None,
+        wandb_exp_name: Optional[str] = None,
+        wandb_mode: str = "offline",
+        wandb_save_dir: Optional[str] = None,
+        config: Optional[dict] = None,
+    ):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError(
+                    "--tensorboard-dir needs tensorboard: pip install -e '.[log]'"
+                ) from None
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("--wandb-project needs wandb: pip install -e '.[log]'") from None
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                project=wandb_project,
+                name=wandb_exp_name,
+                mode=wandb_mode,
+                dir=wandb_save_dir,
+                config=config or {},
+            )
+
+    def log_step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        step = record.get("step", 0)
+        numeric = {
+            k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"
+        }
+        if self._tb:
+            for key, value in numeric.items():
+                self._tb.add_scalar(f"train/{key}", value, step)
+        if self._wandb:
+            self._wandb.log({f"train/{k}": v for k, v in numeric.items()}, step=step)
+
+    def log_event(self, kind: str, step: int, **fields) -> None:
+        if not self.enabled:
+            return
+        record = {"event": kind, "step": step, "time": time.time(), **fields}
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        numeric = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb:
+            for key, value in numeric.items():
+                self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self._wandb:
+            self._wandb.log({f"{kind}/{k}": v for k, v in numeric.items()}, step=step)
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()

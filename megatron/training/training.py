@@ -1,0 +1,388 @@
+"""One optimizer step through megatron-core's DDP, optimizer and pipeline schedule.
+
+This is the loop body shared by pretraining, FCSD distillation and the EP benchmark: the same
+``setup_model_and_optimizer`` / ``train_step`` / ``evaluate`` run on 2 CPU ranks (gloo, through
+the compat seam) and on GPU clusters (NCCL). Batches are dicts of ``tokens``, ``labels``,
+``loss_mask`` and ``position_ids`` ([b, s] each) as megatron-core's ``GPTDataset`` yields them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.config import ModelConfig, ParallelConfig, TrainingConfig
+from megatron.training.model_builder import build_model, causal_attention_mask, moe_layers
+
+__all__ = [
+    "StepMetrics",
+    "setup_model_and_optimizer",
+    "train_step",
+    "evaluate",
+    "lm_forward_step",
+    "comm_counters",
+]
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    """What one optimizer step did, reduced over data-parallel ranks where it is a loss."""
+
+    lm_loss: float
+    aux_loss: float
+    grad_norm: Optional[float]
+    lr: float
+    step_time_s: float
+    fwd_time_s: float
+    bwd_time_s: float
+    optimizer_time_s: float
+    tokens: int  # tokens processed by all data-parallel ranks in this step
+    skipped: bool
+    comm: dict  # expert-parallel communication counters summed over this rank's MoE layers
+
+    @property
+    def loss(self) -> float:
+        return self.lm_loss + self.aux_loss
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+def setup_model_and_optimizer(
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    train_cfg: TrainingConfig,
+    *,
+    vocab_size: int,
+    pg_collection=None,
+):
+    """Build the model, wrap it in megatron-core DDP, and create the optimizer and LR schedule.
+
+    Returns ``(model_chunks, optimizer, scheduler)``; ``model_chunks`` is a one-element list of
+    ``DistributedDataParallel`` (megatron-core's convention for virtual pipeline chunks).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = build_model(model_cfg, parallel, vocab_size=vocab_size, pg_collection=pg_collection)
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=train_cfg.use_distributed_optimizer,
+        overlap_grad_reduce=False,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    opt_config = OptimizerConfig(
+        optimizer=train_cfg.optimizer,
+        lr=train_cfg.lr,
+        min_lr=train_cfg.min_lr,
+        weight_decay=train_cfg.weight_decay,
+        adam_beta1=train_cfg.adam_beta1,
+        adam_beta2=train_cfg.adam_beta2,
+        adam_eps=train_cfg.adam_eps,
+        clip_grad=train_cfg.clip_grad,
+        bf16=model_cfg.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=train_cfg.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    decay_iters = train_cfg.lr_decay_iters or train_cfg.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if train_cfg.lr_warmup_iters else train_cfg.lr,
+        max_lr=train_cfg.lr,
+        min_lr=train_cfg.min_lr,
+        lr_warmup_steps=train_cfg.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, train_cfg.lr_warmup_iters + 1),
+        lr_decay_style=train_cfg.lr_decay_style.value,
+        start_wd=train_cfg.weight_decay,
+        end_wd=train_cfg.weight_decay,
+        wd_incr_steps=decay_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=train_cfg.lr_wsd_decay_iters,
+        lr_wsd_decay_style="linear" if train_cfg.lr_decay_style.value == "WSD" else None,
+    )
+    return [ddp], optimizer, scheduler
+
+
+def comm_counters(model_chunks) -> list:
+    """The ``CommCounters`` of every MoE layer of this rank."""
+    out = []
+    for chunk in model_chunks:
+        for layer in moe_layers(chunk):
+            counters = getattr(layer.token_dispatcher, "comm", None)
+            if counters is not None:
+                out.append(counters)
+    return out
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of a [b, s] loss over tokens where ``loss_mask`` is 1."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+class _Timer:
+    """Accumulates the forward time spent inside a schedule call (per micro-batch)."""
+
+    def __init__(self):
+        self.forward_s = 0.0
+
+
+def lm_forward_step(timer: Optional[_Timer] = None, loss_fn: Optional[Callable] = None):
+    """A megatron-core ``forward_step_func`` for next-token prediction.
+
+    ``loss_fn(per_token_loss, batch, model) -> (loss, report_dict)`` can replace the default
+    masked-mean cross entropy (FCSD uses this to add distillation terms).
+    """
+    from megatron.training.parallel import device
+
+    def forward_step(data_iterator, model):
+        start = time.perf_counter()
+        batch = _to_device(next(data_iterator), device())
+        tokens = batch["tokens"]
+        seq = tokens.shape[1]
+        output = model(
+            tokens,
+            batch["position_ids"],
+            causal_attention_mask(seq, device=tokens.device),
+            labels=batch["labels"],
+        )
+
+        def loss_func(per_token_loss):
+            if loss_fn is not None:
+                loss, report = loss_fn(per_token_loss, batch, model)
+            else:
+                loss = masked_mean(per_token_loss.float(), batch["loss_mask"])
+                report = {"lm_loss": loss.detach().clone()}
+            return loss, report
+
+        if timer is not None:
+            timer.forward_s += time.perf_counter() - start
+        return output, loss_func
+
+    return forward_step
+
+
+def _reduce_mean(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if torch.cuda.is_available():
+        t = t.cuda()
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size(group)
+
+
+def _moe_aux_loss(model_cfg: ModelConfig, num_microbatches: int, pg_collection) -> float:
+    """Coefficient-weighted MoE auxiliary losses of this step (summed over layers), then reset."""
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return 0.0
+    moe_utils.reduce_aux_losses_tracker_across_ranks(pg_collection=pg_collection)
+    coeff = {"load_balancing_loss": model_cfg.moe_aux_loss_coeff, "z_loss": model_cfg.moe_z_loss_coeff or 0.0}
+    total = 0.0
+    for name, entry in tracker.items():
+        total += coeff.get(name, 0.0) * float(entry["values"].sum()) / num_microbatches
+    moe_utils.clear_aux_losses_tracker()
+    return total
+
+
+def train_step(
+    model_chunks,
+    optimizer,
+    scheduler,
+    data_iterator: Iterator[dict],
+    *,
+    model_cfg: ModelConfig,
+    train_cfg: TrainingConfig,
+    num_microbatches: int,
+    pg_collection=None,
+    forward_step_func=None,
+) -> StepMetrics:
+    """Run ``num_microbatches`` forward/backward passes (gradient accumulation) and one update."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    for counters in comm_counters(model_chunks):
+        counters.reset()
+    timer = _Timer()
+    step_fn = forward_step_func or lm_forward_step(timer)
+    start = time.perf_counter()
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    reports = forward_backward(
+        forward_step_func=step_fn,
+        data_iterator=data_iterator,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=model_cfg.seq_length,
+        micro_batch_size=train_cfg.micro_batch_size,
+        forward_only=False,
+    )
+    fb_end = time.perf_counter()
+    update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        scheduler.step(increment=1)
+    end = time.perf_counter()
+    lm_loss = 0.0
+    if reports:  # last pipeline stage
+        lm_loss = sum(float(r["lm_loss"]) for r in reports) / len(reports)
+    lm_loss = _reduce_mean(lm_loss, pg_collection.dp) if reports else lm_loss
+    aux = _moe_aux_loss(model_cfg, num_microbatches, pg_collection)
+    dp = dist.get_world_size(pg_collection.dp)
+    return StepMetrics(
+        lm_loss=lm_loss,
+        aux_loss=aux,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=optimizer.param_groups[0]["lr"],
+        step_time_s=end - start,
+        fwd_time_s=timer.forward_s,
+        bwd_time_s=max(fb_end - start - timer.forward_s, 0.0),
+        optimizer_time_s=end - fb_end,
+        tokens=num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp,
+        skipped=not update_ok,
+        comm=_comm_totals(model_chunks),
+    )
+
+
+def _comm_totals(model_chunks) -> dict:
+    from moe_variants.common.comm import CommCounters
+
+    return CommCounters.total(comm_counters(model_chunks))
+
+
+@torch.no_grad()
+def evaluate(
+    model_chunks,
+    data_iterator: Iterator[dict],
+    *,
+    model_cfg: ModelConfig,
+    train_cfg: TrainingConfig,
+    eval_iters: int,
+    num_microbatches: int = 1,
+    pg_collection=None,
+) -> dict:
+    """Mean next-token loss and perplexity over ``eval_iters`` x ``num_microbatches`` batches."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import moe_utils
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    for chunk in model_chunks:
+        chunk.eval()
+    forward_backward = get_forward_backward_func()
+    losses = []
+    try:
+        for _ in range(eval_iters):
+            reports = forward_backward(
+                forward_step_func=lm_forward_step(),
+                data_iterator=data_iterator,
+                model=model_chunks,
+                num_microbatches=num_microbatches,
+                seq_length=model_cfg.seq_length,
+                micro_batch_size=train_cfg.micro_batch_size,
+                forward_only=True,
+            )
+            if reports:
+                losses.extend(float(r["lm_loss"]) for r in reports)
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+        moe_utils.clear_aux_losses_tracker()
+    loss = sum(losses) / len(losses) if losses else 0.0
+    loss = _reduce_mean(loss, pg_collection.dp)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+
+
+@torch.no_grad()
+def evaluate_windows(
+    model_chunks,
+    windows: torch.Tensor,
+    *,
+    model_cfg: ModelConfig,
+    micro_batch_size: int,
+    pg_collection=None,
+) -> dict:
+    """Perplexity of fixed token windows [N, S+1] (e.g. ``data.build_heldout_windows``).
+
+    Windows are dealt round-robin to data-parallel ranks; ranks with fewer batches run dummy
+    batches with an all-zero loss mask, so every rank issues the same collectives (expert
+    parallelism needs the ranks in lockstep). Returns the token-weighted ``loss`` and ``ppl``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import moe_utils
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    dp_rank = dist.get_rank(pg_collection.dp)
+    dp_size = dist.get_world_size(pg_collection.dp)
+    seq = windows.shape[1] - 1
+    if seq != model_cfg.seq_length:
+        raise ValueError(f"windows of {seq} tokens but --seq-length is {model_cfg.seq_length}")
+    mine = windows[dp_rank::dp_size]
+    num_batches = torch.tensor([math.ceil(len(mine) / micro_batch_size)], dtype=torch.long)
+    dist.all_reduce(num_batches, op=dist.ReduceOp.MAX, group=pg_collection.dp)
+    batches = []
+    for i in range(int(num_batches.item())):
+        chunk = mine[i * micro_batch_size : (i + 1) * micro_batch_size]
+        mask = torch.ones(len(chunk), seq)
+        if len(chunk) < micro_batch_size:  # pad with dummies that score nothing
+            pad = micro_batch_size - len(chunk)
+            chunk = torch.cat([chunk, windows[:1].expand(pad, -1)], 0)
+            mask = torch.cat([mask, torch.zeros(pad, seq)], 0)
+        batches.append({
+            "tokens": chunk[:, :-1], "labels": chunk[:, 1:], "loss_mask": mask,
+            "position_ids": torch.arange(seq)[None].expand(micro_batch_size, -1),
+        })
+
+    def nll_sum(per_token_loss, batch, model):
+        mask = batch["loss_mask"].to(per_token_loss.dtype)
+        total = (per_token_loss.float() * mask).sum()
+        return total, {"nll": total.detach().clone(), "tokens": mask.sum().detach().clone()}
+
+    for chunk in model_chunks:
+        chunk.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    try:
+        reports = get_forward_backward_func()(
+            forward_step_func=lm_forward_step(loss_fn=nll_sum),
+            data_iterator=iter(batches),
+            model=model_chunks,
+            num_microbatches=len(batches),
+            seq_length=seq,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        ) if batches else []
+        for r in reports or []:
+            totals[0] += float(r["nll"])
+            totals[1] += float(r["tokens"])
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+        moe_utils.clear_aux_losses_tracker()
+    if torch.cuda.is_available():
+        totals = totals.cuda()
+    dist.all_reduce(totals, group=pg_collection.dp)
+    loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1])}
