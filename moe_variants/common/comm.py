@@ -165,8 +165,15 @@ class PendingComm:
         return None
 
     def wait(self) -> torch.Tensor:
+        """Block until the collective is done; returns the output (once: the reference is dropped).
+
+        Dropping the references matters: the forward ``PendingComm`` sits in the autograd ctx's
+        ``handles`` dict, so keeping ``output`` would close a cycle output -> grad_fn -> ctx ->
+        handles -> output through C++ autograd nodes that Python's GC cannot collect, leaking every
+        step's graph.
+        """
         if self._done:
-            return self.output
+            raise RuntimeError(f"{self.name}: already waited")
         t0 = time.perf_counter()
         if self.work is not None:
             self.work.wait()
@@ -181,7 +188,8 @@ class PendingComm:
             if t1 - t0 > 1e-6:
                 self.timeline.add(f"wait {self.name}", "wait", t0, t1)
         self._done = True
-        return self.output
+        output, self.output, self.work = self.output, None, None
+        return output
 
 
 def _launch(group, tensor, output_splits, input_splits, counters, kind, backward, name):
