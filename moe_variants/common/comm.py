@@ -240,11 +240,12 @@ class _AllToAll(torch.autograd.Function):
             True,
             f"{ctx.kind} bwd",
         )
+        grad_input = pending.output  # filled by the collective; read before wait() drops it
         if ctx.async_backward:
             ctx.handles["backward"] = pending
         else:
             pending.wait()
-        return pending.output, None, None, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None, None
 
 
 def all_to_all(

@@ -44,7 +44,10 @@ def _run(model_cfg, parallel, world_size, state=None, data_index_of_rank=_same_i
 def _assert_grads_close(ref, got):
     assert set(ref) == set(got)
     for key in ref:
-        torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=2e-6, msg=key)
+        try:
+            torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=2e-6)
+        except AssertionError as e:
+            raise AssertionError(f"{key}: {e}") from None
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
