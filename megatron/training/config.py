@@ -102,6 +102,7 @@ class ModelConfig:
     moe_variant: MoEVariant = MoEVariant.standard
     bigmac_ratio: Optional[float] = None
     moe_latent_size: Optional[int] = None
+    bigmac_ffn_hidden_size: Optional[int] = None  # expert F; default (moe_ffn_hidden_size) / r
     farskip: str = "none"
     farskip_impl: FarSkipImpl = FarSkipImpl.simple
 
@@ -132,6 +133,18 @@ class ModelConfig:
         if self.moe_latent_size is not None:
             return self.moe_latent_size
         return int(round(self.bigmac_ratio * self.hidden_size))
+
+    def resolved_bigmac_ffn(self) -> Optional[int]:
+        """BigMac's expert intermediate size F: set, or the parameter-matching f / r."""
+        if self.moe_variant != MoEVariant.bigmac:
+            return None
+        if self.bigmac_ffn_hidden_size is not None:
+            return self.bigmac_ffn_hidden_size
+        f = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+        ratio = self.resolved_latent_size() / self.hidden_size
+        import math
+
+        return int(math.ceil(f / ratio))
 
 
 @dataclasses.dataclass

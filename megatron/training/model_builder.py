@@ -189,9 +189,15 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
         spec = ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
         mlp = spec.submodules.mlp
         if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+            params = {**mlp.params, "pg_collection": pg_collection}
+            if model.moe_variant == MoEVariant.bigmac:
+                params.update(
+                    latent_size=model.resolved_latent_size(),
+                    expert_ffn_hidden_size=model.resolved_bigmac_ffn(),
+                )
             mlp = ModuleSpec(
                 module=moe_cls,
-                params={**mlp.params, "pg_collection": pg_collection},
+                params=params,
                 submodules=dataclasses.replace(mlp.submodules, router=ProjectRouter),
                 metainfo=mlp.metainfo,
             )

@@ -81,8 +81,8 @@ class CommCounters:
 
     bytes_dispatch: int = 0  # forward dispatch, hidden-state payload
     bytes_combine: int = 0  # forward combine, hidden-state payload
-    bytes_meta: int = 0  # forward routing probabilities and other metadata
-    bytes_backward: int = 0  # all backward all-to-alls (gradients of the above)
+    bytes_meta: int = 0  # routing probabilities and other metadata, forward and backward
+    bytes_backward: int = 0  # backward all-to-alls of the hidden-state payload
     time_fwd_s: float = 0.0  # launch-to-completion time of forward collectives
     time_bwd_s: float = 0.0
     exposed_fwd_s: float = 0.0  # time the compute thread waited on forward collectives
@@ -199,7 +199,7 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
     if counters is not None:
         row_numel = tensor[0].numel() if tensor.dim() > 1 else 1
         num_bytes = off_rank_bytes(input_splits, row_numel, tensor.element_size(), group.rank())
-        counters.add_bytes("backward" if backward else kind, num_bytes)
+        counters.add_bytes("backward" if backward and kind != "meta" else kind, num_bytes)
     work = dist.all_to_all_single(
         output,
         tensor,

@@ -1,0 +1,139 @@
+"""The EP benchmark's model worker: the project's real training step for one MoE variant.
+
+``python -m megatron.training.bench.variant_worker SPEC.json`` (started once per rank by
+``scripts/bench_ep.py``). It builds the model with the same builder and trains it with the same
+``train_step`` as ``pretrain_gpt`` (megatron-core DDP, optimizer, schedule) on the embedded corpus
+(identical batches for every variant: same seed, same data order), and records per measured step
+the timings and the all-to-all counters that the dispatchers themselves keep.
+
+Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` combines them
+(``bigmac+farskip``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron import compat
+
+from .schema import RankResult, WorkerSpec, peak_rss_mb
+from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
+
+__all__ = ["VARIANTS", "variant_overrides", "main"]
+
+# name -> ModelConfig overrides. BigMac keeps the config's --bigmac-ratio (default 0.25).
+VARIANTS = {
+    "standard": {"moe_variant": "standard", "farskip": "none"},
+    "bigmac": {"moe_variant": "bigmac"},
+    "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
+    "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
+}
+
+
+def variant_overrides(variant: str) -> dict:
+    """Config overrides of a (possibly ``+``-combined) variant name; ValueError if unknown."""
+    out: dict = {}
+    for part in variant.split("+"):
+        if part not in VARIANTS:
+            raise ValueError(f"--variants: unknown variant {part!r} (known: {', '.join(VARIANTS)}, synthetic)")
+        out.update(VARIANTS[part])
+    if out.get("moe_variant") == "bigmac":
+        out.setdefault("bigmac_ratio", 0.25)
+    return out
+
+
+def _configs(spec: WorkerSpec, world: int):
+    from megatron.training.arguments import configs_from_dict, load_yaml
+
+    values = load_yaml(spec.config_path) if spec.config_path else {}
+    values.update(spec.overrides)
+    values.setdefault("expert_model_parallel_size", world)
+    values.setdefault("transformer_impl", "local")
+    for key, value in variant_overrides(spec.variant).items():
+        if key == "bigmac_ratio" and (values.get("bigmac_ratio") or values.get("moe_latent_size")):
+            continue
+        values[key] = value
+    values["seed"] = spec.seed
+    values["train_iters"] = spec.warmup + spec.steps
+    return configs_from_dict(values)
+
+
+def run(spec: WorkerSpec) -> RankResult:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.training.config import validate
+    from megatron.training.parallel import initialize_parallel
+    from megatron.training.pretrain_gpt import build_data, resolve_tokenizer
+    from megatron.training.training import setup_model_and_optimizer, train_step
+
+    rank, world = rank_and_world()
+    c = _configs(spec, world)
+    c.checkpoint.save = None
+    c.data.data_cache_path = c.data.data_cache_path or os.path.join(spec.output_dir, "data_cache")
+    c.logging.eval_interval = 0
+    validate(c.model, c.parallel, world)
+    tokenizer = resolve_tokenizer(c)
+    pgc = initialize_parallel(c.parallel, seed=c.training.seed)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_micro = c.training.num_microbatches(dp_size)
+    global_batch = c.training.resolved_global_batch_size(dp_size)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(
+        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc
+    )
+    _, _, _, train_iter = build_data(
+        c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
+    )
+    fields = {k: [] for k in ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s",
+                              "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
+    extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
+             "exposed_fwd_s": [], "exposed_bwd_s": []}
+    for step in range(spec.warmup + spec.steps):
+        m = train_step(
+            chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
+            num_microbatches=num_micro, pg_collection=pgc,
+        )
+        if step < spec.warmup:
+            continue
+        comm = m.comm
+        fields["step_time_s"].append(m.step_time_s)
+        fields["fwd_time_s"].append(m.fwd_time_s)
+        fields["bwd_time_s"].append(m.bwd_time_s)
+        fields["a2a_time_s"].append(comm["time_fwd_s"] + comm["time_bwd_s"])
+        fields["exposed_comm_s"].append(comm["exposed_fwd_s"] + comm["exposed_bwd_s"])
+        fields["a2a_bytes_dispatch"].append(int(comm["bytes_dispatch"]))
+        fields["a2a_bytes_combine"].append(int(comm["bytes_combine"]))
+        fields["a2a_bytes_backward"].append(int(comm["bytes_backward"]))
+        fields["tokens"].append(num_micro * c.training.micro_batch_size * c.model.seq_length)
+        extra["lm_loss"].append(m.lm_loss)
+        extra["a2a_bytes_meta"].append(int(comm["bytes_meta"]))
+        extra["a2a_time_fwd_s"].append(comm["time_fwd_s"])
+        extra["a2a_time_bwd_s"].append(comm["time_bwd_s"])
+        extra["exposed_fwd_s"].append(comm["exposed_fwd_s"])
+        extra["exposed_bwd_s"].append(comm["exposed_bwd_s"])
+    from megatron.training.arguments import configs_to_dict
+
+    extra["config"] = configs_to_dict(c)["model"]
+    dist.barrier()
+    return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
+                      extra=extra, **fields)
+
+
+def main(argv=None) -> int:
+    compat.quiet_warnings()
+    spec = read_spec_from_argv(argv)
+    init_gloo_from_env(spec.num_threads)
+    rank, _ = rank_and_world()
+    try:
+        result = run(spec)
+    except ValueError as e:
+        print(f"variant_worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    result.write(spec.result_path(rank))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

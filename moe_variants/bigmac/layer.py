@@ -1,0 +1,109 @@
+"""BigMac's descend-communicate-communicate-ascend MoE layer on megatron-core.
+
+Router on the full hidden state; a shared down-projection ``fc1_latent_proj`` (h -> r*h) before the
+dispatch all-to-all; experts reversed to up-then-down inside the low dimension (r*h -> F -> r*h);
+the combine all-to-all in r*h; the up-projection ``fc2_latent_proj`` (r*h -> h) after it; shared
+experts stay full-dimension. This is megatron-core 0.16.1's "latent MoE" dataflow
+(``moe_layer.py:170-193, 265-269, 342-344``) with the same parameter names and shapes, without its
+Transformer Engine requirement: the projections are plain duplicated linears, so the layer runs with
+the local spec on CPU and with either spec on GPU, with both dispatchers, EP, TP, dropless and
+capacity-factor routing. Probabilities weight and sum the top-k expert outputs in the low dimension
+before the single up-projection, which equals projecting each because the projection is linear.
+
+Shape legend: T tokens, H hidden, L latent (r*H).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+
+from moe_variants.common.moe_layer import ProjectMoELayer
+
+__all__ = ["BigMacMoELayer", "DuplicatedLinear", "LatentExperts"]
+
+
+class DuplicatedLinear(MegatronModule):
+    """A linear layer replicated on every tensor-parallel rank (TE's ``parallel_mode="duplicated"``).
+
+    ``forward`` returns ``(output, None)`` like megatron-core's linear layers. Under sequence
+    parallelism each TP rank sees a different slice of the sequence, so the weight is tagged for the
+    TP gradient all-reduce (as the router's is).
+    """
+
+    def __init__(self, input_size: int, output_size: int, config, init_method):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype)
+        )
+        if config.perform_initialization:
+            with torch.no_grad():
+                init_method(self.weight)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return F.linear(x, self.weight), None
+
+
+class LatentExperts:
+    """Spec factory: the configured expert module, built with BigMac's latent input/output size.
+
+    ``build_module`` passes ``(num_local_experts, config, submodules=, pg_collection=)``; this
+    returns the real expert class built on a copy of the config whose ``moe_latent_size`` and
+    ``moe_ffn_hidden_size`` are BigMac's (megatron-core's ``MLP`` sizes expert fc1-in/fc2-out from
+    ``moe_latent_size``, ``mlp.py:117-153``).
+    """
+
+    def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None, *,
+                expert_module, latent_size: int, ffn_hidden_size: int):
+        latent_config = copy.deepcopy(config)
+        latent_config.moe_latent_size = latent_size
+        latent_config.moe_ffn_hidden_size = ffn_hidden_size
+        return expert_module(num_local_experts, latent_config, submodules, pg_collection=pg_collection)
+
+
+class BigMacMoELayer(ProjectMoELayer):
+    """megatron-core ``MoELayer`` with BigMac's DCCA dataflow (see the module docstring)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                 latent_size: int, expert_ffn_hidden_size: int):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        experts = submodules.experts
+        expert_spec = experts if isinstance(experts, ModuleSpec) else ModuleSpec(module=experts)
+        submodules = copy.copy(submodules)
+        submodules.experts = ModuleSpec(
+            module=LatentExperts,
+            params={"expert_module": expert_spec.module, "latent_size": latent_size,
+                    "ffn_hidden_size": expert_ffn_hidden_size, **expert_spec.params},
+            submodules=expert_spec.submodules,
+        )
+        super().__init__(config, submodules, layer_number, pg_collection)
+        self.latent_size = latent_size
+        self.fc1_latent_proj = DuplicatedLinear(config.hidden_size, latent_size, config, config.init_method)
+        self.fc2_latent_proj = DuplicatedLinear(
+            latent_size, config.hidden_size, config, config.output_layer_init_method
+        )
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        """Down-project [T, H] -> [T, L], then the dispatcher's permutation (in L)."""
+        hidden_states, _ = self.fc1_latent_proj(hidden_states)
+        return self.token_dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def postprocess(self, output, shared_expert_output):
+        """Unpermute and sum the top-k outputs in L, up-project [T, L] -> [T, H], add shared."""
+        output = self.token_dispatcher.combine_postprocess(output)
+        output, _ = self.fc2_latent_proj(output)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output
+
+
+def bigmac_expert_ffn(baseline_expert_ffn: int, ratio: float) -> int:
+    """F that keeps expert parameters equal to the fine-grained baseline: F = f / r (paper)."""
+    return int(math.ceil(baseline_expert_ffn / ratio))

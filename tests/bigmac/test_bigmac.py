@@ -1,0 +1,169 @@
+"""BigMac (DCCA) layer: equivalences, upstream compatibility, communication volume and accounting."""
+
+import pytest
+import torch
+
+from megatron.training.config import ParallelConfig
+from megatron.training.testing import run_distributed
+from moe_variants.bigmac.accounting import a2a_bytes_uniform, model_accounting, paper_table3
+from tests.foundation.test_ep_equivalence import _assert_grads_close, _run
+from tests.helpers import VOCAB, batch, build_and_load, forward_loss, tiny_model_config
+
+
+def test_paper_table4_gpt3_xl():
+    """GPT3-XL, 64 experts, top-8, r=0.25, EP=32, 2^19-token batch, bf16 (BigMac Table 4).
+
+    FLOPs use the padded vocabulary 50,304 (what Megatron trains GPT-2's 50,257 with); the
+    parameter count is the same at either size to the table's 3 digits.
+    """
+    kw = dict(h=2048, l=24, e=64, r=0.25, v=50304, tokens=2**19, s=2048, top_k=8, ep=32)
+    fg, bm = paper_table3(bigmac=False, **kw), paper_table3(bigmac=True, **kw)
+    assert round(fg["params"] / 1e9, 2) == 3.73 and round(bm["params"] / 1e9, 2) == 3.78
+    assert round(100 * (bm["params"] / fg["params"] - 1), 2) == 1.35
+    assert round(fg["flops"] / 1e12, 2) == 3490.67 and round(bm["flops"] / 1e12, 2) == 3649.00
+    assert round(100 * (bm["flops"] / fg["flops"] - 1), 2) == 4.54
+    assert fg["a2a_bytes"] / 2**30 == pytest.approx(1488.0) and bm["a2a_bytes"] / 2**30 == pytest.approx(372.0)
+
+
+def _param_count(rank, world, cfg):
+    from megatron.training.model_builder import padded_vocab_size
+
+    model, _ = build_and_load(cfg, ParallelConfig())
+    return sum(p.numel() for p in model.parameters()), padded_vocab_size(VOCAB, cfg, ParallelConfig())
+
+
+@pytest.mark.parametrize("variant", ["standard", "bigmac"])
+def test_accounting_matches_built_model(variant):
+    cfg = tiny_model_config(moe_variant=variant, bigmac_ratio=0.25, moe_layer_freq=[0, 1])
+    real, vocab = run_distributed(_param_count, 1, cfg)[0]
+    acc = model_accounting(cfg, vocab)
+    assert acc.params == real
+    if variant == "bigmac":
+        base = model_accounting(tiny_model_config(moe_layer_freq=[0, 1]), vocab)
+        # parameter-matched experts (F = f / r): only the two projections are added
+        assert acc.params_by_part["experts"] == base.params_by_part["experts"]
+        assert acc.params - base.params == 2 * cfg.hidden_size * cfg.resolved_latent_size()
+        bytes_bm = a2a_bytes_uniform(acc, tokens=1024, top_k=2, ep=4)["total"]
+        bytes_fg = a2a_bytes_uniform(base, tokens=1024, top_k=2, ep=4)["total"]
+        assert bytes_bm / bytes_fg == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_bigmac_ep2_equals_ep1(dispatcher):
+    """Same tolerance and reasoning as tests/foundation/test_ep_equivalence.py."""
+    cfg = tiny_model_config(moe_variant="bigmac", bigmac_ratio=0.25, moe_token_dispatcher_type=dispatcher)
+    ref = _run(cfg, ParallelConfig(expert_model_parallel_size=1), 2)
+    got = _run(cfg, ParallelConfig(expert_model_parallel_size=2), 2, state=ref[0]["state"])
+    for rank in range(2):
+        torch.testing.assert_close(got[rank]["loss"], ref[rank]["loss"], rtol=1e-5, atol=1e-6)
+    _assert_grads_close(ref[0]["grads"], got[0]["grads"])
+
+
+def test_bigmac_with_capacity_factor_ep2_equals_ep1():
+    cfg = tiny_model_config(moe_variant="bigmac", bigmac_ratio=0.5, moe_expert_capacity_factor=1.0)
+    ref = _run(cfg, ParallelConfig(expert_model_parallel_size=1), 2)
+    got = _run(cfg, ParallelConfig(expert_model_parallel_size=2), 2, state=ref[0]["state"])
+    for rank in range(2):
+        torch.testing.assert_close(got[rank]["loss"], ref[rank]["loss"], rtol=1e-5, atol=1e-6)
+
+
+class _PlainTELinear(torch.nn.Module):
+    """Stands in for Transformer Engine's TELinear(parallel_mode="duplicated") on CPU."""
+
+    def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias,
+                 skip_bias_add, skip_weight_param_allocation, is_expert):
+        super().__init__()
+        assert parallel_mode == "duplicated" and not bias
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size))
+        init_method(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def _ours_vs_upstream(rank, world):
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_layer as upstream
+
+    from megatron.training.model_builder import transformer_config
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.bigmac.layer import BigMacMoELayer
+    from moe_variants.common.moe_layer import ProjectRouter
+
+    cfg = tiny_model_config(moe_variant="bigmac", bigmac_ratio=0.25)
+    pgc = initialize_parallel(ParallelConfig(), seed=5)
+    config = transformer_config(cfg, ParallelConfig())
+    sub = copy.copy(get_gpt_layer_local_spec(num_experts=cfg.num_experts).submodules.mlp.submodules)
+    sub.router = ProjectRouter
+    ours = BigMacMoELayer(config, sub, layer_number=1, pg_collection=pgc,
+                          latent_size=cfg.resolved_latent_size(),
+                          expert_ffn_hidden_size=cfg.resolved_bigmac_ffn())
+    latent_config = copy.deepcopy(config)
+    latent_config.moe_latent_size = cfg.resolved_latent_size()
+    latent_config.moe_ffn_hidden_size = cfg.resolved_bigmac_ffn()
+    upstream.HAVE_TE, upstream.TELinear = True, _PlainTELinear  # this process only
+    theirs = upstream.MoELayer(latent_config, get_gpt_layer_local_spec(num_experts=cfg.num_experts).submodules.mlp.submodules,
+                               layer_number=1, pg_collection=pgc)
+    theirs.load_state_dict(ours.state_dict(), strict=True)  # same names and shapes, both ways
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(16, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    outs, grads = [], []
+    for layer in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        out, _ = layer(xi)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append((xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    return outs, grads
+
+
+def test_matches_megatron_core_latent_moe():
+    """Our layer equals megatron-core's own latent MoE path (TE's linear swapped for a plain one,
+    in the test process only) on the same weights: bit-identical forward and gradients, since
+    both run the same operations in the same order."""
+    (out_ours, out_theirs), ((gx_o, gp_o), (gx_t, gp_t)) = run_distributed(_ours_vs_upstream, 1)[0]
+    assert torch.equal(out_ours, out_theirs)
+    assert torch.equal(gx_o, gx_t)
+    assert gp_o.keys() == gp_t.keys()
+    for name in gp_o:
+        assert torch.equal(gp_o[name], gp_t[name]), name
+
+
+def _bytes(rank, world, cfg, state):
+    from megatron.training.training import comm_counters
+    from moe_variants.common.comm import CommCounters
+
+    model, pgc = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
+    if state is not None:
+        from megatron.training.global_state import load_global_state_dict
+
+        shared = {k: v for k, v in state.items() if ".experts." not in k}
+        load_global_state_dict(model, shared, pgc, strict=False)
+    tokens, labels = batch(rank)
+    forward_loss(model, tokens, labels).sum().backward()
+    totals = CommCounters.total(comm_counters([model]))
+    if state is None:
+        from megatron.training.global_state import gather_global_state_dict
+
+        return totals, gather_global_state_dict(model, pgc)
+    return totals, None
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_a2a_bytes_ratio_equals_r(ratio):
+    """One MoE layer and identical router/attention weights give identical routing, so the
+    hidden-state bytes of dispatch and combine (forward and backward) scale by exactly r; the
+    routing-probability payload is the same in both and is reported separately."""
+    base = tiny_model_config(num_layers=1, moe_layer_freq=1)
+    std = run_distributed(_bytes, 2, base, None)
+    state = std[0][1]
+    bm = run_distributed(_bytes, 2, tiny_model_config(num_layers=1, moe_layer_freq=1, moe_variant="bigmac",
+                                                      bigmac_ratio=ratio), state)
+    for rank in range(2):
+        s, b = std[rank][0], bm[rank][0]
+        assert s["bytes_dispatch"] > 0
+        for key in ("bytes_dispatch", "bytes_combine", "bytes_backward"):
+            assert b[key] / s[key] == pytest.approx(ratio, rel=0.01), key
+        assert b["bytes_meta"] == s["bytes_meta"]
