@@ -180,12 +180,15 @@ def save_checkpoint(
     layout: dict,
     configs: dict,
     keep_last: Optional[int] = None,
+    tokenizer_files: Optional[dict] = None,
 ) -> str:
     """Save a checkpoint collectively (every rank calls it). Returns the final directory.
 
     ``configs`` (plain, JSON-serialisable dicts: model, parallel, training, data...) is stored in the
     manifest so other tools (evaluation, distillation, placement) can rebuild the model from the
-    checkpoint alone. Refuses to overwrite an existing ``iter_N``.
+    checkpoint alone. ``tokenizer_files`` ({role: path}, e.g. ``{"tokenizer_model": ...}``) are
+    copied into ``iter_N/tokenizer/`` so the checkpoint is self-contained. Refuses to overwrite an
+    existing ``iter_N``.
     """
     from megatron.core import dist_checkpointing
 
@@ -213,6 +216,13 @@ def save_checkpoint(
         dist_checkpointing.save(state, tmp)
         dist.barrier()
         if rank == 0:
+            copied = {}
+            if tokenizer_files:
+                os.makedirs(os.path.join(tmp, "tokenizer"))
+                for role, src in tokenizer_files.items():
+                    dst = os.path.join("tokenizer", os.path.basename(src))
+                    shutil.copyfile(src, os.path.join(tmp, dst))
+                    copied[role] = dst
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
@@ -220,6 +230,7 @@ def save_checkpoint(
                 "layout": layout,
                 "has_optimizer": optimizer is not None,
                 "configs": configs,
+                "tokenizer_files": copied,
                 "files": _file_table(tmp),
             }
             _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, default=str))

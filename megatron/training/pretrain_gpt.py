@@ -85,6 +85,23 @@ def check_data_paths(c: Configs) -> None:
             raise ValueError(f"--heldout-text {path}: no such file")
 
 
+def tokenizer_files_of(c: Configs) -> dict:
+    """The files that define the tokenizer ({flag role: path}), copied into every checkpoint."""
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+
+    d = c.data
+    if d.tokenizer_type is None:
+        return {"tokenizer_model": DEFAULT_TOKENIZER_MODEL}
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        path = d.tokenizer_model
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        return {"tokenizer_model": path}
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return {"vocab_file": d.vocab_file, "merge_file": d.merge_file}
+    return {}
+
+
 def build_data(c: Configs, tokenizer, *, dp_rank: int, dp_size: int, consumed_samples: int, global_batch: int):
     """Train/valid/test datasets and the (resumable) train iterator."""
     from megatron.training.data import (
@@ -193,7 +210,10 @@ def run_pretraining(
         c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc
     )
     config_dict = configs_to_dict(c)
-    config_dict["tokenizer"] = {"vocab_size": tokenizer.vocab_size}
+    tokenizer_files = tokenizer_files_of(c)
+    config_dict["tokenizer"] = {
+        "type": c.data.tokenizer_type or "HuggingFaceTokenizer", "vocab_size": tokenizer.vocab_size,
+    }
     layout = layout_of(c.parallel, c.training, world)
 
     iteration, consumed = 0, 0
@@ -240,6 +260,7 @@ def run_pretraining(
         path = save_checkpoint(
             c.checkpoint.save, step, chunks, optimizer, scheduler, consumed_samples=consumed,
             layout=layout, configs=config_dict, keep_last=c.checkpoint.keep_last_checkpoints,
+            tokenizer_files=tokenizer_files,
         )
         writer.log_event("checkpoint", step, path=path)
         writer.print(f"{prog}: saved checkpoint {path}")

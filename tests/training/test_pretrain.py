@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 
@@ -177,3 +178,33 @@ def test_unknown_flag_and_yaml_key(tmp_path, capsys):
     cfg.write_text("num_layers: 2\nmoe_routr_topk: 3\n")
     assert main(["--config", str(cfg)]) == 2
     assert "moe_routr_topk" in capsys.readouterr().err
+
+
+def _load_and_score(rank, world, path, ep):
+    import torch
+
+    from megatron.training.config import ParallelConfig
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+    from tests.helpers import forward_loss
+
+    parallel = ParallelConfig(expert_model_parallel_size=ep)
+    initialize_parallel(parallel, seed=1)
+    model, configs, tokenizer, _ = load_model(path, parallel=parallel)
+    ids = torch.tensor([tokenizer.tokenize("To be, or not to be, that is the question:")[:16]])
+    with torch.no_grad():
+        loss = forward_loss(model, ids[:, :-1], ids[:, 1:])
+    return loss, configs.model.num_experts, tokenizer.detokenize(ids[0].tolist())
+
+
+def test_load_model_from_checkpoint_any_layout(run_a):
+    """A checkpoint carries its configs and tokenizer: tools rebuild the model at any EP."""
+    from megatron.training.testing import run_distributed
+
+    _, save, _ = run_a
+    one = run_distributed(_load_and_score, 1, str(save), 1)[0]
+    two = run_distributed(_load_and_score, 2, str(save), 2)
+    assert one[1] == 4 and one[2].startswith("To be, or not")
+    assert os.path.isfile(save / "iter_0000006" / "tokenizer" / "tiny_bpe.json")
+    for loss, _, _ in two:
+        assert torch.allclose(loss, one[0], rtol=1e-5, atol=1e-6)

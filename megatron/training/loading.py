@@ -1,0 +1,98 @@
+"""Models from checkpoints, for the tools that run after training (evaluation, distillation,
+placement, conversion): rebuild the model from the configs stored in the checkpoint, at any
+TP/EP/PP layout, and load its weights; write weights-only checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+__all__ = ["checkpoint_configs", "load_tokenizer", "load_model", "save_model"]
+
+
+def checkpoint_configs(path: str, overrides: Optional[dict] = None):
+    """(Configs, manifest, checkpoint dir) of the newest checkpoint under ``path``.
+
+    ``overrides`` replaces config fields (e.g. ``{"farskip": "all"}`` to load a model with another
+    connectivity, or parallel sizes).
+    """
+    from megatron.training.arguments import configs_from_dict
+    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
+
+    ckpt = find_latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"--load {path}: no complete checkpoint found")
+    manifest = read_manifest(ckpt, verify=False)
+    values = {}
+    for section, fields in manifest["configs"].items():
+        if section == "tokenizer":
+            continue
+        values.update(fields)
+    values.update(overrides or {})
+    from megatron.training.arguments import SECTIONS
+
+    known = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    return configs_from_dict({k: v for k, v in values.items() if k in known}), manifest, ckpt
+
+
+def load_tokenizer(manifest: dict, ckpt: str):
+    """The tokenizer stored with a checkpoint (its files are copied into the checkpoint)."""
+    from megatron.training.tokenizer import build_tokenizer
+
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+
+    info = manifest["configs"].get("tokenizer", {})
+    files = {role: os.path.join(ckpt, rel) for role, rel in manifest.get("tokenizer_files", {}).items()}
+    data = manifest["configs"].get("data", {})
+    if not files:  # older checkpoints: the tokenizer flags they were trained with
+        files = {k: data.get(k) for k in ("tokenizer_model", "vocab_file", "merge_file") if data.get(k)}
+        if not data.get("tokenizer_type"):
+            files = {"tokenizer_model": DEFAULT_TOKENIZER_MODEL}
+    kind = info.get("type") or data.get("tokenizer_type") or "HuggingFaceTokenizer"
+    if kind == "NullTokenizer":
+        return build_tokenizer(kind, vocab_size=info["vocab_size"] - 1)
+    return build_tokenizer(kind, files.get("tokenizer_model"), files.get("vocab_file"), files.get("merge_file"))
+
+
+def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg_collection=None,
+               verify: bool = True):
+    """Build this rank's model from a checkpoint's configs and load its weights.
+
+    Call ``megatron.training.parallel.initialize_parallel(parallel)`` first; ``parallel`` defaults
+    to the checkpoint's. Returns ``(model, configs, tokenizer, manifest)``; the model is in eval mode.
+    """
+    import torch.distributed as dist
+
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.model_builder import build_model
+
+    configs, manifest, ckpt = checkpoint_configs(path, overrides)
+    if parallel is not None:
+        configs.parallel = parallel
+    tokenizer = load_tokenizer(manifest, ckpt)
+    vocab = manifest["configs"].get("tokenizer", {}).get("vocab_size", tokenizer.vocab_size)
+    model = build_model(configs.model, configs.parallel, vocab_size=vocab, pg_collection=pg_collection)
+    load_checkpoint(ckpt, [model], None, None, layout=None, load_optimizer=False, load_rng=False,
+                    verify=verify)
+    model.eval()
+    return model, configs, tokenizer, manifest
+
+
+def save_model(save_dir: str, model, configs, *, iteration: int = 0, tokenizer_files: Optional[dict] = None,
+               tokenizer_info: Optional[dict] = None) -> str:
+    """A weights-only checkpoint (no optimizer) of ``model`` with ``configs``; collective."""
+    import torch.distributed as dist
+
+    from megatron.training.arguments import configs_to_dict
+    from megatron.training.checkpointing import layout_of, save_checkpoint
+
+    config_dict = configs_to_dict(configs)
+    if tokenizer_info:
+        config_dict["tokenizer"] = tokenizer_info
+    return save_checkpoint(
+        save_dir, iteration, [model], None, None, consumed_samples=0,
+        layout=layout_of(configs.parallel, configs.training, dist.get_world_size()),
+        configs=config_dict, tokenizer_files=tokenizer_files,
+    )
