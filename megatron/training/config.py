@@ -36,6 +36,16 @@ class MoEVariant(str, enum.Enum):
     bigmac = "bigmac"
 
 
+class FarSkipMode(str, enum.Enum):
+    """Which sub-block of a FarSkip layer reads an earlier activation. ``full``: attention reads
+    the stream without the last routed-expert output and the MoE reads the pre-attention residual
+    (the paper). ``attn-only``: only attention skips. ``mlp-only``: only the MoE skips."""
+
+    full = "full"
+    attn_only = "attn-only"
+    mlp_only = "mlp-only"
+
+
 class FarSkipImpl(str, enum.Enum):
     """``simple``: FarSkip connectivity with blocking collectives (reference, fine-tuning).
     ``overlapped``: the same math with dispatch/combine overlapping attention and the next layer."""
@@ -103,8 +113,9 @@ class ModelConfig:
     bigmac_ratio: Optional[float] = None
     moe_latent_size: Optional[int] = None
     bigmac_ffn_hidden_size: Optional[int] = None  # expert F; default (moe_ffn_hidden_size) / r
-    farskip: str = "none"
+    farskip: str = "none"  # none | all | first:N | last:N | A-B (0-based layer indices, inclusive)
     farskip_impl: FarSkipImpl = FarSkipImpl.simple
+    farskip_mode: FarSkipMode = FarSkipMode.full
 
     def __post_init__(self):
         for name, enum_type in (
@@ -112,6 +123,7 @@ class ModelConfig:
             ("transformer_impl", TransformerImpl),
             ("moe_variant", MoEVariant),
             ("farskip_impl", FarSkipImpl),
+            ("farskip_mode", FarSkipMode),
         ):
             value = getattr(self, name)
             if not isinstance(value, enum_type):
@@ -248,6 +260,10 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
         if model.moe_variant != MoEVariant.standard:
             raise ValueError(f"--moe-variant {model.moe_variant.value} needs --num-experts")
+    if model.farskip != "none":
+        from moe_variants.farskip.connectivity import parse_farskip_layers
+
+        parse_farskip_layers(model.farskip, model.num_layers)
     if ep > 1 and etp > 1 and model.moe_token_dispatcher_type == DispatcherType.alltoall:
         # the dispatcher's uneven all-gather over expert-TP (mappings.py:149-150) is not
         # supported by gloo; NCCL handles it

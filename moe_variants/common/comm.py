@@ -29,6 +29,9 @@ __all__ = [
     "wait_backward_hook",
     "off_rank_bytes",
     "TimelineRecorder",
+    "set_backward_priority",
+    "LAUNCH_BACKWARD",
+    "DEFER_BACKWARD",
 ]
 
 
@@ -281,9 +284,29 @@ def all_to_all(
         tensor, group, output_splits, input_splits, handles, counters, kind, async_op
     )
     if async_op:
+        if tensor.requires_grad:
+            tensor.register_hook(wait_backward_hook(handles))
+            set_backward_priority(tensor, DEFER_BACKWARD)
+        set_backward_priority(output, LAUNCH_BACKWARD)
         return output, handles
     handles["forward"].wait()
     return output
+
+
+# Backward priorities (autograd sequence numbers; among ready nodes the engine runs the highest
+# first, torch/csrc/autograd/engine.h CompareNodeTaskTime). Nodes created in the forward carry
+# increasing default numbers, far below LAUNCH and far above these small constants.
+LAUNCH_BACKWARD = 2**31 - 1  # an all-to-all's backward: launch its reverse collective at once
+DEFER_BACKWARD = 0  # the node that consumes that collective's result (its hook waits): run last
+
+
+BACKWARD_REORDERING = True  # tests switch it off to show the reordering is what moves the work
+
+
+def set_backward_priority(tensor: torch.Tensor, sequence_nr: int) -> None:
+    """Reorder the backward: give ``tensor``'s producer node the sequence number ``sequence_nr``."""
+    if BACKWARD_REORDERING and tensor.grad_fn is not None:
+        tensor.grad_fn._set_sequence_nr(sequence_nr)
 
 
 def wait_backward_hook(handles: dict):

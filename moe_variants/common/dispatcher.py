@@ -67,6 +67,40 @@ class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         )
         return tokens, probs
 
+    def token_dispatch_async(self, permutated_local_input_tokens, permuted_probs):
+        """Start the dispatch all-to-alls without waiting.
+
+        Returns ``(tokens, probs, wait)``: call ``wait()`` before reading ``tokens``/``probs``. The
+        backward all-to-alls are asynchronous too and waited by hooks on the inputs (see
+        ``comm.all_to_all``). EP=1 issues no collective.
+        """
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_ep_alltoall", self.tokens_per_expert
+        )
+        if self.ep_size == 1:
+            return permutated_local_input_tokens, permuted_probs, _no_wait
+        out_splits, in_splits = self.dispatch_splits()
+        tokens, h_tokens = all_to_all(
+            self.ep_group, permutated_local_input_tokens, out_splits, in_splits,
+            counters=self.comm, kind="dispatch", async_op=True,
+        )
+        probs, h_probs = all_to_all(
+            self.ep_group, permuted_probs, out_splits, in_splits, counters=self.comm, kind="meta",
+            async_op=True,
+        )
+        return tokens, probs, _waiter(h_tokens, h_probs)
+
+    def token_combine_async(self, hidden_states):
+        """Start the combine all-to-all; returns ``(output, wait)`` like ``token_dispatch_async``."""
+        if self.ep_size == 1:
+            return hidden_states, _no_wait
+        out_splits, in_splits = self.dispatch_splits()
+        output, handles = all_to_all(
+            self.ep_group, hidden_states, in_splits, out_splits, counters=self.comm, kind="combine",
+            async_op=True,
+        )
+        return output, _waiter(handles)
+
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         if self.ep_size == 1:
             return hidden_states
@@ -74,6 +108,18 @@ class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         return all_to_all(
             self.ep_group, hidden_states, in_splits, out_splits, counters=self.comm, kind="combine"
         )
+
+
+def _no_wait():
+    pass
+
+
+def _waiter(*handle_dicts):
+    def wait():
+        for handles in handle_dicts:
+            handles["forward"].wait()
+
+    return wait
 
 
 class AllGatherDispatcher(MoEAllGatherTokenDispatcher):

@@ -1,0 +1,66 @@
+"""megatron-core self-attention split in two, so a collective can run between the halves.
+
+``attention_qkv`` is the QKV projection plus RoPE; ``attention_out`` is core attention plus the
+output projection. Together they are ``Attention.forward``'s training path
+(``transformer/attention.py:875-1215``: no inference context, packed sequences, output gate,
+activation offloading or core-attention recompute) with the same operations in the same order, so
+the result is bit-identical (tests/farskip/test_attention_split.py). Other attention classes (e.g.
+multi-latent attention) are not split: ``can_split`` is False and the caller runs them whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["can_split", "attention_qkv", "attention_out"]
+
+
+def can_split(attn) -> bool:
+    from megatron.core.transformer.attention import SelfAttention
+
+    cfg = attn.config
+    return (
+        type(attn) is SelfAttention
+        and not cfg.attention_output_gate
+        and not getattr(cfg, "fused_single_qkv_rope", False)
+        and not getattr(attn, "checkpoint_core_attention", False)
+        and not getattr(attn, "offload_qkv_linear", False)
+        and not getattr(attn, "offload_core_attention", False)
+        and not getattr(attn, "offload_attn_proj", False)
+    )
+
+
+def attention_qkv(attn, hidden: torch.Tensor, rotary_pos_emb=None):
+    """[s, b, h] -> (query, key, value) with rotary embeddings applied."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+
+    cfg = attn.config
+    if cfg.no_rope_freq and cfg.no_rope_freq[attn.layer_number - 1]:
+        rotary_pos_emb = None
+    query, key, value = attn.get_query_key_value_tensors(hidden, None, output_gate=False, split_qkv=True)
+    if rotary_pos_emb is not None:
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb,) * 2
+        q_pos, k_pos = rotary_pos_emb
+        mscale = _yarn_get_concentration_factor_from_config(cfg)
+        if q_pos is not None:
+            query = apply_rotary_pos_emb(
+                query, q_pos, config=cfg, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp
+            )
+        if k_pos is not None:
+            key = apply_rotary_pos_emb(
+                key, k_pos, config=cfg, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp
+            )
+    return query, key, value
+
+
+def attention_out(attn, query, key, value, attention_mask):
+    """Core attention + output projection: ``(output, bias)`` like ``Attention.forward``."""
+    core = attn.core_attention(
+        query, key, value, attention_mask, attn_mask_type=attn.attn_mask_type,
+        attention_bias=None, packed_seq_params=None,
+    )
+    return attn.linear_proj(core)

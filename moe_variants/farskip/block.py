@@ -1,0 +1,116 @@
+"""FarSkip transformer block: threads the two residual streams through the layers.
+
+megatron-core's ``TransformerBlock.forward`` passes one tensor between layers
+(``transformer_block.py:748-786``); this subclass passes a ``FarSkipState`` through FarSkip layers,
+collapses it to the full stream before a standard layer, and waits for the last pending combine
+before the final norm (so nothing is in flight when a pipeline stage hands its output on).
+
+``apply_farskip`` converts a built ``GPTModel`` in place: the block and the selected layers change
+class, no parameter changes, so any checkpoint loads with either connectivity.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+from megatron.training.config import FarSkipImpl, FarSkipMode, ModelConfig
+from moe_variants.farskip.connectivity import FarSkipState, parse_farskip_layers
+from moe_variants.farskip.layer import FarSkipTransformerLayer
+
+__all__ = ["FarSkipTransformerBlock", "apply_farskip", "check_farskip_supported"]
+
+
+class FarSkipTransformerBlock(TransformerBlock):
+    """``TransformerBlock`` whose FarSkip layers exchange two residual streams."""
+
+    farskip_overlapped: bool = False
+    farskip_mode: FarSkipMode = FarSkipMode.full
+
+    def forward(self, hidden_states, attention_mask, context=None, context_mask=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, padding_mask=None, *,
+                inference_params=None, dynamic_inference_decode_only=None):
+        inference_context = inference_context or inference_params
+        if context is not None or packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("FarSkip layers support neither cross-attention, packed sequences "
+                             "nor an attention bias")
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
+        with rng:
+            state = FarSkipState.single(hidden_states)
+            for layer in self.layers:
+                if isinstance(layer, FarSkipTransformerLayer):
+                    state = layer.farskip_forward(
+                        state, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                        overlapped=self.farskip_overlapped, mode=self.farskip_mode,
+                        inference_context=inference_context,
+                    )
+                else:
+                    hidden, _ = layer(
+                        hidden_states=state.full_stream(), attention_mask=attention_mask,
+                        rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+                        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask,
+                    )
+                    state = FarSkipState.single(hidden)
+            hidden_states = state.full_stream()  # the last combine must land before the norm
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if not self.pre_process and len(self.layers) == 0 and not self.final_layernorm:
+            hidden_states = hidden_states.clone()
+        return hidden_states
+
+
+def check_farskip_supported(config, model: ModelConfig, farskip_layers, pipeline_size: int) -> None:
+    """Refuse combinations FarSkip cannot run correctly, with a one-line ``ValueError``."""
+    if config.recompute_granularity is not None:
+        raise ValueError("--farskip cannot be combined with activation recompute: re-running a "
+                         "layer's forward would issue its collectives twice")
+    if config.cuda_graph_impl != "none":
+        raise ValueError("--farskip cannot be combined with CUDA graphs (collectives in flight "
+                         "across layers)")
+    if config.overlap_moe_expert_parallel_comm:
+        raise ValueError("--farskip cannot be combined with --overlap-moe-expert-parallel-comm: "
+                         "both schedule the same dispatch/combine phases")
+    if config.fp8 or getattr(config, "fp4", None):
+        raise ValueError("--farskip is not implemented with FP8/FP4 training")
+    if (model.farskip_impl == FarSkipImpl.overlapped and model.is_moe
+            and model.moe_token_dispatcher_type.value != "alltoall"):
+        raise ValueError("--farskip-impl overlapped needs --moe-token-dispatcher-type alltoall")
+    if pipeline_size > 1:
+        per_stage = model.num_layers // pipeline_size
+        for first in range(per_stage, model.num_layers, per_stage):
+            if first in farskip_layers and first - 1 in farskip_layers:
+                raise ValueError(
+                    f"--farskip: layer {first} starts a pipeline stage but its predecessor is a "
+                    f"FarSkip layer on another stage (only one residual stream crosses a stage); "
+                    f"exclude layer {first} or use --pipeline-model-parallel-size 1"
+                )
+
+
+def apply_farskip(gpt, model: ModelConfig):
+    """Switch a built ``GPTModel``'s selected layers (``model.farskip``) to FarSkip connectivity."""
+    selected = parse_farskip_layers(model.farskip, model.num_layers)
+    if not selected:
+        return gpt
+    block = gpt.decoder
+    check_farskip_supported(block.config, model, selected, block.config.pipeline_model_parallel_size)
+    if type(block) is not TransformerBlock:
+        raise ValueError(f"--farskip needs megatron-core's TransformerBlock, got {type(block).__name__}")
+    block.__class__ = FarSkipTransformerBlock
+    block.farskip_overlapped = model.farskip_impl == FarSkipImpl.overlapped
+    block.farskip_mode = model.farskip_mode
+    for layer in block.layers:
+        if layer.layer_number - 1 in selected:
+            if type(layer) is not TransformerLayer:
+                raise ValueError(f"--farskip needs megatron-core's TransformerLayer, got {type(layer).__name__}")
+            layer.__class__ = FarSkipTransformerLayer
+    return gpt

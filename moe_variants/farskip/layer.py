@@ -1,0 +1,190 @@
+"""FarSkip-Collective transformer layer (paper §3, §4.1) on megatron-core's ``TransformerLayer``.
+
+A FarSkip MoE layer k, given A_{k-1} (attention stream) and o_{k-1} (full stream):
+
+    attn-in_k  = A_{k-1}                       (``attn-only``/``full``; o_{k-1} for ``mlp-only``)
+    residual_k = o_{k-1} + attn_k(LN1(attn-in_k))
+    mlp-in_k   = o_{k-1}                       (``mlp-only``/``full``; residual_k for ``attn-only``)
+    routed_k, shared_k = MoE(LN2(mlp-in_k))
+    A_k = residual_k + shared_k
+    o_k = A_k + routed_k
+
+Dense layers inside a FarSkip range run their MLP in parallel on the same input and collapse the
+two streams (A_k = o_k). The layer has exactly ``TransformerLayer``'s parameters: FarSkip changes
+the forward only, so any checkpoint loads with either connectivity.
+
+Two executions of the same math, with the same additions in the same order (so the forward is
+bit-identical):
+
+- **simple**: blocking collectives, o_k completed inside the layer (reference, fine-tuning);
+- **overlapped**: (1) QKV of attention on A_{k-1} while layer k-1's combine is in flight; (2) wait
+  it, o_{k-1} = A_{k-1} + routed_{k-1}; (3) route and *start* the dispatch; (4) core attention and
+  output projection while the dispatch flies; (5) wait, routed experts, *start* the combine; (6) the
+  shared expert while the combine flies; hand A_k and the pending combine to layer k+1. Backward
+  all-to-alls are asynchronous too (``moe_variants.common.comm``); autograd sequence numbers order
+  the backward so that the gradient all-to-alls overlap the attention and shared-expert backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.training.config import FarSkipMode
+from moe_variants.common.comm import set_backward_priority
+from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
+from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
+
+__all__ = ["FarSkipTransformerLayer"]
+
+# Backward priorities inside a layer (see comm.LAUNCH_BACKWARD / DEFER_BACKWARD for the ends of
+# the scale; nodes keep their large default numbers otherwise). After the combine's gradient
+# all-to-all is launched, the shared-expert and core-attention backward (default numbers) overlap
+# it; then the expert backward (COMBINE_INPUT, whose hook waits); then, while the dispatch's
+# gradient all-to-all flies, the QKV projection (QKV) and the attention residual (RESIDUAL); last
+# the dispatch input's producer (DEFER_BACKWARD), whose hook waits.
+COMBINE_INPUT = 3
+QKV = 2
+RESIDUAL = 1
+
+
+def _noop():
+    pass
+
+
+class FarSkipTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` with FarSkip connectivity; call ``farskip_forward``."""
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hidden_dropout and self.training:
+            return F.dropout(x, p=self.hidden_dropout, training=True)
+        return x
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        timeline = None
+        if self.is_moe_layer:
+            timeline = getattr(self.mlp.token_dispatcher.comm, "timeline", None)
+        if timeline is None:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        timeline.add(f"{name} L{self.layer_number}", "compute", start, time.perf_counter())
+
+    def _mark_backward(self, tensor: torch.Tensor, name: str) -> None:
+        """With a timeline attached, record when ``tensor``'s gradient is computed (an instant on
+        the compute lane), to see the backward order."""
+        timeline = getattr(self.mlp.token_dispatcher.comm, "timeline", None) if self.is_moe_layer else None
+        if timeline is None or not tensor.requires_grad:
+            return
+
+        def hook(grad):
+            now = time.perf_counter()
+            timeline.add(f"{name} L{self.layer_number}", "compute", now, now)
+            return grad
+
+        tensor.register_hook(hook)
+
+    def _start_dispatch(self, moe_in, overlapped: bool):
+        mlp = self.mlp
+        probs, routing_map = mlp.route(moe_in)
+        tokens, probs = mlp.preprocess(moe_in, probs, routing_map)
+        if overlapped:
+            return mlp.token_dispatcher.token_dispatch_async(tokens, probs)
+        tokens, probs = mlp.dispatch(tokens, probs)
+        return tokens, probs, _noop
+
+    def _experts_and_start_combine(self, dispatched, overlapped: bool):
+        tokens, probs, wait = dispatched
+        wait()
+        expert_out, _ = self.mlp.routed_experts_compute(tokens, probs)
+        if overlapped:
+            combined, wait_combine = self.mlp.token_dispatcher.token_combine_async(expert_out)
+            set_backward_priority(expert_out, COMBINE_INPUT)
+            return combined, wait_combine
+        return self.mlp.combine(expert_out), _noop
+
+    def farskip_forward(
+        self,
+        state: FarSkipState,
+        *,
+        attention_mask,
+        rotary_pos_emb=None,
+        overlapped: bool,
+        mode: FarSkipMode = FarSkipMode.full,
+        inference_context=None,
+    ) -> FarSkipState:
+        """One FarSkip layer; returns the state for the next layer (see the module docstring).
+
+        With an ``inference_context`` (KV-cached generation) attention runs whole through
+        megatron-core's own ``Attention.forward`` and the collectives block.
+        """
+        attn = self.self_attention
+        split = can_split(attn) and inference_context is None
+        overlapped = overlapped and inference_context is None
+        attn_reads_a = mode in (FarSkipMode.full, FarSkipMode.attn_only)
+        moe_reads_pre = mode in (FarSkipMode.full, FarSkipMode.mlp_only)
+
+        qkv = None
+        if split and attn_reads_a:  # (1) overlaps the previous layer's combine
+            with self._phase("qkv"):
+                qkv = attention_qkv(attn, self.input_layernorm(state.attn_stream), rotary_pos_emb)
+        with self._phase("finish combine"):
+            full_prev = state.full_stream()  # (2) o_{k-1}
+        attn_in = state.attn_stream if attn_reads_a else full_prev
+        if split and qkv is None:
+            with self._phase("qkv"):
+                qkv = attention_qkv(attn, self.input_layernorm(attn_in), rotary_pos_emb)
+
+        dispatched = moe_in = None
+        if self.is_moe_layer and moe_reads_pre:  # (3) dispatch overlaps the rest of attention
+            with self._phase("route"):
+                moe_in = self.pre_mlp_layernorm(full_prev)
+                dispatched = self._start_dispatch(moe_in, overlapped)
+
+        with self._phase("attention"):  # (4)
+            if split:
+                attn_out = attention_out(attn, *qkv, attention_mask)
+            else:
+                attn_out = attn(
+                    self.input_layernorm(attn_in), attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+                )
+            residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                attn_out, full_prev, self.hidden_dropout
+            )
+        if overlapped and split:
+            for t in qkv:
+                set_backward_priority(t, QKV)
+            set_backward_priority(residual, RESIDUAL)
+            self._mark_backward(qkv[0], "qkv bwd")
+
+        if not self.is_moe_layer:  # dense: parallel MLP, streams collapse
+            with self._phase("mlp"):
+                mlp_in = self.pre_mlp_layernorm(full_prev if moe_reads_pre else residual)
+                out = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+                    self.mlp(mlp_in), residual, self.hidden_dropout
+                )
+            return FarSkipState.single(out)
+
+        if dispatched is None:  # attn-only: the MoE reads the post-attention residual
+            with self._phase("route"):
+                moe_in = self.pre_mlp_layernorm(residual)
+                dispatched = self._start_dispatch(moe_in, overlapped)
+        with self._phase("experts"):  # (5)
+            combined, wait_combine = self._experts_and_start_combine(dispatched, overlapped)
+        with self._phase("shared expert"):  # (6) overlaps the combine
+            shared = self.mlp.shared_experts_compute(moe_in)
+            attn_stream = residual if shared is None else residual + self._dropout(shared)
+        state = FarSkipState(
+            attn_stream=attn_stream,
+            pending=PendingRouted(self.mlp, combined, wait_combine, attn_stream, self._dropout),
+        )
+        if not overlapped:
+            state.full_stream()
+        return state

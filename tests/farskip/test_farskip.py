@@ -1,0 +1,170 @@
+"""FarSkip-Collective: the overlapped execution equals the simple reference, and the machinery
+(split attention, asynchronous collectives, backward reordering, checkpoints) does what it claims.
+
+Tolerances: the forward of ``overlapped`` is bit-identical to ``simple`` (same operations, same
+addition order A_k = residual + shared, o_k = A_k + routed). Gradients are compared at atol 2e-6:
+the reordered backward accumulates some gradients (e.g. of the embedding, reached through both
+streams) in a different order, which moves fp32 sums by a few ulps.
+"""
+
+import pytest
+import torch
+
+from megatron.training.config import ParallelConfig
+from megatron.training.testing import run_distributed
+from moe_variants.farskip import parse_farskip_layers
+from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
+
+
+def _loss_and_grads(rank, world, cfg, ep):
+    model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=ep))
+    tokens, labels = batch(rank)
+    loss = forward_loss(model, tokens, labels)
+    loss.sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+CASES = [
+    dict(farskip="all"),
+    dict(farskip="all", moe_shared_expert_intermediate_size=None),
+    dict(farskip="first:1", num_layers=3),
+    dict(farskip="last:2", num_layers=3, moe_layer_freq=[0, 1, 1]),
+    dict(farskip="all", moe_layer_freq=[0, 1]),  # a dense layer inside the FarSkip range
+    dict(farskip="all", moe_variant="bigmac", bigmac_ratio=0.25),
+    dict(farskip="all", farskip_mode="attn-only"),
+    dict(farskip="all", farskip_mode="mlp-only"),
+]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_overlapped_equals_simple(case, ep):
+    simple = run_distributed(_loss_and_grads, 2, tiny_model_config(farskip_impl="simple", **case), ep)
+    overlapped = run_distributed(_loss_and_grads, 2, tiny_model_config(farskip_impl="overlapped", **case), ep)
+    for rank in range(2):
+        assert torch.equal(simple[rank][0], overlapped[rank][0])
+        for name, grad in simple[rank][1].items():
+            torch.testing.assert_close(overlapped[rank][1][name], grad, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_farskip_changes_the_function_but_not_the_parameters():
+    std = run_distributed(_loss_and_grads, 1, tiny_model_config(), 1)[0]
+    far = run_distributed(_loss_and_grads, 1, tiny_model_config(farskip="all"), 1)[0]
+    none = run_distributed(_loss_and_grads, 1, tiny_model_config(farskip="none"), 1)[0]
+    assert std[1].keys() == far[1].keys()
+    assert all(std[1][k].shape == far[1][k].shape for k in std[1])
+    assert not torch.equal(std[0], far[0])  # same weights (same seed), different connectivity
+    assert torch.equal(std[0], none[0])
+
+
+def test_layer_selection():
+    assert parse_farskip_layers("none", 4) == frozenset()
+    assert parse_farskip_layers("all", 4) == {0, 1, 2, 3}
+    assert parse_farskip_layers("first:2", 4) == {0, 1}
+    assert parse_farskip_layers("last:1", 4) == {3}
+    assert parse_farskip_layers("1-2", 4) == {1, 2}
+    for bad in ("last:5", "3-1", "half", "first:0"):
+        with pytest.raises(ValueError, match="--farskip"):
+            parse_farskip_layers(bad, 4)
+
+
+def _split_vs_whole(rank, world):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
+
+    model, _ = build_and_load(tiny_model_config(), ParallelConfig())
+    attn = model.decoder.layers[0].self_attention
+    assert can_split(attn)
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(1))
+    rope = model.rotary_pos_emb(16)
+    mask = causal_attention_mask(16)
+    whole, _ = attn(x, attention_mask=mask, rotary_pos_emb=rope)
+    split, _ = attention_out(attn, *attention_qkv(attn, x, rope), mask)
+    return torch.equal(whole, split)
+
+
+def test_split_attention_is_bit_identical_to_megatron_core():
+    assert run_distributed(_split_vs_whole, 1)[0]
+
+
+def _backward_order(rank, world, reorder):
+    from megatron.training.model_builder import moe_layers
+    from moe_variants.common import comm
+
+    comm.BACKWARD_REORDERING = reorder
+    cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=2, moe_layer_freq=1)
+    model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
+    timeline = comm.TimelineRecorder()
+    for layer in moe_layers(model):
+        layer.token_dispatcher.comm.timeline = timeline
+    tokens, labels = batch(rank)
+    loss = forward_loss(model, tokens, labels)
+    timeline.events.clear()  # keep the backward only
+    loss.sum().backward()
+    launches = [e for e in timeline.events if e[1] == "comm" and e[0] == "dispatch bwd"]
+    waits = [e for e in timeline.events if e[1] == "wait" and e[0] == "wait dispatch bwd"]
+    qkv = [e for e in timeline.events if e[0].startswith("qkv bwd")]
+    return [(l[2], q[2], w[2]) for l, q, w in zip(sorted(launches, key=lambda e: e[2]),
+                                                  sorted(qkv, key=lambda e: e[2]), sorted(waits, key=lambda e: e[2]))]
+
+
+def test_backward_reordering_moves_attention_between_launch_and_wait():
+    """With the sequence numbers, each layer's QKV backward runs after its dispatch gradient
+    all-to-all is launched and before the hook waits for it; without them autograd's default order
+    waits first (the permutation node was created later in the forward, so it runs earlier)."""
+    for triples in run_distributed(_backward_order, 2, True):
+        assert triples and all(launch < qkv < wait for launch, qkv, wait in triples), triples
+    for triples in run_distributed(_backward_order, 2, False):
+        assert triples and all(not (launch < qkv < wait) for launch, qkv, wait in triples), triples
+
+
+def _collective_order(rank, world):
+    from megatron.training.model_builder import moe_layers
+    from moe_variants.common import comm
+
+    cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=3, moe_layer_freq=1)
+    model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
+    timeline = comm.TimelineRecorder()
+    for layer in moe_layers(model):
+        layer.token_dispatcher.comm.timeline = timeline
+    tokens, labels = batch(rank)
+    forward_loss(model, tokens, labels).sum().backward()
+    return [name for name, lane, start, _ in sorted(timeline.events, key=lambda e: e[2]) if lane == "comm"]
+
+
+def test_collective_order_is_identical_on_every_rank():
+    """Every rank issues its collectives in the same order (a mismatch deadlocks; the harness
+    timeout turns that into a failure rather than a hang)."""
+    orders = run_distributed(_collective_order, 2, timeout_s=120)
+    assert orders[0] == orders[1] and len(orders[0]) >= 12
+
+
+def _ep1_no_collectives(rank, world):
+    from megatron.training.training import comm_counters
+
+    cfg = tiny_model_config(farskip="all", farskip_impl="overlapped")
+    model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=1))
+    tokens, labels = batch(0)
+    forward_loss(model, tokens, labels).sum().backward()
+    return sum(c.calls for c in comm_counters([model]))
+
+
+def test_ep1_issues_no_collectives():
+    assert run_distributed(_ep1_no_collectives, 1) == [0]
+
+
+def _build_refused(rank, world, overrides):
+    build_and_load(tiny_model_config(**{"farskip": "all", **overrides}), ParallelConfig())
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(farskip_impl="overlapped", moe_token_dispatcher_type="allgather"), "alltoall"),
+    (dict(farskip="first:9"), "--farskip first:9"),
+])
+def test_unsupported_combinations_are_refused(overrides, needle):
+    from megatron.training.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=needle):
+        run_distributed(_build_refused, 1, overrides)
