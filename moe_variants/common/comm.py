@@ -55,7 +55,7 @@ class TimelineRecorder:
         if not self.events:
             return {"traceEvents": []}
         t0 = min(e[2] for e in self.events)
-        lanes = {"compute": 1, "comm": 2, "wait": 3}
+        lanes = {"step": 0, "compute": 1, "wait": 2, "comm": 3, "phases": 4}
         trace = [
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}}
             for lane, tid in lanes.items()
@@ -184,8 +184,11 @@ class PendingComm:
         # The future callback may land a moment after wait() returns; the wait end bounds it.
         done = self.completed_at if self.completed_at is not None else t1
         done = min(done, t1)
+        # exposed = the part of the in-flight interval the caller spent waiting (a wake-up after
+        # completion is scheduling latency, not communication)
+        exposed = max(0.0, done - max(t0, self.start))
         if self.counters is not None:
-            self.counters.add_time(self.backward, done - self.start, t1 - t0)
+            self.counters.add_time(self.backward, done - self.start, exposed)
         if self.timeline is not None:
             self.timeline.add(self.name, "comm", self.start, done)
             if t1 - t0 > 1e-6:

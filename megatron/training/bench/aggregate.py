@@ -8,6 +8,8 @@ quantities:
 * ``comm_fraction``     ``a2a_time_s / step_time_s``: share of the step an all-to-all was in flight.
 * ``exposed_fraction``  ``exposed_comm_s / step_time_s``: share the compute thread was blocked.
 * ``a2a_bytes``         ``a2a_bytes_dispatch + a2a_bytes_combine`` (forward, off-rank).
+* ``overlap_fwd/bwd``   ``1 - exposed / in-flight`` all-to-all time per direction (model workers),
+                        with ``pooled`` = 1 - sum(exposed) / sum(in-flight) over all ranks and steps.
 
 ``tokens_per_s`` is the global rate per step: the sum of every rank's tokens divided by the
 slowest rank's step time; its stats are over steps. Ratios compare medians:
@@ -75,6 +77,17 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
         if slowest > 0:
             per_step_rate.append(sum(r.tokens[i] for r in results) / slowest)
     out["tokens_per_s"] = summarize(per_step_rate)
+    # Overlap of all-to-all time with compute, per direction (model workers report the split):
+    # 1 - exposed / in-flight, per (rank, step). Blocking collectives give 0.
+    for direction in ("fwd", "bwd"):
+        pairs = [
+            (e, t) for r in results
+            for e, t in zip(r.extra.get(f"exposed_{direction}_s", []), r.extra.get(f"a2a_time_{direction}_s", []))
+        ]  # fmt: skip
+        if pairs and any(t > 0 for _, t in pairs):
+            out[f"overlap_{direction}"] = summarize([1.0 - e / t for e, t in pairs if t > 0])
+            total_e, total_t = sum(e for e, _ in pairs), sum(t for _, t in pairs)
+            out[f"overlap_{direction}"]["pooled"] = 1.0 - total_e / total_t
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
     return out
 
@@ -100,8 +113,8 @@ def ratios_vs(stats: dict, baseline: str) -> dict:
 
 
 TABLE_COLUMNS = (
-    "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %",
-    "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
+    "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %", "ovl fwd %",
+    "ovl bwd %", "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
 )  # fmt: skip
 
 
@@ -123,6 +136,8 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
             f"{s['a2a_time_s']['median'] * 1e3:.1f}",
             f"{s['exposed_comm_s']['median'] * 1e3:.1f}",
             f"{s['comm_fraction']['median'] * 100:.1f}",
+            f"{s['overlap_fwd']['pooled'] * 100:.1f}" if "overlap_fwd" in s else "-",
+            f"{s['overlap_bwd']['pooled'] * 100:.1f}" if "overlap_bwd" in s else "-",
             f"{s['a2a_bytes']['median'] / 2**20:.3f}",
             f"{s['tokens_per_s']['median']:.0f}",
             f"{s['peak_rss_mb']['max']:.0f}",

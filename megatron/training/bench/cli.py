@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-s", type=float, default=1800.0,
                    help="wall-clock limit of the whole command (every launch is killed past it)")
     g.add_argument("--work-dir", help="keep rank logs and results here (default: temporary)")
+    g.add_argument("--trace", metavar="DIR", help="write a Chrome trace (chrome://tracing, Perfetto) "
+                   "of each model variant's last measured step per rank into DIR")
     g = ap.add_argument_group("model (passed to the model worker)")
     g.add_argument("--config", metavar="YAML", help="model config file")
     for flag, typ in MODEL_FLAGS:
@@ -197,6 +199,8 @@ class _Budget:
 def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps) -> list[RankResult]:
     run_dir = os.path.join(work_dir, tag)
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
+    if args.trace and variant != SYNTHETIC and tag.startswith("run-"):
+        options["trace_dir"] = os.path.abspath(args.trace)
     spec = WorkerSpec(
         variant=variant, output_dir=os.path.join(run_dir, "out"), warmup=warmup, steps=steps,
         seed=args.seed, config_path=os.path.abspath(args.config) if args.config else None,

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from megatron import compat
 
-from .schema import RankResult, WorkerSpec, peak_rss_mb
+from .schema import RankResult, WorkerSpec, peak_rss_mb, write_json_atomic
 from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
 
 __all__ = ["VARIANTS", "variant_overrides", "main"]
@@ -59,6 +60,41 @@ def _configs(spec: WorkerSpec, world: int):
     return configs_from_dict(values)
 
 
+def _attach_timeline(chunks):
+    from megatron.training.training import comm_counters
+    from moe_variants.common.comm import TimelineRecorder
+
+    timeline = TimelineRecorder()
+    for counters in comm_counters(chunks):
+        counters.timeline = timeline
+    return timeline
+
+
+def _write_trace(timeline, start, end, chunks, trace_dir, variant, rank) -> None:
+    """Chrome trace of one step: the main thread's compute (the step minus its waits), waits,
+    all-to-alls in flight, and FarSkip's forward phases."""
+    from megatron.training.training import comm_counters
+    from moe_variants.common.comm import TimelineRecorder
+
+    for counters in comm_counters(chunks):
+        counters.timeline = None
+    waits = sorted((s, e) for _, lane, s, e in timeline.events if lane == "wait")
+    out = TimelineRecorder()
+    cursor = start
+    for s, e in waits:
+        if s > cursor:
+            out.add("compute", "compute", cursor, s)
+        cursor = max(cursor, e)
+    if end > cursor:
+        out.add("compute", "compute", cursor, end)
+    for name, lane, s, e in timeline.events:
+        out.add(name, "phases" if lane == "compute" else lane, s, e)
+    out.add(f"{variant} step", "step", start, end)
+    trace = out.to_chrome_trace(pid=rank)
+    os.makedirs(trace_dir, exist_ok=True)
+    write_json_atomic(os.path.join(trace_dir, f"trace_{variant}_rank{rank}.json"), trace)
+
+
 def run(spec: WorkerSpec) -> RankResult:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -90,11 +126,17 @@ def run(spec: WorkerSpec) -> RankResult:
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
              "exposed_fwd_s": [], "exposed_bwd_s": []}
-    for step in range(spec.warmup + spec.steps):
+    trace_dir = spec.options.get("trace_dir")
+    total = spec.warmup + spec.steps
+    for step in range(total):
+        timeline = _attach_timeline(chunks) if trace_dir and step == total - 1 else None
+        start = time.perf_counter()
         m = train_step(
             chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
             num_microbatches=num_micro, pg_collection=pgc,
         )
+        if timeline is not None:
+            _write_trace(timeline, start, time.perf_counter(), chunks, trace_dir, spec.variant, rank)
         if step < spec.warmup:
             continue
         comm = m.comm
