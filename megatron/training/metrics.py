@@ -38,6 +38,7 @@ def format_step_line(record: dict, train_iters: int) -> str:
         f"loss {record['loss']:.4f}",
         f"lm {record['lm_loss']:.4f}",
         f"aux {record['aux_loss']:.4f}",
+        *([f"kd {record['kd_loss']:.4f}"] if "kd_loss" in record else []),
         f"lr {record['lr']:.2e}",
     ]
     if record.get("grad_norm") is not None:

@@ -64,6 +64,11 @@ def resolve_tokenizer(c: Configs):
         if d.data_path is not None:
             raise ValueError("--data-path needs --tokenizer-type (and its model/vocab files)")
         return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+    if d.data_path is None:
+        raise ValueError(
+            f"--tokenizer-type {d.tokenizer_type} needs --data-path: the embedded corpus is "
+            "tokenized with the embedded tokenizer"
+        )
     return build_tokenizer(
         d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, vocab_size=c.model.vocab_size
     )
@@ -159,6 +164,7 @@ def _step_record(step: int, m, rss_mb: float) -> dict:
         "a2a_time_s": comm["time_fwd_s"] + comm["time_bwd_s"],
         "exposed_comm_s": comm["exposed_fwd_s"] + comm["exposed_bwd_s"],
         "peak_rss_mb": rss_mb,
+        **m.extra,
     }
 
 
@@ -169,12 +175,15 @@ def run_pretraining(
     forward_step_factory: Optional[Callable] = None,
     evaluate_hook: Optional[Callable] = None,
     after_setup: Optional[Callable] = None,
+    before_wrap: Optional[Callable] = None,
 ) -> dict:
     """The training loop. Returns the final summary (also written as a JSONL event).
 
     ``forward_step_factory(timer)`` replaces the next-token forward step (FCSD distillation);
-    ``evaluate_hook(iteration, model_chunks) -> dict`` adds metrics at each evaluation, and
-    ``after_setup(model_chunks, configs)`` runs once the model is built and loaded.
+    ``evaluate_hook(iteration, model_chunks) -> dict`` adds metrics at each evaluation (a true
+    ``"stop"`` entry, identical on all ranks, ends training early), ``after_setup(model_chunks,
+    configs)`` runs once the model is built and loaded, and ``before_wrap(model)`` on the bare model
+    before DDP and the optimizer are built.
     """
     from megatron.core import parallel_state
 
@@ -207,7 +216,8 @@ def run_pretraining(
     num_micro = c.training.num_microbatches(dp_size)
     global_batch = c.training.resolved_global_batch_size(dp_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(
-        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc
+        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
+        before_wrap=before_wrap,
     )
     config_dict = configs_to_dict(c)
     tokenizer_files = tokenizer_files_of(c)
@@ -289,6 +299,7 @@ def run_pretraining(
     timer_factory = forward_step_factory or (lambda timer: lm_forward_step(timer))
     last_record = None
     interrupted = False
+    summary_stop = None
     while iteration < c.training.train_iters:
         timer = _Timer()
         m = train_step(
@@ -304,7 +315,10 @@ def run_pretraining(
             writer.log_step(last_record)
             writer.print(format_step_line(last_record, c.training.train_iters))
         if c.logging.eval_interval and iteration % c.logging.eval_interval == 0 and iteration < c.training.train_iters:
-            run_eval(iteration)
+            if run_eval(iteration).get("stop"):
+                writer.print(f"{prog}: early stop at iteration {iteration}")
+                summary_stop = iteration
+                break
         if stop.agreed():
             interrupted = True
             writer.print(f"{prog}: signal received; saving and exiting after iteration {iteration}")
@@ -312,7 +326,7 @@ def run_pretraining(
         if c.checkpoint.save and c.checkpoint.save_interval and iteration % c.checkpoint.save_interval == 0:
             save(iteration)
 
-    summary = {"iteration": iteration, "interrupted": interrupted}
+    summary = {"iteration": iteration, "interrupted": interrupted, "early_stop": summary_stop}
     if c.checkpoint.save and (interrupted or not os.path.isdir(
         os.path.join(c.checkpoint.save, f"iter_{iteration:07d}")
     )):

@@ -44,6 +44,7 @@ class StepMetrics:
     tokens: int  # tokens processed by all data-parallel ranks in this step
     skipped: bool
     comm: dict  # expert-parallel communication counters summed over this rank's MoE layers
+    extra: dict = dataclasses.field(default_factory=dict)  # other reported losses (e.g. kd_loss)
 
     @property
     def loss(self) -> float:
@@ -61,8 +62,12 @@ def setup_model_and_optimizer(
     *,
     vocab_size: int,
     pg_collection=None,
+    before_wrap=None,
 ):
     """Build the model, wrap it in megatron-core DDP, and create the optimizer and LR schedule.
+
+    ``before_wrap(model)`` runs on the bare model first (e.g. to freeze parameters: DDP and the
+    optimizer only take parameters that require gradients).
 
     Returns ``(model_chunks, optimizer, scheduler)``; ``model_chunks`` is a one-element list of
     ``DistributedDataParallel`` (megatron-core's convention for virtual pipeline chunks).
@@ -76,6 +81,8 @@ def setup_model_and_optimizer(
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model = build_model(model_cfg, parallel, vocab_size=vocab_size, pg_collection=pg_collection)
+    if before_wrap is not None:
+        before_wrap(model)
     config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -246,9 +253,12 @@ def train_step(
         scheduler.step(increment=1)
     end = time.perf_counter()
     lm_loss = 0.0
+    extra = {}
     if reports:  # last pipeline stage
         lm_loss = sum(float(r["lm_loss"]) for r in reports) / len(reports)
-    lm_loss = _reduce_mean(lm_loss, pg_collection.dp) if reports else lm_loss
+        lm_loss = _reduce_mean(lm_loss, pg_collection.dp)
+        for key in sorted(k for k in reports[0] if k != "lm_loss"):
+            extra[key] = _reduce_mean(sum(float(r[key]) for r in reports) / len(reports), pg_collection.dp)
     aux = _moe_aux_loss(model_cfg, num_microbatches, pg_collection)
     dp = dist.get_world_size(pg_collection.dp)
     return StepMetrics(
@@ -263,6 +273,7 @@ def train_step(
         tokens=num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp,
         skipped=not update_ok,
         comm=_comm_totals(model_chunks),
+        extra=extra,
     )
 
 

@@ -30,6 +30,9 @@ class FarSkipTransformerBlock(TransformerBlock):
 
     farskip_overlapped: bool = False
     farskip_mode: FarSkipMode = FarSkipMode.full
+    # when a list, each layer's full output stream is appended (FCSD's hidden-state L2); this
+    # completes every combine inside its own layer, so it removes the cross-layer overlap
+    layer_output_sink = None
 
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
@@ -60,6 +63,8 @@ class FarSkipTransformerBlock(TransformerBlock):
                         sequence_len_offset=sequence_len_offset, padding_mask=padding_mask,
                     )
                     state = FarSkipState.single(hidden)
+                if self.layer_output_sink is not None:
+                    self.layer_output_sink.append(state.full_stream())
             hidden_states = state.full_stream()  # the last combine must land before the norm
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)

@@ -1,0 +1,338 @@
+"""FCSD: convert a pretrained MoE checkpoint to FarSkip connectivity by self-distillation.
+
+    torchrun --nproc_per_node=N -m distill.fcsd --load CKPT --farskip all --save OUT \\
+        --data-path ... --tokenizer-type ... [training flags as pretrain_gpt] \\
+        [--kd-loss kl|kl+l2|sft] [--kd-temperature T] [--freeze-embeddings] \\
+        [--proxy heldout-kl|heldout-ppl] [--proxy-text FILE] [--patience P] [--min-delta D]
+
+The teacher is a frozen copy of the checkpoint with its original connectivity (no gradients, eval
+mode, not in the optimizer); the student is the same weights with ``--farskip`` connectivity and is
+trained with the pretraining loop (megatron-core DDP, optimizer, schedule) on
+``KL(teacher || student)`` per token (paper Eq. 4), optionally plus an intermediate hidden-state L2
+(``kl+l2``), or plain next-token loss (``sft``, the baseline). Model shape flags default to the
+checkpoint's. Every ``--eval-interval`` steps a proxy (held-out KL to the teacher, or held-out
+perplexity) is evaluated; the best student is kept in ``SAVE/best`` and training stops after
+``--patience`` evaluations without a ``--min-delta`` (relative) improvement (paper: patience 20,
+delta 2%). Tensor/expert/data parallelism as in pretraining; pipeline parallelism is not supported
+(teacher and student would have to be pipelined together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron import compat
+
+__all__ = ["FCSDConfig", "KDLoss", "main", "run_fcsd", "heldout_kl"]
+
+
+class KDLoss(str, enum.Enum):
+    kl = "kl"
+    kl_l2 = "kl+l2"
+    sft = "sft"
+
+
+class Proxy(str, enum.Enum):
+    heldout_kl = "heldout-kl"
+    heldout_ppl = "heldout-ppl"
+
+
+@dataclasses.dataclass
+class FCSDConfig:
+    kd_loss: KDLoss = KDLoss.kl
+    kd_temperature: float = 1.0
+    kd_l2_coeff: float = 1.0
+    freeze_embeddings: bool = False
+    teacher_load: Optional[str] = None  # default: --load
+    proxy: Proxy = Proxy.heldout_kl
+    proxy_text: Optional[str] = None  # default: the first --heldout-text
+    proxy_max_windows: Optional[int] = 64
+    patience: int = 20
+    min_delta: float = 0.02
+
+    def __post_init__(self):
+        for name, enum_type in (("kd_loss", KDLoss), ("proxy", Proxy)):
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                try:
+                    setattr(self, name, enum_type(value))
+                except ValueError:
+                    choices = ", ".join(m.value for m in enum_type)
+                    raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
+        if self.kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+
+
+def _freeze_embeddings(model) -> None:
+    for name, param in model.named_parameters():
+        if name.startswith("embedding.") or name.startswith("output_layer."):
+            param.requires_grad_(False)
+
+
+class _HiddenCapture:
+    """Collects each decoder layer's output (the full residual stream) for ``kl+l2``."""
+
+    def __init__(self, model):
+        from moe_variants.farskip.block import FarSkipTransformerBlock
+
+        self.states: list = []
+        self.handles = []
+        block = model.decoder
+        if isinstance(block, FarSkipTransformerBlock):
+            block.layer_output_sink = self.states
+        else:
+            for layer in block.layers:
+                self.handles.append(layer.register_forward_hook(lambda m, i, o: self.states.append(o[0])))
+
+    def take(self) -> list:
+        out, self.states[:] = list(self.states), []
+        return out
+
+
+def _student_ce(logits_bsv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.vocab_parallel_cross_entropy(
+        logits_bsv.transpose(0, 1).contiguous().float(), labels.transpose(0, 1).contiguous()
+    ).transpose(0, 1)
+
+
+def make_forward_step_factory(teacher, cfg: FCSDConfig):
+    """The loop's ``forward_step_func`` for distillation (teacher forward, then student)."""
+    from distill.losses import hidden_state_l2, kl_divergence, masked_token_mean
+    from megatron.training.model_builder import causal_attention_mask
+    from megatron.training.parallel import device
+    from megatron.training.training import _to_device
+
+    def factory(timer):
+        import time
+
+        captures = {}
+
+        def forward_step(data_iterator, model):
+            start = time.perf_counter()
+            batch = _to_device(next(data_iterator), device())
+            tokens, positions = batch["tokens"], batch["position_ids"]
+            mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
+            student = model.module if hasattr(model, "module") else model
+            if cfg.kd_loss == KDLoss.kl_l2 and "student" not in captures:
+                captures["student"] = _HiddenCapture(student)
+                captures["teacher"] = _HiddenCapture(teacher)
+            teacher_logits = None
+            if cfg.kd_loss != KDLoss.sft:
+                with torch.no_grad():
+                    teacher_logits = teacher(tokens, positions, mask)
+            logits = model(tokens, positions, mask)
+
+            def loss_func(student_logits):
+                loss_mask = batch["loss_mask"]
+                ce = masked_token_mean(_student_ce(student_logits, batch["labels"]), loss_mask)
+                report = {"lm_loss": ce.detach().clone()}
+                if cfg.kd_loss == KDLoss.sft:
+                    return ce, report
+                kl = kl_divergence(student_logits, teacher_logits, loss_mask, cfg.kd_temperature)
+                loss = kl
+                report["kd_loss"] = kl.detach().clone()
+                if cfg.kd_loss == KDLoss.kl_l2:
+                    l2 = hidden_state_l2(captures["student"].take(), captures["teacher"].take(), loss_mask)
+                    loss = loss + cfg.kd_l2_coeff * l2
+                    report["hidden_l2"] = l2.detach().clone()
+                return loss, report
+
+            if timer is not None:
+                timer.forward_s += time.perf_counter() - start
+            return logits, loss_func
+
+        return forward_step
+
+    return factory
+
+
+@torch.no_grad()
+def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int, pg_collection) -> dict:
+    """Mean per-token KL(teacher || student) and the student's perplexity on fixed windows
+    [N, S+1]; windows are dealt to data-parallel ranks with dummy batches for lockstep."""
+    import math
+
+    from distill.losses import kl_divergence
+    from megatron.training.model_builder import causal_attention_mask
+    from megatron.training.parallel import device
+
+    dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
+    mine = windows[dp_rank::dp_size]
+    count = torch.tensor([math.ceil(len(mine) / micro_batch_size)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pg_collection.dp)
+    seq = windows.shape[1] - 1
+    totals = torch.zeros(3, dtype=torch.float64)  # kl sum, nll sum, tokens
+    was_training = student.training
+    student.eval()
+    try:
+        for i in range(int(count.item())):
+            chunk = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
+            weight = 1.0
+            if len(chunk) == 0:  # dummy forward so every rank runs the same collectives
+                chunk, weight = windows[:1], 0.0
+            chunk = chunk.to(device())
+            tokens, labels = chunk[:, :-1], chunk[:, 1:]
+            positions = torch.arange(seq, device=tokens.device)[None].expand_as(tokens)
+            mask = causal_attention_mask(seq, device=tokens.device)
+            s_logits = student(tokens, positions, mask)
+            t_logits = teacher(tokens, positions, mask)
+            n = tokens.numel()
+            totals[0] += weight * float(kl_divergence(s_logits, t_logits)) * n
+            totals[1] += weight * float(_student_ce(s_logits, labels).sum())
+            totals[2] += weight * n
+    finally:
+        student.train(was_training)
+    if torch.cuda.is_available():
+        totals = totals.cuda()
+    dist.all_reduce(totals, group=pg_collection.dp)
+    kl, nll = float(totals[0] / totals[2]), float(totals[1] / totals[2])
+    return {"heldout_kl": kl, "heldout_loss": nll, "heldout_ppl": math.exp(min(nll, 50.0))}
+
+
+def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from distill.early_stopping import EarlyStopping
+    from megatron.training.checkpointing import find_latest_checkpoint, save_checkpoint
+    from megatron.training.data import build_heldout_windows
+    from megatron.training.loading import load_model
+    from megatron.training.pretrain_gpt import run_pretraining
+
+    if c.parallel.pipeline_model_parallel_size != 1:
+        raise ValueError("FCSD needs --pipeline-model-parallel-size 1 (teacher and student run side by side)")
+    teacher_path = fcsd.teacher_load or c.checkpoint.load
+    resume = c.checkpoint.save and os.path.isdir(c.checkpoint.save) and find_latest_checkpoint(c.checkpoint.save)
+    if resume:  # continue this distillation run
+        c.checkpoint.load, c.checkpoint.finetune = c.checkpoint.save, False
+    else:  # start from the pretrained weights: new optimizer, iteration 0
+        c.checkpoint.finetune = True
+    proxy_text = fcsd.proxy_text or (c.data.heldout_text or [None])[0]
+    if proxy_text is None:
+        raise ValueError("FCSD early stopping needs --proxy-text FILE (or --heldout-text)")
+    if not os.path.isfile(proxy_text):
+        raise ValueError(f"--proxy-text {proxy_text}: no such file")
+    stopper = EarlyStopping(patience=fcsd.patience, min_delta=fcsd.min_delta, mode="min")
+    state = {}
+
+    def after_setup(chunks, configs):
+        teacher, _, tokenizer, _ = load_model(teacher_path, parallel=configs.parallel, overrides={"farskip": "none"})
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        windows = build_heldout_windows(proxy_text, tokenizer, configs.model.seq_length)
+        if fcsd.proxy_max_windows:
+            windows = windows[: fcsd.proxy_max_windows]
+        state.update(teacher=teacher, windows=windows, pgc=ProcessGroupCollection.use_mpu_process_groups())
+        before = evaluate(0, chunks)
+        if dist.get_rank() == 0:
+            print(f"{prog}: student before distillation: " + json.dumps(before), flush=True)
+        state["before"] = before
+
+    def evaluate(iteration, chunks):
+        student = chunks[0].module
+        result = heldout_kl(student, state["teacher"], state["windows"],
+                            micro_batch_size=c.training.micro_batch_size, pg_collection=state["pgc"])
+        if iteration == 0:
+            return result
+        value = result["heldout_kl" if fcsd.proxy == Proxy.heldout_kl else "heldout_ppl"]
+        new_best, stop = stopper.update(iteration, value)
+        result.update(proxy=fcsd.proxy.value, best=stopper.best, best_step=stopper.best_step, stop=stop)
+        if new_best and c.checkpoint.save:
+            best_dir = os.path.join(c.checkpoint.save, "best")
+            from megatron.training.arguments import configs_to_dict
+            from megatron.training.checkpointing import layout_of
+            from megatron.training.pretrain_gpt import tokenizer_files_of
+
+            configs = configs_to_dict(c)
+            configs["tokenizer"] = {"type": c.data.tokenizer_type or "HuggingFaceTokenizer"}
+            save_checkpoint(best_dir, iteration, chunks, None, None, layout=layout_of(c.parallel, c.training, dist.get_world_size()),
+                            configs=configs, keep_last=1, tokenizer_files=tokenizer_files_of(c))
+        return result
+
+    summary = run_pretraining(
+        c, prog=prog, forward_step_factory=make_forward_step_factory(_TeacherRef(state), fcsd),
+        evaluate_hook=evaluate, after_setup=after_setup,
+        before_wrap=_freeze_embeddings if fcsd.freeze_embeddings else None,
+    )
+    summary["before"] = state.get("before")
+    summary["best"] = {"step": stopper.best_step, "value": stopper.best, "proxy": fcsd.proxy.value}
+    summary["early_stopping_history"] = stopper.history
+    return summary
+
+
+class _TeacherRef(torch.nn.Module):
+    """Forwards to the teacher once ``after_setup`` has built it (the step factory is made first)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def forward(self, *args, **kwargs):
+        return self._state["teacher"](*args, **kwargs)
+
+    @property
+    def decoder(self):
+        return self._state["teacher"].decoder
+
+
+def _checkpoint_model_defaults(argv) -> dict:
+    """Model-shape, tokenizer and data flags default to the checkpoint's (the student must match
+    the teacher; distilling on the teacher's own training data is the no-extra-data default)."""
+    from megatron.training.loading import checkpoint_configs
+
+    load = None
+    for i, arg in enumerate(argv):
+        if arg == "--load" and i + 1 < len(argv):
+            load = argv[i + 1]
+        elif arg.startswith("--load="):
+            load = arg.split("=", 1)[1]
+    if load is None:
+        raise ValueError("FCSD needs --load CKPT (the pretrained model to convert)")
+    configs, manifest, _ = checkpoint_configs(load)
+    defaults = {f.name: getattr(configs.model, f.name) for f in dataclasses.fields(configs.model)}
+    data = manifest["configs"].get("data", {})
+    for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "data_path", "split"):
+        if data.get(key) is not None:
+            defaults[key] = data[key]
+    defaults = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in defaults.items()}
+    return defaults
+
+
+def main(argv=None) -> int:
+    compat.quiet_warnings()
+    from megatron.training.arguments import parse_configs
+    from megatron.training.checkpointing import CheckpointError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            defaults = _checkpoint_model_defaults(argv)
+            configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults)
+        except SystemExit as e:
+            return int(e.code or 0)
+        if configs.model.farskip == "none" and configs.extra["fcsd"].kd_loss != KDLoss.sft:
+            raise ValueError("--farskip none: nothing to convert (choose all, first:N, last:N or A-B)")
+        summary = run_fcsd(configs, configs.extra["fcsd"])
+        if dist.get_rank() == 0:
+            print("fcsd: summary " + json.dumps({k: summary.get(k) for k in ("before", "best", "iteration", "early_stop")}), flush=True)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fcsd: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
