@@ -1,11 +1,13 @@
 """FCSD distillation losses (FarSkip-Collective paper Eq. 3-5, Table 2), vocabulary-parallel.
 
 Logits arrive sharded over the vocabulary across tensor-parallel ranks ([..., V/TP] each). The
-softmax normaliser is assembled with an all-reduce of the per-shard maximum and sum of
-exponentials; the KL sum over the vocabulary is a per-shard partial sum all-reduced with
+softmax normaliser is assembled with an all-reduce of the per-shard maximum and of the per-shard
+sum of exponentials (autograd all-reduce: summed in the backward too, because every shard's KL
+terms depend on it); the KL sum over the vocabulary is a per-shard partial sum all-reduced with
 megatron-core's ``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward
-identity: every TP rank holds the same loss and back-propagates into its own shard), exactly as
-megatron-core's vocab-parallel cross entropy does. With TP=1 these are plain log-softmax and KL.
+identity: every TP rank holds the same loss and back-propagates into its own shard). The result
+is the gradient p_student - p_teacher on each rank's slice, as with megatron-core's vocab-parallel
+cross entropy. With TP=1 these are plain log-softmax and KL.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, group=None) -> torch.Tensor
     if group is not None:
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - local_max
-    sum_exp = _reduce_sum(shifted.exp().sum(dim=-1, keepdim=True), group)
+    sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
+    if group is not None:
+        # every rank's partial KL depends on every shard through the normaliser, so its gradient
+        # must be summed over ranks too: all-reduce forward *and* backward
+        from torch.distributed.nn.functional import all_reduce
+
+        sum_exp = all_reduce(sum_exp, group=group)
     return shifted - sum_exp.log()
 
 

@@ -1,0 +1,155 @@
+"""FCSD: the losses equal direct computations (also with the vocabulary split over TP=2), the
+early-stopping logic, and the distillation job keeps its teacher frozen."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distill.early_stopping import EarlyStopping
+from distill.losses import hidden_state_l2, kl_divergence
+from megatron.training.testing import run_distributed
+
+
+def _direct_kl(student, teacher, mask, temperature=1.0):
+    log_s = F.log_softmax(student.double() / temperature, -1)
+    log_t = F.log_softmax(teacher.double() / temperature, -1)
+    per_token = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return float((per_token * mask).sum() / mask.sum()) * temperature**2
+
+
+def _logits(seed, shape=(2, 5, 16)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * 3
+
+
+def test_kl_equals_direct_computation():
+    """fp32 vs a float64 reference: rtol 1e-5."""
+    s, t = _logits(0), _logits(1)
+    mask = torch.tensor([[1, 1, 1, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.float)
+    for temp in (1.0, 2.0):
+        got = float(kl_divergence(s, t, mask, temperature=temp, group=None))
+        assert got == pytest.approx(_direct_kl(s, t, mask, temp), rel=1e-5)
+    assert float(kl_divergence(t, t, mask, group=None)) == pytest.approx(0.0, abs=1e-6)
+
+
+def _tp_kl(rank, world):
+    from megatron.core import parallel_state
+
+    from megatron.training.config import ParallelConfig
+    from megatron.training.parallel import initialize_parallel
+
+    initialize_parallel(ParallelConfig(tensor_model_parallel_size=2), seed=1)
+    s, t = _logits(0), _logits(1)
+    mask = torch.ones(2, 5)
+    shard = slice(rank * 8, (rank + 1) * 8)
+    s_local = s[..., shard].clone().requires_grad_(True)
+    kl = kl_divergence(s_local, t[..., shard], mask)
+    kl.backward()
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    return float(kl), s_local.grad
+
+
+def test_kl_under_tp2_vocab_sharding():
+    """Each TP rank holds half the vocabulary: the loss equals the unsharded one on both ranks and
+    each rank's gradient is its slice of the unsharded gradient (fp32: atol 1e-6)."""
+    s, t = _logits(0).requires_grad_(True), _logits(1)
+    ref = kl_divergence(s, t, torch.ones(2, 5), group=None)
+    ref.backward()
+    results = run_distributed(_tp_kl, 2)
+    for rank, (value, grad) in enumerate(results):
+        assert value == pytest.approx(float(ref), rel=1e-5)
+        torch.testing.assert_close(grad, s.grad[..., rank * 8:(rank + 1) * 8], atol=1e-6, rtol=1e-5)
+
+
+def test_hidden_state_l2():
+    a = [torch.ones(3, 2, 4), torch.zeros(3, 2, 4)]
+    b = [torch.zeros(3, 2, 4), torch.zeros(3, 2, 4)]
+    assert float(hidden_state_l2(a, b)) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        hidden_state_l2(a, b[:1])
+
+
+def test_early_stopping_patience_and_delta():
+    es = EarlyStopping(patience=2, min_delta=0.1)
+    assert es.update(1, 10.0) == (True, False)
+    assert es.update(2, 9.5) == (True, False)  # a new best, but less than 10% better: patience 1/2
+    assert es.update(3, 9.6) == (False, True)  # no gain again: stop, best stays at step 2
+    assert es.best_step == 2 and es.best == 9.5
+    es = EarlyStopping(patience=2, min_delta=0.1)
+    es.update(1, 10.0)
+    assert es.update(2, 8.0) == (True, False)  # 20% better resets the patience
+    assert es.update(3, float("nan")) == (False, False)
+    assert es.update(4, 8.5) == (False, True)
+    with pytest.raises(ValueError):
+        EarlyStopping(patience=0)
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(tmp_path_factory):
+    from tests.helpers import SMALL_PRETRAIN_ARGS, torchrun
+
+    root = tmp_path_factory.mktemp("fcsd")
+    proc = torchrun("megatron.training.pretrain_gpt", SMALL_PRETRAIN_ARGS + [
+        "--train-iters", 4, "--expert-model-parallel-size", 2, "--save", root / "teacher",
+        "--data-cache-path", root / "cache"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
+    """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
+    parameters never need gradients, the best checkpoint is kept, early stopping reports."""
+    import hashlib
+    import os
+
+    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from tests.helpers import read_jsonl, torchrun
+
+    teacher = teacher_ckpt / "teacher" / "iter_0000004"
+    digest = lambda: hashlib.sha256(b"".join(
+        open(os.path.join(teacher, f), "rb").read() for f in sorted(os.listdir(teacher)) if f.endswith(".distcp")
+    )).hexdigest()
+    before = digest()
+    out = teacher_ckpt / "student"
+    proc = torchrun("distill.fcsd", [
+        "--load", teacher_ckpt / "teacher", "--farskip", "all", "--farskip-impl", "overlapped",
+        "--expert-model-parallel-size", 2, "--save", out, "--train-iters", 4, "--eval-interval", 2,
+        "--eval-iters", 0, "--log-interval", 1, "--micro-batch-size", 4, "--global-batch-size", 16,
+        "--proxy-text", DEFAULT_CORPUS, "--proxy-max-windows", 8, "--patience", 5,
+        "--data-cache-path", teacher_ckpt / "cache", "--lr", 1e-3])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert digest() == before
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r for r in records if "event" not in r]
+    assert len(steps) == 4 and all("kd_loss" in r for r in steps)
+    assert os.path.isdir(out / "best") and any(n.startswith("iter_") for n in os.listdir(out / "best"))
+    assert "student before distillation" in proc.stdout
+
+
+def test_teacher_forward_has_no_trainable_parameters(teacher_ckpt):
+    from megatron.training.testing import run_distributed
+
+    def fn(rank, world, path):
+        from megatron.training.config import ParallelConfig
+        from megatron.training.loading import load_model
+        from megatron.training.parallel import initialize_parallel
+
+        initialize_parallel(ParallelConfig(expert_model_parallel_size=2), seed=1)
+        teacher, configs, _, _ = load_model(path, overrides={"farskip": "none"})
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        return type(teacher.decoder).__name__, all(not p.requires_grad for p in teacher.parameters())
+
+    for name, frozen in run_distributed(fn, 2, str(teacher_ckpt / "teacher")):
+        assert name == "TransformerBlock" and frozen
+
+
+def test_bad_input(capsys, tmp_path):
+    from distill.fcsd import main
+
+    assert main(["--farskip", "all"]) == 2
+    assert "--load" in capsys.readouterr().err
+    assert main(["--load", str(tmp_path / "nothing"), "--farskip", "all"]) == 2
+    assert "nothing" in capsys.readouterr().err
