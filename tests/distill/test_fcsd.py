@@ -86,18 +86,6 @@ def test_early_stopping_patience_and_delta():
         EarlyStopping(patience=0)
 
 
-@pytest.fixture(scope="module")
-def teacher_ckpt(tmp_path_factory):
-    from tests.helpers import SMALL_PRETRAIN_ARGS, torchrun
-
-    root = tmp_path_factory.mktemp("fcsd")
-    proc = torchrun("megatron.training.pretrain_gpt", SMALL_PRETRAIN_ARGS + [
-        "--train-iters", 4, "--expert-model-parallel-size", 2, "--save", root / "teacher",
-        "--data-cache-path", root / "cache"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
-
-
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
     parameters never need gradients, the best checkpoint is kept, early stopping reports."""

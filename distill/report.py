@@ -1,0 +1,190 @@
+"""FCSD before/after report: held-out perplexity and KL to the teacher for every model of a conversion.
+
+    python -m distill.report --teacher CKPT --text HELDOUT.txt --out report.json \\
+        [--untrained all --untrained last:2] [--student "FCSD kl, all=RUN/best" ...] \\
+        [--unigram-data PREFIX ...] [--max-windows N] [--micro-batch-size B]
+
+Rows, all scored on the same windows of ``--text`` (``data.build_heldout_windows``: every token
+after the first scored once):
+
+* ``teacher``: the checkpoint with its own connectivity;
+* ``untrained <spec>``: the teacher's weights loaded with ``--farskip <spec>`` and no training
+  (paper Fig. 3: the conversion alone breaks the model);
+* each ``--student LABEL=CKPT``: a distilled (or SFT) checkpoint with the connectivity it was
+  saved with;
+* ``unigram``: token frequencies of ``--unigram-data`` (add-one smoothed), the floor a language
+  model must clearly beat.
+
+Each row reports the held-out loss, perplexity, its gap to the teacher's perplexity (relative) and
+the mean per-token KL(teacher || model). One process (a world of one gloo rank), EP=1: checkpoints
+are layout-free, and the numbers do not depend on the layout they were trained at. The JSON is
+written atomically; a markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["unigram_perplexity", "score_rows", "format_table", "main"]
+
+
+def unigram_perplexity(train_counts: np.ndarray, heldout_labels: np.ndarray) -> dict:
+    """Perplexity of ``heldout_labels`` under an add-one smoothed unigram fitted to ``train_counts``
+    (one count per vocabulary entry)."""
+    counts = np.asarray(train_counts, dtype=np.float64) + 1.0
+    logp = np.log(counts) - math.log(counts.sum())
+    loss = float(-logp[np.asarray(heldout_labels, dtype=np.int64)].mean())
+    return {"loss": loss, "ppl": math.exp(loss), "tokens": int(np.asarray(heldout_labels).size)}
+
+
+def _token_counts(prefixes: list[str], vocab_size: int) -> np.ndarray:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(f"--unigram-data {prefix}: no such file {prefix + suffix}")
+        dtype = IndexedDataset(prefix).index.dtype
+        ids = np.fromfile(prefix + ".bin", dtype=dtype)
+        counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def _parse_student(spec: str) -> tuple[str, str]:
+    label, sep, path = spec.rpartition("=")
+    if not sep or not label or not path:
+        raise ValueError(f"--student {spec!r}: expected LABEL=CHECKPOINT")
+    if not os.path.exists(path):
+        raise ValueError(f"--student {label}: no such checkpoint {path}")
+    return label, path
+
+
+@torch.no_grad()
+def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
+               max_windows: Optional[int], micro_batch_size: int) -> tuple[list[dict], object]:
+    """Held-out rows for the teacher, the untrained conversions and the students (one rank)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from distill.fcsd import heldout_kl
+    from megatron.training.config import ParallelConfig
+    from megatron.training.data import build_heldout_windows
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+
+    initialize_parallel(ParallelConfig())
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    teacher, configs, tokenizer, _ = load_model(teacher_path, parallel=ParallelConfig())
+    windows = build_heldout_windows(text, tokenizer, configs.model.seq_length)
+    if max_windows:
+        windows = windows[:max_windows]
+
+    def row(label, model, farskip):
+        r = heldout_kl(model, teacher, windows, micro_batch_size=micro_batch_size, pg_collection=pgc)
+        return {"model": label, "farskip": farskip, "loss": r["heldout_loss"], "ppl": r["heldout_ppl"],
+                "kl_to_teacher": r["heldout_kl"]}
+
+    rows = [row("teacher", teacher, configs.model.farskip)]
+    for spec in untrained:
+        model, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides={"farskip": spec})
+        rows.append(row(f"untrained, farskip {spec}", model, spec))
+        del model
+    for label, path in students:
+        model, student_configs, *_ = load_model(path, parallel=ParallelConfig())
+        if student_configs.model.seq_length != configs.model.seq_length:
+            raise ValueError(f"--student {label}: seq_length {student_configs.model.seq_length} "
+                             f"differs from the teacher's {configs.model.seq_length}")
+        rows.append(row(label, model, student_configs.model.farskip))
+        del model
+    teacher_ppl = rows[0]["ppl"]
+    for r in rows:
+        r["ppl_gap_to_teacher"] = r["ppl"] / teacher_ppl - 1.0
+    return rows, (windows, tokenizer)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| model | FarSkip layers | held-out loss | held-out ppl | vs teacher ppl | KL(teacher‖model) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        kl = "" if r.get("kl_to_teacher") is None else f"{r['kl_to_teacher']:.4f}"
+        lines.append(f"| {r['model']} | {r.get('farskip') or 'none'} | {r['loss']:.4f} | {r['ppl']:.2f} | "
+                     f"{100 * r['ppl_gap_to_teacher']:+.1f}% | {kl} |")
+    return "\n".join(lines)
+
+
+def _write_json_atomic(path: str, payload: dict) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".report-", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m distill.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--teacher", required=True, help="the source checkpoint (its own connectivity)")
+    p.add_argument("--text", required=True, help="held-out text file (e.g. WikiText-2 test)")
+    p.add_argument("--out", required=True, help="report JSON (written atomically)")
+    p.add_argument("--untrained", action="append", default=[], metavar="SPEC",
+                   help="score the teacher's weights with --farskip SPEC and no training (repeatable)")
+    p.add_argument("--student", action="append", default=[], metavar="LABEL=CKPT",
+                   help="a distilled checkpoint to score (repeatable)")
+    p.add_argument("--unigram-data", nargs="+", default=None, metavar="PREFIX",
+                   help="indexed datasets whose token frequencies give the unigram row")
+    p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    return p
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    from megatron import compat
+
+    compat.quiet_warnings()
+    args = build_parser().parse_args(argv)
+    try:
+        if not os.path.exists(args.teacher):
+            raise ValueError(f"--teacher {args.teacher}: no such checkpoint")
+        if not os.path.isfile(args.text):
+            raise ValueError(f"--text {args.text}: no such file")
+        students = [_parse_student(s) for s in args.student]
+        with tempfile.TemporaryDirectory(prefix="fcsd-report-") as tmp:
+            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+            try:
+                rows, (windows, tokenizer) = score_rows(
+                    args.teacher, args.text, untrained=args.untrained, students=students,
+                    max_windows=args.max_windows, micro_batch_size=args.micro_batch_size)
+            finally:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
+        if args.unigram_data:
+            counts = _token_counts(args.unigram_data, tokenizer.vocab_size)
+            uni = unigram_perplexity(counts, windows[:, 1:].numpy())
+            rows.append({"model": "unigram (training-corpus frequencies)", "farskip": None, "loss": uni["loss"],
+                         "ppl": uni["ppl"], "kl_to_teacher": None, "ppl_gap_to_teacher": uni["ppl"] / rows[0]["ppl"] - 1})
+        payload = {"text": args.text, "windows": int(windows.shape[0]), "tokens": int(windows[:, 1:].numel()),
+                   "teacher": args.teacher, "rows": rows}
+        _write_json_atomic(args.out, payload)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(payload))
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The FCSD report (held-out rows for teacher / untrained conversion / students, unigram floor)
+and the sweep script's selection logic."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distill.report import format_table, unigram_perplexity
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import fcsd_sweep  # noqa: E402
+
+
+def _report(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "distill.report", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_unigram_perplexity_by_hand():
+    counts = np.array([3, 0, 1])  # add-one: 4/7, 1/7, 2/7
+    got = unigram_perplexity(counts, np.array([0, 2, 2]))
+    expected = -(math.log(4 / 7) + 2 * math.log(2 / 7)) / 3
+    assert got["loss"] == pytest.approx(expected, rel=1e-12) and got["ppl"] == pytest.approx(math.exp(expected))
+
+
+def test_report_rows(teacher_ckpt, tmp_path):
+    """Teacher: KL 0 to itself; the same checkpoint as a 'student' reproduces the teacher row
+    exactly; the untrained FarSkip conversion changes the function (KL > 0)."""
+    from megatron.training.tokenizer import DEFAULT_CORPUS
+
+    out = tmp_path / "report.json"
+    proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", out,
+                   "--untrained", "all", "--student", f"same={teacher_ckpt / 'teacher'}", "--max-windows", 6,
+                   "--micro-batch-size", 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    teacher, same, untrained = rows["teacher"], rows["same"], rows["untrained, farskip all"]
+    assert teacher["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6) and teacher["ppl_gap_to_teacher"] == 0
+    assert same["loss"] == teacher["loss"]  # same weights, same connectivity: bit-identical
+    # a 4-step teacher is close to its random init, so the change is small but far above fp32 noise
+    assert untrained["kl_to_teacher"] > 1e-6 and untrained["loss"] != teacher["loss"] and untrained["farskip"] == "all"
+    assert "| teacher |" in proc.stdout and "| untrained, farskip all | all |" in format_table(list(rows.values()))
+
+
+def test_report_bad_input(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _report("--teacher", tmp_path / "missing", "--text", __file__, "--out", out)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "missing" in proc.stderr
+    proc = _report("--teacher", tmp_path, "--text", __file__, "--out", out, "--student", "nolabel")
+    assert proc.returncode == 2 and "LABEL=CHECKPOINT" in proc.stderr
+    assert not out.exists()
+
+
+def test_sweep_training_loss_and_batch(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": i, "loss": float(10 - i)} for i in range(1, 7)]
+    records.insert(3, {"event": "valid", "step": 3, "loss": 99.0})  # evaluations are not training steps
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert fcsd_sweep.training_loss(str(path), 2) == (pytest.approx(4.5), False)
+    with open(path, "a") as f:
+        f.write(json.dumps({"event": "summary", "step": 6}) + "\n")
+    assert fcsd_sweep.training_loss(str(path), 3)[1] is True
+    assert fcsd_sweep.global_batch_size(4096, 128, 4, 2) == 32
+    with pytest.raises(ValueError, match="multiple"):
+        fcsd_sweep.global_batch_size(1000, 128, 4, 2)
+
+
+def test_sweep_bad_input(tmp_path, capsys):
+    assert fcsd_sweep.main(["--load", str(tmp_path / "none"), "--root", str(tmp_path / "s")]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
