@@ -46,7 +46,11 @@ def _ints(text: str) -> list[int]:
 
 
 def training_loss(metrics_path: str, window: int) -> tuple[float, bool]:
-    """(mean ``loss`` over the last ``window`` logged steps, whether the run finished)."""
+    """(mean optimised loss over the last ``window`` logged steps, whether the run finished).
+
+    The optimised loss is ``kd_loss`` (the distillation objective of ``kl`` / ``kl+l2``) when the
+    run logs it, else ``loss`` (next-token loss + aux, what ``sft`` optimises).
+    """
     if not os.path.isfile(metrics_path):
         raise ValueError(f"{metrics_path}: no metrics (did the run start?)")
     steps, finished = [], False
@@ -56,7 +60,7 @@ def training_loss(metrics_path: str, window: int) -> tuple[float, bool]:
             if "event" in record:  # evaluations, checkpoints, the final summary
                 finished = finished or record["event"] == "summary"
             elif "loss" in record and not record.get("skipped"):
-                steps.append(record["loss"])
+                steps.append(record.get("kd_loss", record["loss"]))
     if not steps:
         raise ValueError(f"{metrics_path}: no logged training steps")
     tail = steps[-window:]

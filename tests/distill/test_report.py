@@ -66,6 +66,9 @@ def test_sweep_training_loss_and_batch(tmp_path):
     assert fcsd_sweep.training_loss(str(path), 2) == (pytest.approx(4.5), False)
     with open(path, "a") as f:
         f.write(json.dumps({"event": "summary", "step": 6}) + "\n")
+    kd = tmp_path / "kd.jsonl"  # distillation runs are selected by their distillation loss
+    kd.write_text(json.dumps({"step": 1, "loss": 5.0, "kd_loss": 0.25}) + "\n")
+    assert fcsd_sweep.training_loss(str(kd), 1)[0] == 0.25
     assert fcsd_sweep.training_loss(str(path), 3)[1] is True
     assert fcsd_sweep.global_batch_size(4096, 128, 4, 2) == 32
     with pytest.raises(ValueError, match="multiple"):
