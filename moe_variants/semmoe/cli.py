@@ -7,6 +7,7 @@ returning an exit code. User errors (``ValueError``) print one line and exit wit
 * ``evaluate``  tables (one or more) x held-out profile -> LAR / imbalance / bytes table + JSON
 * ``synth``     write a synthetic profile with planted token-expert affinity
 * ``split``     split a profile's requests into a profiling part and a held-out part
+* ``profile``, ``apply``, ``lar``: the model-side commands (``model_commands.py``)
 """
 
 from __future__ import annotations
@@ -237,9 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        from .runtime import rank_argv
+
+        argv = sys.argv[1:] or rank_argv() or []
+    argv = [str(a) for a in argv]
     args = build_parser().parse_args(argv)
+    args.argv = argv  # commands that start torchrun re-run themselves with the same arguments
     try:
         return COMMANDS[args.command].run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "CheckpointError":  # a corrupt or incomplete checkpoint is a user error
+            raise
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+from . import model_commands  # noqa: E402,F401  (registers profile, apply, lar)

@@ -1,0 +1,559 @@
+"""Running a checkpoint for Sem-MoE: routing traces (``profile``) and measured LAR (``lar``).
+
+Both run the model (any TP/EP for ``profile``; TP=1, EP=D for ``lar``) on prompts, with the
+routers' observers (``ProjectRouter.routing_observer``) reporting every routing decision.
+
+* :func:`profile_rank`: each data-parallel group takes every DP-th prompt, runs it in padded
+  batches (right padding: causal attention and dropless routing leave the real tokens' routing
+  unchanged), and records per MoE layer and token the top-k expert ids in router order; TP ranks
+  all-gather their sequence-parallel shards. All ranks run the same number of forwards (ranks
+  with fewer batches run a one-token dummy) so that the EP all-to-alls stay in lockstep. Rank 0
+  builds the :class:`Profile` with ``profile_from_traces`` and extends it to unseen tokens by
+  nearest neighbour in the model's input embedding table.
+* :func:`lar_rank`: the local activation rate counted in a real forward of a (placed) model at
+  EP = D. ``dp``: Algorithm 2 assigns each request to a rank (round-robin for tables without a
+  token table), the rank runs it, and an activation is local when its expert lives on that rank.
+  ``tp``: every rank holds every request (attention-TP: attention runs replicated here, which is
+  what TP attention computes), and before each MoE layer Algorithm 3 re-batches the tokens with
+  the real shuffled reduce-scatter, the MoE runs on each rank's slice with the real EP
+  all-to-all, and the shuffled all-gather restores the order (:class:`AttentionTPRebatching`).
+  The dispatchers' own byte counters give a second count of the remote activations.
+
+Shape legend: ``L`` MoE layers, ``N`` experts, ``K`` top-k, ``S`` padded sequence, ``B`` batch,
+``T`` tokens of a forward (``S * B`` flattened in megatron's ``[s, b]`` order), ``D`` EP ranks,
+``H`` hidden, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Prompt",
+    "read_prompts",
+    "encode_prompts",
+    "pack_batches",
+    "RouteRecorder",
+    "RunOptions",
+    "profile_rank",
+    "lar_rank",
+    "pad_assignment",
+    "AttentionTPRebatching",
+]
+
+
+# ------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+def read_prompts(path: str, limit: Optional[int] = None) -> list[Prompt]:
+    """Prompts of a JSONL file: one object per line with a string ``text`` (and optionally ``id``).
+
+    The first ``limit`` prompts when given. A missing file, a bad line or an empty file is a one-line
+    ``ValueError`` naming the file (and line).
+    """
+    out: list[Prompt] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--data {path}: cannot read prompts ({e.strerror or e})") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--data {path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise ValueError(f"--data {path}:{lineno}: expected an object with a string \"text\"")
+            out.append(Prompt(str(rec.get("id", f"{lineno}")), rec["text"]))
+    if not out:
+        raise ValueError(f"--data {path}: no prompts")
+    return out
+
+
+def encode_prompts(prompts: list[Prompt], tokenizer, max_tokens: int) -> list[np.ndarray]:
+    """[R] int64 token ids of each prompt, truncated to ``max_tokens`` (possibly empty)."""
+    ids = tokenizer.tokenize_batch([p.text for p in prompts]) if hasattr(tokenizer, "tokenize_batch") else [
+        tokenizer.tokenize(p.text) for p in prompts]  # fmt: skip
+    return [np.asarray(t[:max_tokens], dtype=np.int64) for t in ids]
+
+
+def pack_batches(indices: list[int], lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
+    """Group requests into batches of at most ``batch_tokens`` padded tokens (B x longest),
+    longest first so that padding stays small; a request longer than the budget goes alone."""
+    order = sorted(indices, key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = int(lengths[current[0]]) if current else int(lengths[i])
+        if current and (len(current) + 1) * longest > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def resolve_max_tokens(model_cfg, requested: Optional[int], multiple: int) -> int:
+    """Longest request the model takes: ``--max-tokens`` or its context, such that the padded
+    length (a multiple of TP for sequence parallelism) stays within the position table."""
+    context = model_cfg.max_position_embeddings or model_cfg.seq_length
+    limit = context // multiple * multiple
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {requested}")
+    if requested > limit:
+        raise ValueError(f"--max-tokens {requested} exceeds the model's context ({context} positions)")
+    return requested
+
+
+# ----------------------------------------------------------------------------------- recording
+
+
+class RouteRecorder:
+    """Top-k expert ids (router order, best first) of every MoE layer in the last forward.
+
+    Installs an observer on every router (``ProjectRouter``) while active (``with recorder:``).
+    ``last[l]`` is this rank's [T_local, K] int64 tensor for MoE layer ``l``.
+    """
+
+    def __init__(self, model):
+        from megatron.training.model_builder import moe_layers
+
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no MoE layers")
+        for m in self.layers:
+            if not hasattr(m.router, "routing_observer"):
+                raise ValueError(f"router {type(m.router).__name__} cannot report its routing (not a ProjectRouter)")
+        self.top_k = int(self.layers[0].router.topk)
+        self.num_experts = int(self.layers[0].config.num_moe_experts)
+        self.last: list[Optional[torch.Tensor]] = [None] * len(self.layers)
+
+    def __enter__(self):
+        for l, m in enumerate(self.layers):
+            m.router.routing_observer = functools.partial(self._observe, l)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.router.routing_observer = None
+        return False
+
+    def _observe(self, index: int, layer_number: int, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        chosen = routing_map.sum(1)
+        if bool((chosen != self.top_k).any()):
+            raise ValueError(
+                f"MoE layer {index}: a token was routed to {int(chosen.min())}..{int(chosen.max())} experts, "
+                f"not top-{self.top_k} (token dropping / capacity is not supported)"
+            )
+        scores = probs.float().masked_fill(~routing_map, float("-inf"))
+        self.last[index] = torch.topk(scores, self.top_k, dim=1).indices
+
+    def take(self, tp_group=None) -> list[torch.Tensor]:
+        """[L] x [T, K] of the last forward, TP shards all-gathered (collective over ``tp_group``)."""
+        if any(t is None for t in self.last):
+            raise RuntimeError("a MoE layer did not report its routing in the last forward")
+        out = list(self.last)
+        self.last = [None] * len(self.layers)
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            gathered = []
+            for t in out:
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                gathered.append(torch.cat(parts, 0))
+            out = gathered
+        return out
+
+
+def _forward(model, tokens: torch.Tensor):
+    """Logits of a GPTModel for right-padded ``tokens`` [B, S] (explicit causal mask)."""
+    from megatron.training.model_builder import causal_attention_mask
+
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device)[None].expand_as(tokens)
+    return model(tokens, positions, causal_attention_mask(seq, device=tokens.device))
+
+
+def _batch_tensor(ids: list[np.ndarray], seq: int) -> torch.Tensor:
+    out = torch.zeros((len(ids), seq), dtype=torch.long)
+    for j, t in enumerate(ids):
+        out[j, : len(t)] = torch.from_numpy(t)
+    return out
+
+
+def gather_embedding(model, pg_collection, vocab_size: int) -> np.ndarray:
+    """[V, H] float32 input embedding table (vocab-parallel shards all-gathered over TP)."""
+    weight = model.embedding.word_embeddings.weight.detach().float()
+    tp = pg_collection.tp
+    if dist.get_world_size(tp) > 1:
+        parts = [torch.empty_like(weight) for _ in range(dist.get_world_size(tp))]
+        dist.all_gather(parts, weight.contiguous(), group=tp)
+        weight = torch.cat(parts, 0)
+    return weight[:vocab_size].cpu().numpy()
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class RunOptions:
+    """What ``profile`` / ``lar`` run: a checkpoint at a layout over a prompts file."""
+
+    load: str
+    data: str
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    max_tokens: Optional[int] = None
+    batch_tokens: int = 2048
+    limit: Optional[int] = None
+    seed: int = 1234
+
+    def parallel(self):
+        from megatron.training.config import ParallelConfig
+
+        return ParallelConfig(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _load(opts: RunOptions):
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+
+    parallel = opts.parallel()
+    pgc = initialize_parallel(parallel, seed=opts.seed)
+    model, configs, tokenizer, manifest = load_model(opts.load, parallel=parallel, pg_collection=pgc)
+    return model, configs, tokenizer, manifest, pgc
+
+
+def profile_rank(opts: RunOptions):
+    """Run on every rank; returns the :class:`Profile` on global rank 0 and None elsewhere."""
+    from megatron.core import parallel_state
+
+    from .profile import extend_vocabulary, profile_from_traces
+
+    model, configs, tokenizer, manifest, pgc = _load(opts)
+    tp = opts.tensor_model_parallel_size
+    max_tokens = resolve_max_tokens(configs.model, opts.max_tokens, tp)
+    prompts = read_prompts(opts.data, opts.limit)
+    ids = encode_prompts(prompts, tokenizer, max_tokens)
+    lengths = np.array([len(t) for t in ids])
+    keep = [i for i in range(len(ids)) if lengths[i] > 0]
+    if not keep:
+        raise ValueError(f"--data {opts.data}: every prompt tokenizes to nothing")
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    schedules = [pack_batches(keep[r::dp_size], lengths, opts.batch_tokens) for r in range(dp_size)]
+    num_steps = max(len(s) for s in schedules)
+    mine = schedules[dp_rank]
+    recorder = RouteRecorder(model)
+    traces: dict[int, np.ndarray] = {}
+    route_dtype = np.uint8 if recorder.num_experts <= 256 else np.int32
+    with torch.no_grad(), recorder:
+        for step in range(num_steps):
+            batch = mine[step] if step < len(mine) else []
+            seq = _round_up(int(max((lengths[i] for i in batch), default=1)), tp)
+            tokens = _batch_tensor([ids[i] for i in batch] or [np.zeros(1, dtype=np.int64)], seq)
+            _forward(model, tokens)
+            topk = torch.stack(recorder.take(pgc.tp))  # [L, S*B, K]
+            topk = topk.view(topk.shape[0], seq, tokens.shape[0], -1).numpy()
+            for j, i in enumerate(batch):
+                traces[i] = topk[:, : lengths[i], j, :].astype(route_dtype)
+    contribution = traces if parallel_state.get_tensor_model_parallel_rank() == 0 else {}
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(contribution, gathered, dst=0)
+    vocab = int(tokenizer.vocab_size)
+    embedding = gather_embedding(model, pgc, vocab)
+    if rank != 0:
+        return None
+    routes: dict[int, np.ndarray] = {}
+    for part in gathered:
+        routes.update(part)
+    assert sorted(routes) == keep, "every kept prompt is traced exactly once"
+    meta = {
+        "model": opts.load,
+        "iteration": manifest.get("iteration"),
+        "hidden_size": int(configs.model.hidden_size),
+        "data": opts.data,
+        "max_tokens": max_tokens,
+        "num_prompts": len(prompts),
+        "num_skipped_empty": len(prompts) - len(keep),
+        "request_ids": [prompts[i].id for i in keep],
+        "parallel": {"tp": tp, "ep": opts.expert_model_parallel_size, "world": dist.get_world_size()},
+    }
+    profile = profile_from_traces(((ids[i], routes[i]) for i in keep), vocab, recorder.num_experts, meta)
+    return extend_vocabulary(profile, embedding)
+
+
+# ------------------------------------------------------------------------ measured LAR (lar)
+
+
+def pad_assignment(assigned: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """[n_pad] device per token after appending padding tokens to an aligned assignment [n].
+
+    ``assigned`` gives each rank at most ``ceil(n / W)`` tokens (``align_to_ranks``); the pads
+    (``n_pad - n`` of them, ``n_pad = W * ceil(n / W)``) fill the remaining slots, lowest rank
+    first, so that every rank gets exactly ``n_pad / W`` rows and the real tokens keep their
+    devices."""
+    n = assigned.numel()
+    cap = -(-n // num_ranks)
+    counts = torch.bincount(assigned.long(), minlength=num_ranks)
+    free = cap - counts
+    assert bool((free >= 0).all()), "assignment is not aligned"
+    pads = torch.repeat_interleave(torch.arange(num_ranks, device=assigned.device), free)
+    return torch.cat([assigned.long(), pads])
+
+
+class AttentionTPRebatching:
+    """Algorithm 3 inside a real forward of a TP=1, EP=D model on one request (``B = 1``).
+
+    While active, every MoE layer's forward is wrapped: the tokens' devices are predicted from the
+    tables (``T``/``A`` with the routed devices of the previous layers), aligned to equal slices
+    (padding tokens fill the free slots), and the shuffled reduce-scatter hands each rank its
+    slice. Attention ran replicated on every rank, so the partial sums are the full activation on
+    rank 0 and zeros elsewhere (exact). The MoE layer runs on the slice (real EP all-to-all) and
+    the shuffled all-gather restores token order; the routed devices of the slice are all-gathered
+    the same way for the next layers' ``A`` lookups. Tables without a token table (baselines) use
+    the natural contiguous slices. ``local_counts[l]`` accumulates this rank's local activations of
+    real tokens per layer.
+    """
+
+    def __init__(self, model, tables, group, recorder: RouteRecorder):
+        from megatron.training.model_builder import moe_layers
+
+        self.layers = moe_layers(model)
+        self.tables = tables
+        self.group = group
+        self.recorder = recorder
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        n_exp = recorder.num_experts
+        self.expert2device = torch.arange(n_exp) // (n_exp // self.world)  # physical ownership
+        self.local_counts = np.zeros(len(self.layers), dtype=np.int64)
+        self.begin(torch.zeros(1, dtype=torch.long))
+
+    def begin(self, token_ids: torch.Tensor) -> None:
+        """Start a request: its real token ids [n] (the forward's sequence is padded to W)."""
+        self.token_ids = token_ids.long()
+        self.history: list[torch.Tensor] = []  # routed devices [n] of previous layers, newest first
+
+    def __enter__(self):
+        for l, m in enumerate(self.layers):
+            m.forward = functools.partial(self._moe_forward, l, m.forward)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            del m.forward  # back to the class's forward
+        return False
+
+    def _assignment(self, layer: int) -> torch.Tensor:
+        from .scheduling import align_to_ranks, predict_token_devices
+
+        t, n, w = self.tables, self.token_ids.numel(), self.world
+        if not t.has_schedule:
+            pred, conf = torch.full((n,), -1, dtype=torch.long), torch.zeros(n)
+        else:
+            use_seq = layer >= t.lookback
+            pred, conf = predict_token_devices(
+                self.token_ids, w,
+                torch.from_numpy(t.token2device[layer].astype(np.int64)),
+                torch.from_numpy(t.token2device_conf[layer].astype(np.float32)),
+                torch.from_numpy(t.seq2device[layer].astype(np.int64)) if use_seq else None,
+                torch.from_numpy(t.seq2device_conf[layer].astype(np.float32)) if use_seq else None,
+                torch.stack(self.history[: t.lookback], dim=1) if use_seq else None,
+            )  # fmt: skip
+        return pad_assignment(align_to_ranks(pred, conf, w), w)
+
+    def _moe_forward(self, layer, original, hidden_states, intermediate_tensors=None, padding_mask=None):
+        from .scheduling import (
+            rebatch_permutation, routed_devices, shuffle_local, shuffled_all_gather, shuffled_reduce_scatter,
+        )  # fmt: skip
+
+        s, b, h = hidden_states.shape
+        if b != 1:
+            raise ValueError("attention-TP re-batching runs one request per forward")
+        if intermediate_tensors is not None:
+            raise ValueError("attention-TP re-batching does not support the MoE layer's partial (CUDA-graph) forward")
+        perm = rebatch_permutation(self._assignment(layer), self.world)
+        if perm.numel() != s:
+            raise RuntimeError(f"sequence of {s} tokens does not match the request's padded length {perm.numel()}")
+        if padding_mask is not None:  # [b=1, s] per-token metadata: moves with its token
+            (padding_mask,) = shuffle_local(perm, self.rank, self.world, padding_mask.reshape(s))
+            padding_mask = padding_mask.view(1, -1)
+        flat = hidden_states.reshape(s, h)
+        partial = flat if self.rank == 0 else torch.zeros_like(flat)
+        local = shuffled_reduce_scatter(partial, perm, self.group)  # [s/W, H]
+        out_local, bias = original(local.view(-1, 1, h), padding_mask=padding_mask)
+        out = shuffled_all_gather(out_local.reshape(-1, h), perm, self.group).view(s, b, h)
+        topk = self.recorder.last[layer]  # [s/W, K] physical expert ids of this rank's slice
+        dev_local = routed_devices(topk, self.expert2device)
+        dev = shuffled_all_gather(dev_local.view(-1, 1), perm, self.group).view(-1)
+        n = self.token_ids.numel()
+        self.history.insert(0, dev[:n])
+        del self.history[max(self.tables.lookback, 1):]
+        n_local = s // self.world
+        rows = perm[self.rank * n_local : (self.rank + 1) * n_local]
+        real = rows < n
+        local_hits = (self.expert2device[topk] == self.rank) & real[:, None]
+        self.local_counts[layer] += int(local_hits.sum())
+        return out, bias
+
+
+def _comm_totals(model) -> tuple[int, int]:
+    from megatron.training.model_builder import moe_layers
+
+    dispatch = combine = 0
+    for m in moe_layers(model):
+        c = m.token_dispatcher.comm
+        dispatch += int(c.bytes_dispatch)
+        combine += int(c.bytes_combine)
+    return dispatch, combine
+
+
+def _reset_comm(model) -> None:
+    from megatron.training.model_builder import moe_layers
+
+    for m in moe_layers(model):
+        m.token_dispatcher.comm.reset()
+
+
+def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
+    """Measured LAR of the checkpoint at EP = D (the tables' D) on the prompts; dict on rank 0.
+
+    Per request: activations of its real tokens whose expert lives on the device that holds the
+    token (``dp``: the request's rank; ``tp``: the rank Algorithm 3 put the token on before that
+    layer). Also counts, over every token forwarded (padding and lockstep dummies included), the
+    remote activations seen by the routers and the rows the dispatchers actually sent, which
+    must agree.
+    """
+    from .apply import check_tables_match_checkpoint
+    from .scheduling import schedule_requests
+    from .tables import load_tables
+
+    tables = load_tables(tables_path)
+    model, configs, tokenizer, manifest, pgc = _load(opts)
+    check_tables_match_checkpoint(tables, manifest, tables_path, opts.load)
+    d = tables.num_devices
+    if dist.get_world_size() != d or opts.expert_model_parallel_size != d or opts.tensor_model_parallel_size != 1:
+        raise ValueError(f"lar runs at TP=1 and EP = world = the tables' D ({d})")
+    rank = dist.get_rank(pgc.ep)
+    max_tokens = resolve_max_tokens(configs.model, opts.max_tokens, d if mode == "tp" else 1)
+    prompts = read_prompts(opts.data, opts.limit)
+    ids = encode_prompts(prompts, tokenizer, max_tokens)
+    lengths = np.array([len(t) for t in ids])
+    keep = [i for i in range(len(ids)) if lengths[i] > 0]
+    recorder = RouteRecorder(model)
+    n_exp, k, num_layers = recorder.num_experts, recorder.top_k, len(recorder.layers)
+    if tables.expert2device.shape != (num_layers, n_exp):
+        raise ValueError(f"--tables are for {tables.expert2device.shape} layers x experts, the model has "
+                         f"{(num_layers, n_exp)}")  # fmt: skip
+    expert2device = torch.arange(n_exp) // (n_exp // d)
+    local = np.zeros(len(ids), dtype=np.int64)  # this rank's local activations per request
+    per_layer = np.zeros(num_layers, dtype=np.int64)
+    seen_remote = 0  # remote (token, expert) rows over every forwarded token, pads included
+    _reset_comm(model)
+    with torch.no_grad(), recorder:
+        if mode == "dp":
+            if tables.has_schedule:
+                req_dev = schedule_requests([ids[i] for i in keep], tables)
+            else:
+                req_dev = np.arange(len(keep)) % d
+            schedules = [pack_batches([i for i, r in zip(keep, req_dev) if r == q], lengths, opts.batch_tokens)
+                         for q in range(d)]  # fmt: skip
+            mine = schedules[rank]
+            for step in range(max(len(s) for s in schedules)):
+                batch = mine[step] if step < len(mine) else []
+                seq = int(max((lengths[i] for i in batch), default=1))
+                tokens = _batch_tensor([ids[i] for i in batch] or [np.zeros(1, dtype=np.int64)], seq)
+                _forward(model, tokens)
+                for l, topk in enumerate(recorder.take()):
+                    hit = (expert2device[topk] == rank).view(seq, tokens.shape[0], k)  # [S, B, K]
+                    seen_remote += int((~hit).sum())
+                    for j, i in enumerate(batch):
+                        c = int(hit[: lengths[i], j].sum())
+                        local[i] += c
+                        per_layer[l] += c
+        elif mode == "tp":
+            rebatch = AttentionTPRebatching(model, tables, pgc.ep, recorder)
+            with rebatch:
+                for i in keep:
+                    seq = _round_up(int(lengths[i]), d)
+                    rebatch.begin(torch.from_numpy(ids[i]))
+                    before = rebatch.local_counts.copy()
+                    _forward(model, _batch_tensor([ids[i]], seq))
+                    for l, topk in enumerate(recorder.take()):
+                        seen_remote += int((expert2device[topk] != rank).sum())
+                    local[i] = int((rebatch.local_counts - before).sum())
+            per_layer = rebatch.local_counts.copy()
+        else:
+            raise ValueError(f"--mode {mode!r}: expected dp or tp")
+    dispatch_bytes, combine_bytes = _comm_totals(model)
+    totals = torch.tensor([seen_remote, dispatch_bytes, combine_bytes], dtype=torch.float64)
+    dist.all_reduce(totals)
+    counts = torch.from_numpy(np.concatenate([local, per_layer])).double()
+    dist.all_reduce(counts)
+    if dist.get_rank() != 0:
+        return None
+    local = counts[: len(ids)].numpy().astype(np.int64)[keep]
+    per_layer = counts[len(ids):].numpy().astype(np.int64)
+    total = lengths[keep] * k * num_layers
+    lar_req = local / total
+    p25, p50, p75 = np.percentile(lar_req, [25, 50, 75])
+    elem = torch.finfo(next(model.parameters()).dtype).bits // 8
+    row_bytes = int(configs.model.hidden_size) * elem
+    return {
+        "checkpoint": opts.load,
+        "tables": tables_path,
+        "method": tables.method,
+        "mode": mode,
+        "num_devices": d,
+        "scheduled": tables.has_schedule,
+        "hidden_size": int(configs.model.hidden_size),
+        "num_requests": len(keep),
+        "num_tokens": int(lengths[keep].sum()),
+        "lar": float(local.sum() / total.sum()),
+        "lar_p25": float(p25),
+        "lar_p50": float(p50),
+        "lar_p75": float(p75),
+        "total_activations": int(total.sum()),
+        "remote_activations": int(total.sum() - local.sum()),
+        "lar_per_layer": (per_layer / (lengths[keep].sum() * k)).tolist(),
+        "observed_remote_rows_all_tokens": int(totals[0]),
+        "dispatch_bytes": int(totals[1]),
+        "combine_bytes": int(totals[2]),
+        "dispatch_rows": int(totals[1]) // row_bytes,
+        "max_tokens": max_tokens,
+    }

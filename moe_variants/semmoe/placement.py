@@ -1,0 +1,113 @@
+"""Expert placement on a checkpoint: permute expert weights and router rows per MoE layer.
+
+megatron-core's EP split is contiguous: EP rank r owns experts ``[r * N/EP, (r+1) * N/EP)`` in the
+order of the expert index. So a placement is realised by permuting, in the layout-free global
+state dict (``megatron.training.global_state``), the experts of every MoE layer into the order of
+the tables' ``physical_to_logical`` map (devices in order, experts ascending within a device)
+together with the router rows (``router.weight`` [N, H], and ``router.bias`` / ``expert_bias``
+[N] where present). The permuted model computes the same function: the router scores the same
+experts, just under other indices, and each index still names the same expert weights. Loaded at
+EP = D, rank d then owns exactly the experts the tables put on device d; loaded at another EP the
+same file is split contiguously again (no local shuffle at load time).
+
+Pure functions on dicts of tensors; the checkpoint pass around them is ``apply.py``.
+
+Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``H`` hidden.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "moe_layer_prefixes",
+    "permute_expert_state",
+    "compose_maps",
+    "ROUTER_PER_EXPERT",
+]
+
+_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.local_experts\.(?P<index>\d+)\.(?P<rest>.+)$")
+_GROUPED = re.compile(r"^(?P<prefix>.+)\.experts\.(weight1|weight2)$")
+# router tensors whose leading dimension is the expert index (weight [N, H]; bias, expert_bias [N])
+ROUTER_PER_EXPERT = ("router.weight", "router.bias", "router.expert_bias", "router.local_tokens_per_expert",
+                     "router.global_tokens_per_expert")
+
+
+def moe_layer_prefixes(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """MoE layer prefixes (``decoder.layers.{i}.mlp``) in layer order, from expert parameter names."""
+    grouped = sorted({m.group("prefix") for k in state for m in [_GROUPED.match(k)] if m})
+    if grouped:
+        raise ValueError(
+            f"{grouped[0]}: grouped-GEMM experts (weight1/weight2) cannot be permuted by this pass; "
+            "use the SequentialMLP experts (--transformer-impl local, no grouped GEMM)"
+        )
+    prefixes = {m.group("prefix") for k in state for m in [_EXPERT.match(k)] if m}
+
+    def layer_key(prefix: str):
+        nums = [int(x) for x in re.findall(r"\d+", prefix)]
+        return nums, prefix
+
+    return sorted(prefixes, key=layer_key)
+
+
+def permute_expert_state(
+    state: Mapping[str, torch.Tensor], prefixes: Sequence[str], physical_to_logical: np.ndarray
+) -> dict[str, torch.Tensor]:
+    """Global state dict whose slot ``s`` of MoE layer ``l`` holds logical expert ``p2l[l, s]``.
+
+    state: TP=1/EP=1-named tensors (plus any router buffers); prefixes: [L] MoE layer prefixes in
+    the order of the map's rows; physical_to_logical: [L, N], each row a permutation of 0..N-1.
+    Every expert tensor and every per-expert router tensor of those layers is moved; everything
+    else is passed through unchanged (same tensor objects).
+    """
+    p2l = np.asarray(physical_to_logical, dtype=np.int64)
+    if p2l.ndim != 2 or p2l.shape[0] != len(prefixes):
+        raise ValueError(f"placement map has shape {p2l.shape}, the model has {len(prefixes)} MoE layers")
+    n = p2l.shape[1]
+    for l, row in enumerate(p2l):
+        if not np.array_equal(np.sort(row), np.arange(n)):
+            raise ValueError(f"placement map row {l} is not a permutation of 0..{n - 1}")
+    index_of = {p: l for l, p in enumerate(prefixes)}
+    experts_seen: dict[str, set[int]] = {p: set() for p in prefixes}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        m = _EXPERT.match(key)
+        if m and m.group("prefix") in index_of:
+            experts_seen[m.group("prefix")].add(int(m.group("index")))
+            continue  # filled below from the logical experts
+        prefix, _, tail = key.rpartition(".router.")
+        if prefix in index_of and f"router.{tail}" in ROUTER_PER_EXPERT:
+            if tensor.shape[0] != n:
+                raise ValueError(f"{key}: leading dimension {tensor.shape[0]} != {n} experts")
+            out[key] = tensor.index_select(0, torch.from_numpy(p2l[index_of[prefix]]).to(tensor.device))
+            continue
+        out[key] = tensor
+    for prefix, seen in experts_seen.items():
+        if seen != set(range(n)):
+            raise ValueError(f"{prefix}: the state holds experts {sorted(seen)[:8]}..., expected 0..{n - 1}")
+    for key, tensor in state.items():
+        m = _EXPERT.match(key)
+        if not (m and m.group("prefix") in index_of):
+            continue
+        prefix, logical, rest = m.group("prefix"), int(m.group("index")), m.group("rest")
+        row = p2l[index_of[prefix]]
+        slot = int(np.flatnonzero(row == logical)[0])
+        out[f"{prefix}.experts.local_experts.{slot}.{rest}"] = tensor
+    return out
+
+
+def compose_maps(outer: np.ndarray | None, inner: np.ndarray) -> np.ndarray:
+    """Placement of a checkpoint placed twice: [L, N] ``outer[l, inner[l, s]]``, the original
+    expert in slot ``s`` when ``inner`` was applied to a checkpoint already placed by ``outer``
+    (``None`` = unplaced)."""
+    inner = np.asarray(inner, dtype=np.int64)
+    if outer is None:
+        return inner.copy()
+    outer = np.asarray(outer, dtype=np.int64)
+    if outer.shape != inner.shape:
+        raise ValueError(f"placement maps of shapes {outer.shape} and {inner.shape} cannot be composed")
+    return np.take_along_axis(outer, inner, axis=1)

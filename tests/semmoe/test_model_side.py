@@ -1,0 +1,302 @@
+"""Model-side Sem-MoE: profiling a checkpoint, applying a placement, measuring LAR in a forward.
+
+All on a tiny 2-layer, 8-expert model (``conftest.tiny_model``) over gloo ranks. Tolerances: the
+placed model computes the same function, but the combine sums expert outputs in another order and
+experts see other batch compositions, so fp32 logits agree to rounding (atol/rtol 1e-5, about 100
+ulps of the O(1) logits), not bitwise; routes and counts are integers and compared exactly.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.training.testing import run_distributed
+from moe_variants.semmoe.cli import main
+from moe_variants.semmoe.metrics import evaluate
+from moe_variants.semmoe.model_run import pad_assignment
+from moe_variants.semmoe.profile import load_profile
+from moe_variants.semmoe.tables import Tables, load_tables, save_tables
+
+ATOL = RTOL = 1e-5
+
+
+def _tokens(seed=0, batch=2, seq=24, vocab=2048):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------ profile
+
+
+def _profile_layouts(rank, world, ckpt, prompts):
+    from megatron.core import parallel_state
+
+    from moe_variants.semmoe.model_run import RunOptions, gather_embedding, profile_rank
+
+    out = {}
+    for name, tp, ep in (("ep2", 1, 2), ("tp2_ep2", 2, 2)):
+        opts = RunOptions(load=ckpt, data=prompts, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                          batch_tokens=128)  # fmt: skip
+        out[name] = profile_rank(opts)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_profile_is_layout_independent_and_extends_by_embedding(tiny_model):
+    """EP=2 (two data-parallel ranks) and TP=2 x EP=2 record exactly the EP=1 routes; tokens never
+    seen take their cosine-nearest seen token in the input embedding table."""
+    ref = load_profile(tiny_model.profile_path)
+    results = run_distributed(_profile_layouts, 2, tiny_model.ckpt, tiny_model.prompts, timeout_s=240)
+    assert results[1] == {"ep2": None, "tp2_ep2": None}  # only global rank 0 builds the profile
+    for name, prof in results[0].items():
+        np.testing.assert_array_equal(prof.token_ids, ref.token_ids, err_msg=name)
+        np.testing.assert_array_equal(prof.request_offsets, ref.request_offsets, err_msg=name)
+        np.testing.assert_array_equal(prof.routes, ref.routes, err_msg=name)
+        for a, b in zip(prof.counts, ref.counts):
+            assert (a != b).nnz == 0, name
+        np.testing.assert_array_equal(prof.nn_source, ref.nn_source, err_msg=name)
+    assert ref.num_layers == 2 and ref.num_experts == 8 and ref.top_k == 2 and ref.meta["hidden_size"] == 32
+    # nearest neighbour by brute force over the checkpoint's embedding table
+    emb = _embedding(tiny_model.ckpt)[: ref.vocab_size]
+    seen = np.flatnonzero(ref.token_freq > 0)
+    unseen = np.flatnonzero(ref.token_freq == 0)
+    assert len(unseen) > 1000 and ref.meta["vocab_extended"] == len(unseen)
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    for t in unseen[:: max(1, len(unseen) // 50)]:
+        assert ref.nn_source[t] == seen[np.argmax(unit[seen] @ unit[t])]
+    np.testing.assert_array_equal(ref.nn_source[seen], seen)
+
+
+def _embedding(ckpt):
+    def fn(rank, world, path):
+        from megatron.training.config import ParallelConfig
+        from megatron.training.loading import load_model
+        from megatron.training.parallel import initialize_parallel
+
+        pgc = initialize_parallel(ParallelConfig())
+        model, *_ = load_model(path, parallel=ParallelConfig(), pg_collection=pgc)
+        return model.embedding.word_embeddings.weight.detach().numpy().copy()
+
+    return run_distributed(fn, 1, ckpt)[0]
+
+
+# -------------------------------------------------------------------------------------- apply
+
+
+def _apply(rank, world, ckpt, tables, out):
+    from moe_variants.semmoe.apply import apply_placement
+
+    return apply_placement(ckpt, tables, out)
+
+
+def _logits_and_ownership(rank, world, original, placed, physical_to_logical, tokens):
+    from megatron.training.config import ParallelConfig
+    from megatron.training.global_state import gather_global_state_dict
+    from megatron.training.loading import load_model
+    from megatron.training.model_builder import causal_attention_mask, moe_layers
+    from megatron.training.parallel import initialize_parallel
+
+    seq = tokens.shape[1]
+    pos = torch.arange(seq)[None].expand_as(tokens)
+    out = {}
+    for ep in (1, 2, 4):
+        parallel = ParallelConfig(expert_model_parallel_size=ep)
+        pgc = initialize_parallel(parallel, seed=1)
+        runs = (("original", original), ("placed", placed)) if ep == 1 else (("placed", placed),)
+        for name, path in runs:
+            model, *_ = load_model(path, parallel=parallel, pg_collection=pgc)
+            with torch.no_grad():
+                out[(name, ep)] = model(tokens, pos, causal_attention_mask(seq))
+            if name == "original":
+                full = gather_global_state_dict(model, pgc)  # EP=1: every expert, no communication
+        if ep == 4:  # the tables' D: rank r must own exactly the experts the tables put on device r
+            for l, layer in enumerate(moe_layers(model)):
+                for j, expert in enumerate(layer.experts.local_experts):
+                    logical = int(physical_to_logical[l][layer.local_expert_indices[j]])
+                    prefix = f"decoder.layers.{l}.mlp.experts.local_experts.{logical}."
+                    for pname, p in expert.named_parameters():
+                        assert torch.equal(p, full[prefix + pname]), (l, j, pname)
+                    out[("owned", l, rank, j)] = logical
+    return out
+
+
+def test_applied_checkpoint_computes_the_same_function_at_ep_1_2_4(tiny_model, tmp_path):
+    """A placement for D=4 (a fixed non-trivial permutation) applied to the checkpoint: logits at
+    EP=1, 2 and 4 equal the original's at EP=1 (fp32, ATOL/RTOL; EP=2 == EP=1 for the original
+    model is megatron's own EP test's business), and at EP=4 each rank holds, as its
+    local experts, the weights of exactly the experts the tables assign to it."""
+    rng = np.random.default_rng(0)
+    e2d = np.stack([rng.permutation(np.arange(8) // 2) for _ in range(2)])  # [L, N], 2 experts per device
+    tables = Tables("test", 4, e2d.astype(np.int32))
+    save_tables(tables, tmp_path / "t4")
+    p2l = tables.physical_to_logical()
+    assert not np.array_equal(p2l, np.tile(np.arange(8), (2, 1)))
+    run_distributed(_apply, 1, tiny_model.ckpt, str(tmp_path / "t4"), str(tmp_path / "placed4"))
+    tokens = _tokens()
+    results = run_distributed(_logits_and_ownership, 4, tiny_model.ckpt, str(tmp_path / "placed4"),
+                              p2l.tolist(), tokens, timeout_s=300)  # fmt: skip
+    ref = results[0][("original", 1)]
+    for rank_out in results:
+        torch.testing.assert_close(rank_out[("original", 1)], ref, atol=0, rtol=0)  # same on every rank
+        for ep in (1, 2, 4):
+            torch.testing.assert_close(rank_out[("placed", ep)], ref, atol=ATOL, rtol=RTOL)
+    for l in range(2):
+        for r in range(4):
+            owned = sorted(results[r][("owned", l, r, j)] for j in range(2))
+            assert owned == sorted(np.flatnonzero(e2d[l] == r).tolist())
+    # exported placement: expert -> rank per layer, and the record in the manifest
+    iter_dir = os.path.join(tmp_path / "placed4", sorted(os.listdir(tmp_path / "placed4"))[0])
+    placement = json.load(open(os.path.join(iter_dir, "semmoe_tables", "placement.json")))
+    assert placement["expert_to_rank"] == e2d.tolist() and placement["num_devices"] == 4
+    manifest = json.load(open(os.path.join(iter_dir, "manifest.json")))
+    record = manifest["configs"]["semmoe"]
+    assert record["semmoe_tables_map"] == p2l.tolist() and record["semmoe_method"] == "test"
+
+
+# ---------------------------------------------------------------------------------------- LAR
+
+
+def _lar_runs(rank, world, fx, contiguous2):
+    from megatron.core import parallel_state
+
+    from moe_variants.semmoe.model_run import RunOptions, lar_rank
+
+    out = {}
+    for name, ckpt, tables, mode in (
+        ("semmoe_dp", fx.placed2, fx.tables2, "dp"),
+        ("semmoe_tp", fx.placed2, fx.tables2, "tp"),
+        ("contiguous_tp", fx.ckpt, contiguous2, "tp"),
+    ):
+        opts = RunOptions(load=ckpt, data=fx.prompts, expert_model_parallel_size=2, batch_tokens=256)
+        out[name] = lar_rank(opts, tables, mode)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_measured_lar_equals_tables_prediction(tiny_model, tmp_path):
+    """LAR two ways: counting routed tokens in a real EP=2 forward of the placed checkpoint (with
+    Algorithm 2 for attention-DP, Algorithm 3's shuffled reduce-scatter for attention-TP) equals
+    ``evaluate``'s prediction from the tables and the profile of the same prompts (exact counts),
+    and the remote activations the routers chose equal the rows the dispatchers sent."""
+    from moe_variants.semmoe.methods import place
+
+    profile = load_profile(tiny_model.profile_path)
+    save_tables(place("contiguous", profile, 2), tmp_path / "contiguous2")
+    results = run_distributed(_lar_runs, 2, tiny_model, str(tmp_path / "contiguous2"), timeout_s=300)
+    assert all(v is None for v in results[1].values())
+    tables = {"semmoe": load_tables(tiny_model.tables2), "contiguous": load_tables(tmp_path / "contiguous2")}
+    for name, measured in results[0].items():
+        method, mode = name.split("_")
+        predicted = evaluate(tables[method], profile, mode, 32, 4, 0)
+        assert measured["total_activations"] == profile.num_tokens * 2 * 2
+        assert measured["remote_activations"] == predicted.remote_activations, name
+        for key in ("lar", "lar_p25", "lar_p50", "lar_p75"):
+            assert measured[key] == pytest.approx(getattr(predicted, key), abs=1e-12), (name, key)
+        assert measured["observed_remote_rows_all_tokens"] == measured["dispatch_rows"], name
+    by = results[0]
+    assert by["semmoe_tp"]["lar"] > by["contiguous_tp"]["lar"]
+
+
+def _rebatched_logits(rank, world, ckpt, tables_path, tokens):
+    from megatron.training.config import ParallelConfig
+    from megatron.training.loading import load_model
+    from megatron.training.model_builder import causal_attention_mask
+    from megatron.training.parallel import initialize_parallel
+
+    from moe_variants.semmoe.model_run import AttentionTPRebatching, RouteRecorder
+
+    parallel = ParallelConfig(expert_model_parallel_size=2)
+    pgc = initialize_parallel(parallel, seed=1)
+    model, *_ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
+    seq = tokens.shape[1]
+    pos = torch.arange(seq)[None]
+    mask = causal_attention_mask(seq)
+    recorder = RouteRecorder(model)
+    rebatch = AttentionTPRebatching(model, load_tables(tables_path), pgc.ep, recorder)
+    with torch.no_grad():
+        plain = model(tokens, pos, mask)
+        with recorder, rebatch:
+            rebatch.begin(tokens[0])
+            shuffled = model(tokens, pos, mask)
+            history = [h.clone() for h in rebatch.history]
+        again = model(tokens, pos, mask)  # the wrapper is gone again
+    return plain, shuffled, again, history, rebatch.local_counts.copy()
+
+
+def test_attention_tp_rebatching_in_the_forward_is_exact(tiny_model):
+    """Algorithm 3 inside the model (shuffled reduce-scatter before each MoE layer, shuffled
+    all-gather after): the logits equal the plain EP=2 forward's, on both ranks, and leaving the
+    context restores the layers' own forward."""
+    tokens = _tokens(seed=3, batch=1, seq=30)
+    results = run_distributed(_rebatched_logits, 2, tiny_model.placed2, tiny_model.tables2, tokens)
+    for plain, shuffled, again, history, local_counts in results:
+        torch.testing.assert_close(shuffled, plain, atol=ATOL, rtol=RTOL)
+        assert torch.equal(again, plain)
+        assert len(history) == 2 and all(h.shape == (30,) for h in history)
+        assert local_counts.sum() > 0
+    assert torch.equal(results[0][3][0], results[1][3][0])  # routed devices agree across ranks
+
+
+def test_pad_assignment_fills_free_slots_lowest_rank_first():
+    assigned = torch.tensor([1, 1, 0, 2, 2, 1, 0])  # n = 7, W = 3 -> 3 slots per rank
+    padded = pad_assignment(assigned, 3)
+    assert padded[:7].tolist() == assigned.tolist()
+    assert padded[7:].tolist() == [0, 2]
+    assert torch.bincount(padded).tolist() == [3, 3, 3]
+
+
+# -------------------------------------------------------------------------------- bad input
+
+
+def _one_line_error(capsys, rc, *fragments):
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    for f in fragments:
+        assert f in err, err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tiny_model, tmp_path, capsys):
+    ckpt, tables2 = tiny_model.ckpt, tiny_model.tables2
+    out = tmp_path / "out"
+    rc = main(["apply", "--load", str(tmp_path / "nope"), "--tables", tables2, "--out", str(out)])
+    _one_line_error(capsys, rc, "nope")
+    # tables for another expert count, and for another number of MoE layers
+    save_tables(Tables("x", 2, np.tile(np.arange(4) // 2, (2, 1)).astype(np.int32)), tmp_path / "t_e4")
+    rc = main(["apply", "--load", ckpt, "--tables", str(tmp_path / "t_e4"), "--out", str(out)])
+    _one_line_error(capsys, rc, "2 MoE layers x 4 experts", "2 x 8")
+    save_tables(Tables("x", 2, np.tile(np.arange(8) // 4, (3, 1)).astype(np.int32)), tmp_path / "t_l3")
+    rc = main(["apply", "--load", ckpt, "--tables", str(tmp_path / "t_l3"), "--out", str(out)])
+    _one_line_error(capsys, rc, "3 MoE layers x 8 experts")
+    rc = main(["apply", "--load", ckpt, "--tables", str(tmp_path / "missing"), "--out", str(out)])
+    _one_line_error(capsys, rc, "missing")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    # existing outputs are refused and left alone
+    out.mkdir()
+    (out / "keep").write_text("x")
+    rc = main(["apply", "--load", ckpt, "--tables", tables2, "--out", str(out)])
+    _one_line_error(capsys, rc, "exists")
+    assert [p.name for p in out.iterdir()] == ["keep"]
+    existing = tmp_path / "p.npz"
+    existing.write_text("old")
+    rc = main(["profile", "--load", ckpt, "--data", tiny_model.prompts, "--out", str(existing)])
+    _one_line_error(capsys, rc, "exists")
+    assert existing.read_text() == "old"
+    rc = main(["profile", "--load", str(tmp_path / "nope"), "--data", tiny_model.prompts, "--out",
+               str(tmp_path / "p2.npz")])  # fmt: skip
+    _one_line_error(capsys, rc, "nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"no_text": 1}\n')
+    rc = main(["profile", "--load", ckpt, "--data", str(bad), "--out", str(tmp_path / "p2.npz")])
+    _one_line_error(capsys, rc, "bad.jsonl:2")
+    rc = main(["profile", "--load", ckpt, "--data", tiny_model.prompts, "--out", str(tmp_path / "p2.npz"),
+               "--expert-model-parallel-size", "3"])  # fmt: skip
+    _one_line_error(capsys, rc, "--expert-model-parallel-size 3")
+    assert not (tmp_path / "p2.npz").exists()
+    # the tables' token predictions only hold for the placement they were solved for
+    rc = main(["lar", "--load", ckpt, "--tables", tables2, "--data", tiny_model.prompts])
+    _one_line_error(capsys, rc, "not the placement of --load")
+    rc = main(["lar", "--load", tiny_model.placed2, "--tables", tables2, "--data", tiny_model.prompts,
+               "--out", str(existing)])  # fmt: skip
+    _one_line_error(capsys, rc, "exists")
