@@ -203,7 +203,8 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
     tensor = tensor.contiguous()
     output = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
     if counters is not None:
-        row_numel = tensor[0].numel() if tensor.dim() > 1 else 1
+        # a rank may send nothing (no token chose its experts): size a row from the shape, not row 0
+        row_numel = int(torch.Size(tensor.shape[1:]).numel())
         num_bytes = off_rank_bytes(input_splits, row_numel, tensor.element_size(), group.rank())
         counters.add_bytes("backward" if backward and kind != "meta" else kind, num_bytes)
     work = dist.all_to_all_single(

@@ -300,3 +300,24 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, tmp_path, capsys):
     rc = main(["lar", "--load", tiny_model.placed2, "--tables", tables2, "--data", tiny_model.prompts,
                "--out", str(existing)])  # fmt: skip
     _one_line_error(capsys, rc, "exists")
+
+
+def _empty_all_to_all(rank, world):
+    import torch.distributed as dist
+
+    from moe_variants.common.comm import CommCounters, all_to_all
+
+    counters = CommCounters()
+    # rank 1 sends nothing (no token of its slice chose a remote expert) but receives 3 rows
+    x = torch.ones(3, 4) if rank == 0 else torch.ones(0, 4)
+    out = all_to_all(dist.group.WORLD, x, [0, 0] if rank == 0 else [3, 0], [0, 3] if rank == 0 else [0, 0],
+                     counters=counters, kind="combine")  # fmt: skip
+    return tuple(out.shape), counters.bytes_combine
+
+
+def test_all_to_all_with_an_empty_send_buffer():
+    """Regression (seen in ``lar --mode tp`` at EP=4): a rank whose slice routes no token to a
+    remote expert sends a [0, H] buffer; the byte counter must size rows from the shape."""
+    (shape0, bytes0), (shape1, bytes1) = run_distributed(_empty_all_to_all, 2)
+    assert shape0 == (0, 4) and bytes0 == 3 * 4 * 4
+    assert shape1 == (3, 4) and bytes1 == 0
