@@ -151,17 +151,15 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
     """Write the placed checkpoint to ``out`` (see the module docstring). Returns its iter dir.
 
     Runs in this process as one gloo rank (or inside a caller's single-rank group)."""
-    import torch
     import torch.distributed as dist
 
     from megatron.training.arguments import configs_from_dict, configs_to_dict
     from megatron.training.checkpointing import layout_of, save_checkpoint
     from megatron.training.config import ParallelConfig
-    from megatron.training.global_state import gather_global_state_dict, load_global_state_dict
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
 
-    from .placement import ROUTER_PER_EXPERT, compose_maps, moe_layer_prefixes, permute_expert_state
+    from .placement import compose_maps, permute_model_experts
     from .runtime import single_process_group
 
     ckpt, manifest, tables = validate_apply(load, tables_path, out)
@@ -176,19 +174,7 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
         parallel = ParallelConfig()
         pgc = initialize_parallel(parallel, seed=seed)
         model, configs, _, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
-        state = gather_global_state_dict(model, pgc)
-        buffers = {
-            name: buf.detach().clone() for name, buf in model.named_buffers()
-            if buf is not None and any(name.endswith("." + r) for r in ROUTER_PER_EXPERT)
-        }  # fmt: skip
-        prefixes = moe_layer_prefixes(state)
-        if len(prefixes) != tables.num_layers:
-            raise ValueError(f"the model has {len(prefixes)} MoE layers, the tables {tables.num_layers}")
-        placed = permute_expert_state({**state, **buffers}, prefixes, p2l)
-        load_global_state_dict(model, {k: v for k, v in placed.items() if k not in buffers}, pgc)
-        with torch.no_grad():
-            for name in buffers:
-                model.get_buffer(name).copy_(placed[name])
+        permute_model_experts(model, pgc, p2l)
         source_configs = configs_from_dict(
             {k: v for section, fields in manifest["configs"].items() if section in ("parallel",)
              for k, v in fields.items()}

@@ -10,7 +10,8 @@ experts, just under other indices, and each index still names the same expert we
 EP = D, rank d then owns exactly the experts the tables put on device d; loaded at another EP the
 same file is split contiguously again (no local shuffle at load time).
 
-Pure functions on dicts of tensors; the checkpoint pass around them is ``apply.py``.
+Pure functions on dicts of tensors, plus :func:`permute_model_experts`, the in-place edge used by
+the checkpoint pass (``apply.py``) and the benchmark variant (``bench.py``).
 
 Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``H`` hidden.
 """
@@ -27,6 +28,7 @@ __all__ = [
     "moe_layer_prefixes",
     "permute_expert_state",
     "compose_maps",
+    "permute_model_experts",
     "ROUTER_PER_EXPERT",
 ]
 
@@ -111,3 +113,31 @@ def compose_maps(outer: np.ndarray | None, inner: np.ndarray) -> np.ndarray:
     if outer.shape != inner.shape:
         raise ValueError(f"placement maps of shapes {outer.shape} and {inner.shape} cannot be composed")
     return np.take_along_axis(outer, inner, axis=1)
+
+
+def permute_model_experts(model, pg_collection, physical_to_logical: np.ndarray) -> None:
+    """Permute a built model's experts and router rows in place (collective over its groups).
+
+    The model may be at any TP/EP layout: its layout-free state is gathered, permuted with
+    :func:`permute_expert_state` and sliced back, so rank r ends up owning the experts the map
+    puts in its slots. Router buffers with a per-expert leading dimension (``expert_bias``, token
+    counters) are replicated on every rank and permuted locally. Call it before DDP and the
+    optimizer copy the parameters.
+    """
+    from megatron.training.global_state import gather_global_state_dict, load_global_state_dict
+
+    state = gather_global_state_dict(model, pg_collection)
+    buffers = {
+        name: buf.detach().clone() for name, buf in model.named_buffers()
+        if buf is not None and any(name.endswith("." + r) for r in ROUTER_PER_EXPERT)
+    }  # fmt: skip
+    prefixes = moe_layer_prefixes(state)
+    if len(prefixes) != np.asarray(physical_to_logical).shape[0]:
+        raise ValueError(
+            f"the model has {len(prefixes)} MoE layers, the placement {np.asarray(physical_to_logical).shape[0]}"
+        )
+    placed = permute_expert_state({**state, **buffers}, prefixes, physical_to_logical)
+    load_global_state_dict(model, {k: v for k, v in placed.items() if k not in buffers}, pg_collection)
+    with torch.no_grad():
+        for name in buffers:
+            model.get_buffer(name).copy_(placed[name])

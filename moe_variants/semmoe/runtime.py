@@ -87,9 +87,19 @@ def run_under_torchrun(nproc: int, argv: list[str], env: dict | None = None) -> 
     if errors:
         print(errors[0], file=sys.stderr)
         return 2
-    sys.stderr.write("\n".join(lines[-40:]) + "\n")
+    sys.stderr.write("\n".join(_root_cause(lines)) + "\n")
     print(f"error: the {nproc} ranks failed (exit status {proc.returncode}); their output is above", file=sys.stderr)
     return 1
+
+
+def _root_cause(lines: list[str], keep: int = 40) -> list[str]:
+    """The traceback of the first rank that failed (torchrun prefixes it ``[rankN]:``), else the
+    tail; the other ranks' SIGTERM reports and torchrun's summary would bury it."""
+    for line in lines:
+        if line.startswith("[rank") and "]:" in line:
+            prefix = line[: line.index("]:") + 2]
+            return [l for l in lines if l.startswith(prefix)][-keep:]
+    return lines[-keep:]
 
 
 def _noise(line: str) -> bool:

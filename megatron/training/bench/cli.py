@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(flag, type=typ)
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config override (VALUE parsed as JSON when possible)")
+    g.add_argument("--semmoe-profile-samples", type=_positive_int, default=256,
+                   help="variant semmoe: training samples (held back from the measured steps) to profile "
+                   "the fresh model's routing on before placing its experts")
     g = ap.add_argument_group("synthetic worker (--variants synthetic)")
     for f in dataclasses.fields(SyntheticOptions):
         g.add_argument(f"--synthetic-{f.name}", type=_positive_int, default=f.default)
@@ -199,6 +202,8 @@ class _Budget:
 def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps) -> list[RankResult]:
     run_dir = os.path.join(work_dir, tag)
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
+    if "semmoe" in variant.split("+"):
+        options["semmoe_profile_samples"] = args.semmoe_profile_samples
     if args.trace and variant != SYNTHETIC and tag.startswith("run-"):
         options["trace_dir"] = os.path.abspath(args.trace)
     spec = WorkerSpec(

@@ -7,7 +7,9 @@
 the timings and the all-to-all counters that the dispatchers themselves keep.
 
 Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` combines them
-(``bigmac+farskip``).
+(``bigmac+farskip``). ``semmoe`` changes no config: it places the experts of the freshly built model
+by a Sem-MoE profile of held-back training samples and re-schedules every step's samples over the
+ranks (``moe_variants/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ VARIANTS = {
     "bigmac": {"moe_variant": "bigmac"},
     "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
     "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
+    "semmoe": {},  # placement + request scheduling, see moe_variants/semmoe/bench.py
 }
 
 
@@ -116,8 +119,21 @@ def run(spec: WorkerSpec) -> RankResult:
     dp_size = parallel_state.get_data_parallel_world_size()
     num_micro = c.training.num_microbatches(dp_size)
     global_batch = c.training.resolved_global_batch_size(dp_size)
+    semmoe = None
+    if "semmoe" in spec.variant.split("+"):
+        import torch
+
+        from moe_variants.semmoe.bench import from_worker
+
+        rng = torch.get_rng_state()  # the data iterator draws a seed: keep the model's init identical
+        train_ds, _, _, _ = build_data(
+            c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
+        )
+        torch.set_rng_state(rng)
+        semmoe = from_worker(c, tokenizer, pgc, spec.options, (spec.warmup + spec.steps) * global_batch, train_ds)
     chunks, optimizer, scheduler = setup_model_and_optimizer(
-        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc
+        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
+        before_wrap=semmoe.place if semmoe else None,
     )
     _, _, _, train_iter = build_data(
         c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
@@ -126,13 +142,20 @@ def run(spec: WorkerSpec) -> RankResult:
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
              "exposed_fwd_s": [], "exposed_bwd_s": []}
+    if semmoe:
+        extra["semmoe_schedule_s"] = []
     trace_dir = spec.options.get("trace_dir")
     total = spec.warmup + spec.steps
     for step in range(total):
         timeline = _attach_timeline(chunks) if trace_dir and step == total - 1 else None
+        data, schedule_s = train_iter, 0.0
+        if semmoe:  # Algorithm 2 over this step's global batch, outside the timed step
+            t_schedule = time.perf_counter()
+            data = semmoe.schedule(train_iter, num_micro)
+            schedule_s = time.perf_counter() - t_schedule
         start = time.perf_counter()
         m = train_step(
-            chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
+            chunks, optimizer, scheduler, data, model_cfg=c.model, train_cfg=c.training,
             num_microbatches=num_micro, pg_collection=pgc,
         )
         if timeline is not None:
@@ -155,8 +178,12 @@ def run(spec: WorkerSpec) -> RankResult:
         extra["a2a_time_bwd_s"].append(comm["time_bwd_s"])
         extra["exposed_fwd_s"].append(comm["exposed_fwd_s"])
         extra["exposed_bwd_s"].append(comm["exposed_bwd_s"])
+        if semmoe:
+            extra["semmoe_schedule_s"].append(schedule_s)
     from megatron.training.arguments import configs_to_dict
 
+    if semmoe:
+        extra["semmoe"] = semmoe.info
     extra["config"] = configs_to_dict(c)["model"]
     dist.barrier()
     return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
