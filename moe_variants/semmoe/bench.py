@@ -6,8 +6,9 @@ scheduling that applies is Algorithm 2 (requests -> DP ranks); every training sa
 
 1. ``place(model)`` (the ``before_wrap`` hook: the bare model, before DDP and the optimizer copy
    it): run the freshly initialised model (the same seed as every variant) forward on
-   ``profile_samples`` samples of the training split that the measured steps never read (the
-   split's last samples), record every router's top-k, solve Algorithm 1 for D = EP on rank 0,
+   ``profile_samples`` samples of the validation split (documents the training steps never read,
+   as the paper profiles on a separate 20% of the requests), record every router's top-k, solve
+   Algorithm 1 for D = EP on rank 0,
    broadcast the tables, and permute experts and router rows so that rank d owns device d's
    experts (:func:`placement.permute_model_experts`; the model computes the same function).
 2. ``schedule(data_iterator, num_micro)`` before each step: the step's global batch (every rank's
@@ -41,11 +42,11 @@ class SemMoEBench:
     """Placement and per-step request scheduling for one benchmark run (see the module docstring).
 
     ``configs``: the worker's :class:`Configs`; ``tokenizer``: its tokenizer; ``pg_collection``:
-    the layout's groups; ``train_dataset``: the training split the data iterator reads;
-    ``measured_samples``: how many of its first samples the run consumes.
+    the layout's groups; ``profile_dataset``: samples to profile on (the validation split), of
+    which the first ``profile_samples`` are used.
     """
 
-    def __init__(self, configs, tokenizer, pg_collection, train_dataset, measured_samples: int,
+    def __init__(self, configs, tokenizer, pg_collection, profile_dataset,
                  profile_samples: int = DEFAULT_PROFILE_SAMPLES, seed: int = 0):  # fmt: skip
         from megatron.core import parallel_state
 
@@ -60,16 +61,17 @@ class SemMoEBench:
             )
         if profile_samples < 1:
             raise ValueError(f"{VARIANT}: profile_samples must be >= 1, got {profile_samples}")
-        if len(train_dataset) < measured_samples + profile_samples:
+        if profile_dataset is None or len(profile_dataset) < profile_samples:
+            have = 0 if profile_dataset is None else len(profile_dataset)
             raise ValueError(
-                f"{VARIANT}: the training split has {len(train_dataset)} samples, fewer than the "
-                f"{measured_samples} measured + {profile_samples} to profile on (lower profile_samples)"
+                f"{VARIANT}: the validation split has {have} samples, fewer than the {profile_samples} to profile "
+                "on (give --split a non-zero validation part, or lower --semmoe-profile-samples)"
             )
         self.configs = configs
         self.vocab_size = int(tokenizer.vocab_size)
         self.pg_collection = pg_collection
-        self.dataset = train_dataset
-        self.profile_indices = range(len(train_dataset) - profile_samples, len(train_dataset))
+        self.dataset = profile_dataset
+        self.profile_indices = range(profile_samples)
         self.seed = seed
         self.rank = dist.get_rank(pg_collection.ep)
         self.world = world
@@ -178,12 +180,29 @@ def _forward(model, tokens: torch.Tensor):
     return model(tokens, positions, causal_attention_mask(seq))
 
 
-def from_worker(configs, tokenizer, pg_collection, options: dict, measured_samples: int,
-                train_dataset) -> SemMoEBench:  # fmt: skip
-    """The worker's hook: a :class:`SemMoEBench` built from the spec's ``options``
-    (``semmoe_profile_samples``) and the run's training split."""
-    return SemMoEBench(
-        configs, tokenizer, pg_collection, train_dataset, measured_samples,
-        profile_samples=int(options.get("semmoe_profile_samples", DEFAULT_PROFILE_SAMPLES)),
-        seed=int(options.get("semmoe_seed", 0)),
+def from_worker(configs, tokenizer, pg_collection, options: dict) -> SemMoEBench:
+    """The model worker's hook: a :class:`SemMoEBench` for the run's configs and the spec's
+    ``options`` (``semmoe_profile_samples``, ``semmoe_seed``), profiling on the validation split.
+
+    The split is built with megatron's data pipeline, asking for enough validation samples; the
+    torch RNG state is restored afterwards, so the model is initialised exactly as in the other
+    variants (the data loader draws a seed)."""
+    import copy
+    import math
+
+    from megatron.core import parallel_state
+
+    from megatron.training.pretrain_gpt import build_data
+
+    samples = int(options.get("semmoe_profile_samples", DEFAULT_PROFILE_SAMPLES))
+    dp_size = parallel_state.get_data_parallel_world_size()
+    global_batch = configs.training.resolved_global_batch_size(dp_size)
+    data_configs = copy.deepcopy(configs)
+    data_configs.logging.eval_iters = max(1, math.ceil(samples / global_batch))
+    rng = torch.get_rng_state()
+    _, valid, _, _ = build_data(
+        data_configs, tokenizer, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
+        consumed_samples=0, global_batch=global_batch,
     )  # fmt: skip
+    torch.set_rng_state(rng)
+    return SemMoEBench(configs, tokenizer, pg_collection, valid, samples, seed=int(options.get("semmoe_seed", 0)))

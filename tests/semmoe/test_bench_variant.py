@@ -60,7 +60,7 @@ def test_schedule_gives_each_rank_its_share_in_micro_batches():
     seen = []
     for r, (micro, errors) in enumerate(per_rank):
         assert "needs TP=1, PP=1 and EP = the number of ranks (got TP=1, PP=1, EP=1, 2 ranks)" in errors[0]
-        assert "has 10 samples, fewer than the 8 measured + 4 to profile on" in errors[1]
+        assert "the validation split has 10 samples, fewer than the 16 to profile on" in errors[1]
         assert len(micro) == 2 and all(m["tokens"].shape == (2, 5) for m in micro)
         for m in micro:
             assert torch.equal(m["labels"], m["tokens"] + 1000)
@@ -81,7 +81,7 @@ def _schedule_once(rank, world):
     for ep, samples in ((1, 100), (2, 10)):
         sizes = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=ep)
         try:
-            SemMoEBench(SimpleNamespace(parallel=SimpleNamespace(**sizes)), None, None, list(range(samples)), 8, 4)
+            SemMoEBench(SimpleNamespace(parallel=SimpleNamespace(**sizes)), None, None, list(range(samples)), 16)
         except ValueError as e:
             errors.append(str(e))
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)

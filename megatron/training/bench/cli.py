@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config override (VALUE parsed as JSON when possible)")
     g.add_argument("--semmoe-profile-samples", type=_positive_int, default=256,
-                   help="variant semmoe: training samples (held back from the measured steps) to profile "
-                   "the fresh model's routing on before placing its experts")
+                   help="variant semmoe: validation-split samples to profile the fresh model's routing on "
+                   "before placing its experts")
     g = ap.add_argument_group("synthetic worker (--variants synthetic)")
     for f in dataclasses.fields(SyntheticOptions):
         g.add_argument(f"--synthetic-{f.name}", type=_positive_int, default=f.default)

@@ -8,7 +8,7 @@ the timings and the all-to-all counters that the dispatchers themselves keep.
 
 Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` combines them
 (``bigmac+farskip``). ``semmoe`` changes no config: it places the experts of the freshly built model
-by a Sem-MoE profile of held-back training samples and re-schedules every step's samples over the
+by a Sem-MoE profile of validation-split samples and re-schedules every step's samples over the
 ranks (``moe_variants/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
 """
 
@@ -121,16 +121,9 @@ def run(spec: WorkerSpec) -> RankResult:
     global_batch = c.training.resolved_global_batch_size(dp_size)
     semmoe = None
     if "semmoe" in spec.variant.split("+"):
-        import torch
-
         from moe_variants.semmoe.bench import from_worker
 
-        rng = torch.get_rng_state()  # the data iterator draws a seed: keep the model's init identical
-        train_ds, _, _, _ = build_data(
-            c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
-        )
-        torch.set_rng_state(rng)
-        semmoe = from_worker(c, tokenizer, pgc, spec.options, (spec.warmup + spec.steps) * global_batch, train_ds)
+        semmoe = from_worker(c, tokenizer, pgc, spec.options)
     chunks, optimizer, scheduler = setup_model_and_optimizer(
         c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
         before_wrap=semmoe.place if semmoe else None,
