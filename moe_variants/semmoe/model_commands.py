@@ -219,13 +219,29 @@ def _lar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _requests_of(profile, request_ids: list, path: str):
+    """The profile's requests with these ids, in this order (a ``--limit`` run measures a prefix)."""
+    ids = profile.meta.get("request_ids")
+    if ids == request_ids:
+        return profile
+    index = {r: i for i, r in enumerate(ids or [])}
+    missing = [r for r in request_ids if r not in index]
+    if ids is None:
+        raise ValueError(f"--profile {path} records no request ids; profile the same prompts file")
+    if missing:
+        raise ValueError(f"--profile {path} lacks {len(missing)} of the measured prompts (e.g. id {missing[0]!r})")
+    import numpy as np
+
+    return profile.select_requests(np.array([index[r] for r in request_ids]))
+
+
 def _report_lar(args, tables, result: dict, atomic_write) -> None:
     rows = [("measured", result)]
     if args.profile:
         from .metrics import evaluate
         from .profile import load_profile
 
-        held = load_profile(args.profile)
+        held = _requests_of(load_profile(args.profile), result["request_ids"], args.profile)
         predicted = evaluate(tables, held, args.mode, result.get("hidden_size"), 2, 0).to_dict()
         result["predicted"] = predicted
         rows.append(("predicted", predicted))

@@ -556,4 +556,5 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
         "combine_bytes": int(totals[2]),
         "dispatch_rows": int(totals[1]) // row_bytes,
         "max_tokens": max_tokens,
+        "request_ids": [prompts[i].id for i in keep],
     }

@@ -321,3 +321,16 @@ def test_all_to_all_with_an_empty_send_buffer():
     (shape0, bytes0), (shape1, bytes1) = run_distributed(_empty_all_to_all, 2)
     assert shape0 == (0, 4) and bytes0 == 3 * 4 * 4
     assert shape1 == (3, 4) and bytes1 == 0
+
+
+def test_lar_prediction_uses_the_measured_requests(tiny_model):
+    """``lar --limit N --profile P`` compares against the profile's requests with the measured ids."""
+    from moe_variants.semmoe.model_commands import _requests_of
+
+    prof = load_profile(tiny_model.profile_path)
+    ids = prof.meta["request_ids"]
+    assert _requests_of(prof, ids, "p") is prof
+    sub = _requests_of(prof, ids[:5], "p")
+    np.testing.assert_array_equal(sub.routes, prof.routes[:, : prof.request_offsets[5]])
+    with pytest.raises(ValueError, match="lacks 1 of the measured prompts"):
+        _requests_of(prof, ids[:2] + ["nope"], "p")
