@@ -1,0 +1,262 @@
+"""Benchmark a checkpoint with lm-evaluation-harness, on one process or under torchrun with TP/EP.
+
+    torchrun --nproc_per_node=N -m megatron.training.evaluate_lm --load CKPT --tasks T1,T2 \\
+        [--limit K] [--include-path DIR] [--data-dir DIR] [--num-fewshot K] [--batch-size B] \\
+        [--tensor-model-parallel-size N --expert-model-parallel-size N] --output results.json
+    python -m megatron.training.evaluate_lm ...        (one process, TP = EP = 1)
+
+The offline tasks in ``examples/lm_eval_tasks`` (``local_arc_easy``, ..., tag ``local_eval``) read
+the evaluation files under ``--data-dir`` (the layout of ``../shared/data``): pass
+``--include-path examples/lm_eval_tasks --data-dir ../shared/data``. Without ``--include-path`` the
+standard lm-eval (hub) tasks are available by their usual names (``--tasks arc_easy``).
+
+Every rank runs the same evaluation (see ``lm_eval_adapter`` for how ranks share the work and stay
+in lockstep); rank 0 prints the table and writes ``--output`` atomically (temporary file, then
+rename). Bad input (missing checkpoint, unknown task, missing data directory, existing output,
+lm-eval not installed) is a one-line ``error: ...`` with exit status 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Optional
+
+__all__ = ["build_parser", "main", "check_inputs", "write_json_atomic"]
+
+INSTALL_HINT = 'lm-eval is not installed: pip install -e ".[eval]"'
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron.training.evaluate_lm",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (a run's save dir or one iter_ dir)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task, group or tag names")
+    p.add_argument("--output", required=True, help="results JSON (written atomically by rank 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--limit", type=float, default=None,
+                   help="documents per task (an integer), or a fraction of each task if < 1")
+    p.add_argument("--include-path", default=None, help="extra directory of task YAMLs")
+    p.add_argument("--data-dir", default=None,
+                   help="root of the local evaluation files read by the offline tasks (../shared/data)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--max-gen-toks", type=int, default=256,
+                   help="generation budget for requests that do not set one")
+    p.add_argument("--generation", choices=["auto", "kv_cache", "recompute"], default="auto",
+                   help="how greedy generation computes each step (auto: KV cache where supported)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
+    p.add_argument("--seed", type=int, default=1234)
+    return p
+
+
+def write_json_atomic(path: str, payload: dict, *, overwrite: bool = False) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    from lm_eval.utils import handle_non_serializable
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"--output {path} exists (pass --overwrite to replace it)")
+    fd, tmp = tempfile.mkstemp(prefix=".results-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, default=handle_non_serializable)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class _DropCustomDatasetNotice(logging.Filter):
+    """lm-eval warns on every task with a ``custom_dataset`` that kwargs can be passed with
+    ``--metadata``; evaluate_lm passes ``data_dir`` that way itself."""
+
+    def filter(self, record):
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+logging.getLogger("lm_eval.api.task").addFilter(_DropCustomDatasetNotice())
+
+
+def _task_list(spec: str) -> list[str]:
+    tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks: no task names given")
+    return tasks
+
+
+def check_inputs(args) -> "object":
+    """Validate everything that can be checked before loading a model; returns the TaskManager.
+
+    Raises ``ValueError`` with a one-line message naming the flag.
+    """
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+
+    try:
+        if find_latest_checkpoint(args.load) is None:
+            raise ValueError(f"--load {args.load}: no complete checkpoint found")
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--output {args.output}: directory {out_dir} does not exist")
+    if os.path.exists(args.output) and not args.overwrite:
+        raise ValueError(f"--output {args.output} exists (pass --overwrite to replace it)")
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise ValueError(f"--include-path {args.include_path}: no such directory")
+    if args.data_dir is not None and not os.path.isdir(args.data_dir):
+        raise ValueError(f"--data-dir {args.data_dir}: no such directory")
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit must be > 0, got {args.limit:g}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+
+    from lm_eval.tasks import TaskManager
+
+    metadata = {"data_dir": os.path.abspath(args.data_dir)} if args.data_dir else None
+    manager = TaskManager(include_path=args.include_path, metadata=metadata)
+    known = set(manager.all_tasks)
+    tasks = _task_list(args.tasks)
+    for name in tasks:
+        if name not in known:
+            hint = "" if args.include_path else " (the offline local_* tasks need --include-path examples/lm_eval_tasks)"
+            raise ValueError(f"--tasks: unknown task {name!r}{hint}")
+    # build the tasks once now (their data loads here) so that a missing file fails before the model loads
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(tasks, manager)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tasks {args.tasks}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    return manager
+
+
+def _limit(value: Optional[float]):
+    if value is None:
+        return None
+    return int(value) if value >= 1 else value
+
+
+def _init_distributed(stack) -> None:
+    """torchrun's environment, or a world of one gloo rank for a plain ``python -m``."""
+    import torch.distributed as dist
+
+    from megatron.training.parallel import default_backend
+
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=30))
+    else:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="evaluate-lm-"))
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    stack.callback(_teardown)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def evaluate(args, manager) -> dict:
+    """Load the model at the requested layout and run lm-eval; returns the results payload."""
+    import contextlib
+
+    import lm_eval
+    import torch.distributed as dist
+
+    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.training.lm_eval_adapter import MegatronCheckpointLM
+
+    with contextlib.ExitStack() as stack:
+        _init_distributed(stack)
+        rank = dist.get_rank()
+        if rank != 0:
+            logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        start = time.perf_counter()
+        lm = MegatronCheckpointLM.from_checkpoint(
+            args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed,
+            batch_size=args.batch_size, max_gen_toks=args.max_gen_toks, generation=args.generation,
+        )
+        loaded = time.perf_counter()
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=_task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
+            task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
+            random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+            fewshot_random_seed=args.seed,
+        )
+        done = time.perf_counter()
+        # lm-eval returns the results on local rank 0 only (its rule for TP launchers)
+        results = results or {}
+        ckpt = find_latest_checkpoint(args.load)
+        manifest = read_manifest(ckpt, verify=False)
+        payload = {k: results[k] for k in ("results", "groups", "group_subtasks", "configs", "versions",
+                                           "n-shot", "higher_is_better", "n-samples") if k in results}
+        payload["model"] = {
+            "checkpoint": os.path.abspath(ckpt),
+            "iteration": manifest.get("iteration"),
+            "world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "expert_model_parallel_size": args.expert_model_parallel_size,
+            "seq_length": lm.max_length,
+            "batch_size": args.batch_size,
+            "generation": lm.generation.value,
+            "limit": _limit(args.limit),
+            "num_fewshot": args.num_fewshot,
+            "load_s": round(loaded - start, 3),
+            "evaluate_s": round(done - loaded, 3),
+        }
+        if rank == 0:
+            write_json_atomic(args.output, payload, overwrite=args.overwrite)
+            from lm_eval.utils import make_table
+
+            print(make_table(results))
+            if results.get("groups"):
+                print(make_table(results, "groups"))
+            print(f"wrote {args.output} (load {payload['model']['load_s']:.1f}s, "
+                  f"evaluate {payload['model']['evaluate_s']:.1f}s)", flush=True)
+        dist.barrier()
+    return payload
+
+
+def main(argv=None) -> int:
+    from megatron import compat
+
+    compat.quiet_warnings()
+    args = build_parser().parse_args(argv)
+    try:
+        manager = check_inputs(args)
+        evaluate(args, manager)
+    except ValueError as err:
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
