@@ -36,6 +36,23 @@ class MoEVariant(str, enum.Enum):
     bigmac = "bigmac"
 
 
+class RopeType(str, enum.Enum):
+    """Rotary embedding of multi-latent attention: plain ``rope``, or ``yarn`` (DeepSeek-V2's
+    context extension: rescaled frequencies and a softmax scale of ``mscale(mscale_all_dim)^2``)."""
+
+    rope = "rope"
+    yarn = "yarn"
+
+
+class RouterGroupScore(str, enum.Enum):
+    """How group-limited routing (``--moe-router-num-groups``) ranks a group of experts.
+    ``topk-sum``: the sum of its top ``topk / group_topk`` scores (megatron-core, DeepSeek-V3).
+    ``max``: its best expert's score (DeepSeek-V2's ``group_limited_greedy``)."""
+
+    topk_sum = "topk-sum"
+    max = "max"
+
+
 class FarSkipMode(str, enum.Enum):
     """Which sub-block of a FarSkip layer reads an earlier activation. ``full``: attention reads
     the stream without the last routed-expert output and the MoE reads the pre-attention residual
@@ -88,6 +105,13 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    rope_type: RopeType = RopeType.rope  # yarn: DeepSeek-V2 context extension (MLA only)
+    rotary_scaling_factor: float = 1.0  # yarn factor
+    original_max_position_embeddings: Optional[int] = None  # yarn; default max_position_embeddings
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # MoE
     num_experts: Optional[int] = 8
     moe_router_topk: int = 2
@@ -102,6 +126,7 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_num_groups: Optional[int] = None
     moe_router_group_topk: Optional[int] = None
+    moe_router_group_score: RouterGroupScore = RouterGroupScore.topk_sum
     moe_router_enable_expert_bias: bool = False
     moe_router_dtype: Optional[str] = "fp32"
     moe_token_dispatcher_type: DispatcherType = DispatcherType.alltoall
@@ -124,6 +149,8 @@ class ModelConfig:
             ("moe_variant", MoEVariant),
             ("farskip_impl", FarSkipImpl),
             ("farskip_mode", FarSkipMode),
+            ("rope_type", RopeType),
+            ("moe_router_group_score", RouterGroupScore),
         ):
             value = getattr(self, name)
             if not isinstance(value, enum_type):
@@ -243,6 +270,7 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
                 f"{model.num_experts}"
             )
         _moe_layer_pattern(model)
+        _validate_router_groups(model)
         if model.moe_pad_expert_input_to_capacity and model.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         if model.moe_variant == MoEVariant.bigmac:
@@ -260,6 +288,11 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
         if model.moe_variant != MoEVariant.standard:
             raise ValueError(f"--moe-variant {model.moe_variant.value} needs --num-experts")
+    if model.rope_type == RopeType.yarn:
+        if not model.multi_latent_attention:
+            raise ValueError("--rope-type yarn needs --multi-latent-attention")
+        if model.rotary_scaling_factor <= 0:
+            raise ValueError(f"--rotary-scaling-factor must be > 0, got {model.rotary_scaling_factor}")
     if model.farskip != "none":
         from moe_variants.farskip.connectivity import parse_farskip_layers
 
@@ -285,6 +318,23 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
                 f"--expert-model-parallel-size x --expert-tensor-parallel-size = {ep * etp} does not "
                 f"divide the {world_size // pp} ranks of a pipeline stage (world size {world_size})"
             )
+
+
+def _validate_router_groups(model: ModelConfig) -> None:
+    groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+    if not group_topk:
+        if model.moe_router_group_score != RouterGroupScore.topk_sum:
+            raise ValueError("--moe-router-group-score needs --moe-router-num-groups and --moe-router-group-topk")
+        return
+    if not groups or model.num_experts % groups:
+        raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts {model.num_experts}")
+    if not 1 <= group_topk <= groups:
+        raise ValueError(f"--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups {groups}")
+    if model.moe_router_topk > group_topk * (model.num_experts // groups):
+        raise ValueError(
+            f"--moe-router-topk {model.moe_router_topk} exceeds the {group_topk * (model.num_experts // groups)} "
+            "experts of the selected groups"
+        )
 
 
 class LRDecayStyle(str, enum.Enum):

@@ -20,6 +20,7 @@ from megatron.training.config import (
     ModelConfig,
     MoEVariant,
     ParallelConfig,
+    RouterGroupScore,
     TransformerImpl,
     moe_layer_pattern,
     validate,
@@ -137,14 +138,25 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
             moe_shared_expert_overlap=False,
         )
     if model.multi_latent_attention:
+        from megatron.compat.mla import apply_mla_without_te
+
+        apply_mla_without_te()
         kwargs.update(
             q_lora_rank=model.q_lora_rank,
             kv_lora_rank=model.kv_lora_rank,
             qk_head_dim=model.qk_head_dim,
             qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
             v_head_dim=model.v_head_dim,
-            rope_type="rope",
+            rope_type=model.rope_type.value,
             rotary_base=model.rotary_base,
+            rotary_scaling_factor=model.rotary_scaling_factor,
+            original_max_position_embeddings=(
+                model.original_max_position_embeddings or model.max_position_embeddings or model.seq_length
+            ),
+            beta_fast=model.beta_fast,
+            beta_slow=model.beta_slow,
+            mscale=model.mscale,
+            mscale_all_dim=model.mscale_all_dim,
         )
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
@@ -160,12 +172,53 @@ def _moe_layer_class(model: ModelConfig):
     return ProjectMoELayer
 
 
+# Local MLA layers keep q/kv norms as modules; Transformer Engine fuses them into the up-projections.
+# Checkpoints use the fused names either way (as megatron-core's local GPT spec does for its norms).
+_LOCAL_MLA_KEYS_MAP = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+
+
+def _local_attention(spec, model: ModelConfig, te: bool, norm):
+    """Local-module attention fixes: q/k/kv norms that support sequence parallelism (``norm``), and
+    for MLA a core attention that takes MLA's k/v channels (``model_features.py``)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron.training.model_features import MLADotProductAttention
+
+    attn = spec.submodules.self_attention
+    if te or not isinstance(attn, ModuleSpec):
+        return spec
+    changes = {
+        name: norm(getattr(attn.submodules, name))
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+        if hasattr(attn.submodules, name)
+    }
+    keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
+    if model.multi_latent_attention and attn.submodules.core_attention is DotProductAttention:
+        changes["core_attention"] = MLADotProductAttention
+        if model.qk_layernorm:
+            keys_map.update(_LOCAL_MLA_KEYS_MAP)
+    attn = ModuleSpec(
+        module=attn.module, params=attn.params, metainfo=attn.metainfo,
+        submodules=dataclasses.replace(attn.submodules, **changes),
+    )
+    sub = dataclasses.replace(spec.submodules, self_attention=attn, sharded_state_dict_keys_map=keys_map)
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
+
+
 def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from moe_variants.common.moe_layer import ProjectRouter
+
+    from megatron.training.model_features import GroupMaxRouter
+
+    router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -187,6 +240,7 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
             sub, input_layernorm=norm(sub.input_layernorm), pre_mlp_layernorm=norm(sub.pre_mlp_layernorm)
         )
         spec = ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
+        spec = _local_attention(spec, model, te, norm)
         mlp = spec.submodules.mlp
         if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
             params = {**mlp.params, "pg_collection": pg_collection}
@@ -198,7 +252,7 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
             mlp = ModuleSpec(
                 module=moe_cls,
                 params=params,
-                submodules=dataclasses.replace(mlp.submodules, router=ProjectRouter),
+                submodules=dataclasses.replace(mlp.submodules, router=router),
                 metainfo=mlp.metainfo,
             )
             spec = ModuleSpec(
