@@ -100,3 +100,13 @@ def _schedule_once(rank, world):
         tokens = ids[:, None].repeat(1, 5)
         micro.append({"tokens": tokens, "labels": tokens + 1000})
     return list(bench.schedule(iter(micro), 2)), errors
+
+
+def test_bench_cli_accepts_combined_variant_names():
+    from megatron.training.bench.cli import _variants, build_parser
+
+    args = build_parser().parse_args(["--variants", "standard,semmoe,semmoe+bigmac,semmoe+farskip"])
+    assert _variants(args) == ["standard", "semmoe", "semmoe+bigmac", "semmoe+farskip"]
+    for bad in ("semmoe+", "+bigmac", "semmoe++bigmac"):
+        with pytest.raises(ValueError, match="bad variant name"):
+            _variants(build_parser().parse_args(["--variants", bad]))

@@ -157,7 +157,7 @@ def _variants(args) -> list[str]:
     if not names:
         raise ValueError("--variants is empty")
     for v in names:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*", v):
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*(\+[a-z0-9][a-z0-9_\-]*)*", v):  # "+" combines variants
             raise ValueError(f"--variants: bad variant name {v!r}")
         if v == "collectives":
             raise ValueError("--variants collectives: use --collectives for calibration")
