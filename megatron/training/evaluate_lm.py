@@ -96,6 +96,20 @@ def _task_list(spec: str) -> list[str]:
     return tasks
 
 
+def _task_manager(args, tasks: list[str]):
+    """lm-eval's TaskManager with ``data_dir`` in every task's metadata. Indexing lm-eval's own
+    ~15k task configs takes seconds to a minute, so when every requested task is in
+    ``--include-path`` only that directory is indexed."""
+    from lm_eval.tasks import TaskManager
+
+    metadata = {"data_dir": os.path.abspath(args.data_dir)} if args.data_dir else None
+    if args.include_path:
+        local = TaskManager(include_path=args.include_path, include_defaults=False, metadata=metadata)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return TaskManager(include_path=args.include_path, metadata=metadata)
+
+
 def check_inputs(args) -> "object":
     """Validate everything that can be checked before loading a model; returns the TaskManager.
 
@@ -128,21 +142,21 @@ def check_inputs(args) -> "object":
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
 
-    from lm_eval.tasks import TaskManager
-
-    metadata = {"data_dir": os.path.abspath(args.data_dir)} if args.data_dir else None
-    manager = TaskManager(include_path=args.include_path, metadata=metadata)
-    known = set(manager.all_tasks)
     tasks = _task_list(args.tasks)
+    manager = _task_manager(args, tasks)
+    known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
             hint = "" if args.include_path else " (the offline local_* tasks need --include-path examples/lm_eval_tasks)"
             raise ValueError(f"--tasks: unknown task {name!r}{hint}")
     # build the tasks once now (their data loads here) so that a missing file fails before the model loads
-    from lm_eval.tasks import get_task_dict
-
     try:
-        get_task_dict(tasks, manager)
+        if hasattr(manager, "load"):  # lm-eval >= 0.4.10
+            manager.load(tasks)
+        else:
+            from lm_eval.tasks import get_task_dict
+
+            get_task_dict(tasks, manager)
     except (OSError, ValueError) as err:
         raise ValueError(f"--tasks {args.tasks}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     return manager
@@ -231,8 +245,16 @@ def evaluate(args, manager) -> dict:
             "load_s": round(loaded - start, 3),
             "evaluate_s": round(done - loaded, 3),
         }
+        status = [None]
         if rank == 0:
-            write_json_atomic(args.output, payload, overwrite=args.overwrite)
+            try:
+                write_json_atomic(args.output, payload, overwrite=args.overwrite)
+            except (OSError, ValueError) as err:
+                status = [str(err)]
+        dist.broadcast_object_list(status, src=0)  # every rank exits with rank 0's outcome
+        if status[0] is not None:
+            raise ValueError(status[0])
+        if rank == 0:
             from lm_eval.utils import make_table
 
             print(make_table(results))
@@ -240,7 +262,6 @@ def evaluate(args, manager) -> dict:
                 print(make_table(results, "groups"))
             print(f"wrote {args.output} (load {payload['model']['load_s']:.1f}s, "
                   f"evaluate {payload['model']['evaluate_s']:.1f}s)", flush=True)
-        dist.barrier()
     return payload
 
 

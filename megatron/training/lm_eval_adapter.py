@@ -366,7 +366,9 @@ class MegatronCheckpointLM(TemplateLM):
         kwargs = dict(gen_kwargs or {})
         if kwargs.get("do_sample"):
             raise ValueError("generate_until: only greedy decoding is supported (the task asks for do_sample)")
-        until = handle_stop_sequences(kwargs.get("until"), eos=self.tok_decode([self.eot_token_id]))
+        until = kwargs.get("until")
+        until = handle_stop_sequences(list(until) if isinstance(until, (list, tuple)) else until,
+                                      eos=self.tok_decode([self.eot_token_id]))
         max_new = int(kwargs.get("max_gen_toks", self._max_gen_toks))
         prompt = self.tok_encode(context)[-self._max_length:] or [self.prefix_token_id]
         return _GenJob(prompt, list(until), max(max_new, 0))
