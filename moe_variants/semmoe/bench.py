@@ -160,9 +160,10 @@ class SemMoEBench:
         gathered = {}
         for k in keys:
             mine = torch.stack([m[k] for m in local]).contiguous()
-            parts = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(parts, mine, group=self.dp_group)
-            stacked = torch.stack(parts)  # [world, num_micro, mbs, ...]
+            wire = mine.to(torch.uint8) if mine.dtype == torch.bool else mine  # gloo has no bool
+            parts = [torch.empty_like(wire) for _ in range(self.world)]
+            dist.all_gather(parts, wire, group=self.dp_group)
+            stacked = torch.stack(parts).to(mine.dtype)  # [world, num_micro, mbs, ...]
             gathered[k] = stacked.transpose(0, 1).reshape(self.world * num_microbatches * mbs, *mine.shape[2:])
         tokens = gathered["tokens"].numpy()
         ranks = np.array([self.scheduler.assign(t) for t in tokens])
