@@ -57,7 +57,6 @@ import dataclasses
 import enum
 import hashlib
 import json
-import logging
 import warnings
 from typing import Optional, Sequence
 
@@ -75,8 +74,6 @@ __all__ = [
     "continuation_score",
     "greedy_stop",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class GenerationMode(str, enum.Enum):
