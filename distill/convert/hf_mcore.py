@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from typing import Optional
 
@@ -122,14 +123,26 @@ def _model_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
 
 
 def _tokenizer(hf_dir: str, vocab_size: int):
-    """(tokenizer files {role: path}, tokenizer info) for the checkpoint manifest."""
+    """(tokenizer files {role: path}, tokenizer info) for the checkpoint manifest.
+
+    ``tokenizer.json`` becomes the checkpoint's tokenizer when ``megatron.training.tokenizer`` can
+    load it; otherwise (absent, or no end-of-document token) the checkpoint gets a ``NullTokenizer``
+    of the model's vocabulary (ids in, ids out) and the files are still copied for export.
+    """
+    from megatron.training.tokenizer import HFTokenizer
+
     files = {f"hf:{name}": os.path.join(hf_dir, name) for name in TOKENIZER_FILES
              if os.path.isfile(os.path.join(hf_dir, name))}
-    if "hf:tokenizer.json" in files:
-        files["tokenizer_model"] = files.pop("hf:tokenizer.json")
-        return files, {"type": "HuggingFaceTokenizer", "vocab_size": vocab_size}
-    # no tokenizer.json: ids in, ids out (NullTokenizer's size is one more than its argument)
-    return files, {"type": "NullTokenizer", "vocab_size": vocab_size}
+    null = {"type": "NullTokenizer", "vocab_size": vocab_size}
+    if "hf:tokenizer.json" not in files:
+        return files, null
+    try:
+        HFTokenizer.from_file(files["hf:tokenizer.json"])
+    except ValueError as e:
+        print(f"warning: {e}; the checkpoint gets a NullTokenizer of {vocab_size} ids", file=sys.stderr)
+        return files, null
+    files["tokenizer_model"] = files.pop("hf:tokenizer.json")
+    return files, {"type": "HuggingFaceTokenizer", "vocab_size": vocab_size}
 
 
 def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -236,11 +249,12 @@ def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
         model, _, _, _ = load_model(ckpt, parallel=ParallelConfig(), pg_collection=pgc)
         state = gather_global_state_dict(model, pgc)
         dtype = next(model.parameters()).dtype
+        del model
     rules = family.rules(configs.model)
     _check_coverage(f"--load {load} vs {family.model_type}", rules, state)
     tensors: dict[str, torch.Tensor] = {}
     for rule in rules:
-        tensor = state[rule.ours]
+        tensor = state.pop(rule.ours)  # peak memory: about two copies of the model
         if rule.ours in _VOCAB_PARAMS:
             tensor = tensor[:vocab]  # drop megatron's padding rows
         for name, part in zip(rule.hf, rule.split(tensor)):

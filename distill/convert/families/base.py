@@ -14,7 +14,7 @@ from typing import Any, Optional
 from megatron.training.config import ModelConfig, MoEVariant, moe_layer_pattern
 
 __all__ = ["Family", "get", "refuse", "common_model_fields", "common_hf_fields", "check_exportable",
-           "layer_freq"]
+           "layer_freq", "dense_layers", "optional_int"]
 
 # The sequence length recorded for training a converted model (its rotary tables are built on
 # demand, so this does not limit inference); capped so a 128k-context config does not default to
@@ -35,7 +35,7 @@ class Family:
         """HF config -> ``ModelConfig`` field values."""
         raise NotImplementedError
 
-    def hf_config(self, model: ModelConfig) -> dict:
+    def hf_config(self, model: ModelConfig, vocab_size: int) -> dict:
         """``ModelConfig`` -> HF config keys (architecture keys only; the caller adds the rest)."""
         raise NotImplementedError
 
