@@ -160,7 +160,8 @@ class SemMoEBench:
         gathered = {}
         for k in keys:
             mine = torch.stack([m[k] for m in local]).contiguous()
-            wire = mine.to(torch.uint8) if mine.dtype == torch.bool else mine  # gloo has no bool
+            # gloo gathers neither bool nor int16 (the blended dataset's dataset_id): integers travel as int64
+            wire = mine if mine.is_floating_point() or mine.dtype == torch.int64 else mine.to(torch.int64)
             parts = [torch.empty_like(wire) for _ in range(self.world)]
             dist.all_gather(parts, wire, group=self.dp_group)
             stacked = torch.stack(parts).to(mine.dtype)  # [world, num_micro, mbs, ...]

@@ -64,6 +64,7 @@ def test_schedule_gives_each_rank_its_share_in_micro_batches():
         assert len(micro) == 2 and all(m["tokens"].shape == (2, 5) for m in micro)
         for m in micro:
             assert torch.equal(m["labels"], m["tokens"] + 1000) and torch.equal(m["mask"], m["tokens"] % 2 == 0)
+            assert m["dataset_id"].dtype == torch.int16 and torch.equal(m["dataset_id"].long(), m["tokens"][:, 0])
             seen += m["tokens"][:, 0].tolist()
     assert sorted(seen) == list(range(8))
 
@@ -98,7 +99,8 @@ def _schedule_once(rank, world):
     for j in range(2):
         ids = torch.tensor([4 * j + 2 * rank + i for i in range(2)])
         tokens = ids[:, None].repeat(1, 5)
-        micro.append({"tokens": tokens, "labels": tokens + 1000, "mask": tokens % 2 == 0})  # bool: not in gloo
+        micro.append({"tokens": tokens, "labels": tokens + 1000, "mask": tokens % 2 == 0,  # bool, int16: not in gloo
+                      "dataset_id": ids.to(torch.int16)})
     return list(bench.schedule(iter(micro), 2)), errors
 
 
