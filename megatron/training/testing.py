@@ -53,9 +53,19 @@ def _worker(rank, world_size, backend, init_file, fn, args, kwargs, results, num
             out = fn(rank, world_size, *args, **kwargs)
         finally:
             _teardown()
+            _stop_children()
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from argparse
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _stop_children():
+    """Stop the helper processes a rank started (dist_checkpointing's writer workers): the rank is
+    killed once its result is in, and orphans would otherwise live on, holding memory."""
+    for child in mp.active_children():
+        child.terminate()
+    for child in mp.active_children():
+        child.join(timeout=5)
 
 
 def _teardown():
@@ -136,6 +146,10 @@ def run_distributed(
             if errors:
                 raise DistributedTestError("rank(s) failed" + _format_errors(errors))
         finally:
+            if len(outputs) == world_size:  # all reported: let them exit on their own (children reaped)
+                exit_by = time.monotonic() + 10.0
+                for p in procs:
+                    p.join(timeout=max(0.0, exit_by - time.monotonic()))
             for p in procs:
                 if p.is_alive():
                     p.kill()
