@@ -121,15 +121,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_json_atomic(path: str, payload: dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".report-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m distill.report", description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", required=True, help="the source checkpoint (its own connectivity)")
@@ -177,7 +168,9 @@ def main(argv=None) -> int:
                          "ppl": uni["ppl"], "kl_to_teacher": None, "ppl_gap_to_teacher": uni["ppl"] / rows[0]["ppl"] - 1})
         payload = {"text": args.text, "windows": int(windows.shape[0]), "tokens": int(windows[:, 1:].numel()),
                    "teacher": args.teacher, "rows": rows}
-        _write_json_atomic(args.out, payload)
+        from megatron.training.bench.schema import write_json_atomic
+
+        write_json_atomic(args.out, payload)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

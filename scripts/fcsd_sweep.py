@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -97,13 +96,6 @@ def run_one(args, run_dir: str, batch_tokens: int, lr: float, gbs: int) -> dict:
     return {"batch_tokens": batch_tokens, "global_batch_size": gbs, "lr": lr, "train_loss": loss, "dir": run_dir}
 
 
-def write_json_atomic(path: str, payload: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".sweep-", dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     fcsd_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -157,6 +149,8 @@ def main(argv=None) -> int:
                "stage1_batch_tokens": stage1, "stage2_lr": stage2,
                "choice": {"batch_tokens": best["batch_tokens"], "global_batch_size": best["global_batch_size"],
                           "lr": best["lr"]}}
+    from megatron.training.bench.schema import write_json_atomic
+
     write_json_atomic(os.path.join(args.root, "sweep.json"), payload)
     print(json.dumps(payload["choice"]))
     print("| stage | batch tokens | lr | train loss (last %d logs) |" % args.select_window)
