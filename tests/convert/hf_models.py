@@ -150,9 +150,40 @@ def cli_rank(rank, world_size, argv_list):
             except SystemExit as e:  # argparse errors
                 code = e.code
         results.append((code, err.getvalue()))
+    _stop_children()
     return results
+
+
+def _stop_children() -> None:
+    """Stop this rank's child processes before it reports: dist_checkpointing's save starts a
+    multiprocessing manager (``filesystem_async.py:51-56``) that is shut down at interpreter exit,
+    but ``run_distributed`` kills a rank that has reported and is still exiting, which would leave
+    the manager running as an orphan."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
 
 
 def parity_rank(rank, world_size, ckpt: str, layouts):
     """Our logits and greedy tokens at each (TP, EP) layout, on the same ranks one after another."""
     return [our_greedy_rank(rank, world_size, ckpt, tp, ep) for tp, ep in layouts]
+
+
+def stage_state_rank(rank, world_size, ckpt: str, pp: int):
+    """This pipeline stage's parameters after loading at PP=``pp``, keyed by global layer index."""
+    import re
+
+    from megatron.core import parallel_state
+    from megatron.training.config import ParallelConfig
+    from megatron.training.global_state import gather_global_state_dict
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+
+    parallel = ParallelConfig(pipeline_model_parallel_size=pp)
+    pgc = initialize_parallel(parallel, seed=0)
+    model, configs, _, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
+    offset = parallel_state.get_pipeline_model_parallel_rank() * configs.model.num_layers // pp
+    return {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", k): v
+            for k, v in gather_global_state_dict(model, pgc).items()}

@@ -119,8 +119,9 @@ def test_sharded_and_pickle_inputs_convert_like_a_single_file(bad_dirs, tmp_path
     from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
 
     outs = {name: str(tmp_path / name) for name in ("sharded", "pickle", "no_tokenizer")}
-    runs = [_import(bad_dirs[name], out, *(["--allow-pickle"] if name == "pickle" else [])) for name, out in
-            outs.items()]
+    flags = {"pickle": ["--allow-pickle"], "sharded": ["--expert-model-parallel-size", "2",
+                                                     "--pipeline-model-parallel-size", "2"]}
+    runs = [_import(bad_dirs[name], out, *flags.get(name, [])) for name, out in outs.items()]
     runs += [["--from", "mcore", "--load", out, "--to", "hf", "--out", out + "_hf"] for out in outs.values()]
     results = run_distributed(H.cli_rank, 1, runs, timeout_s=240)[0]
     assert [code for code, _ in results] == [0] * 6, results
@@ -130,6 +131,10 @@ def test_sharded_and_pickle_inputs_convert_like_a_single_file(bad_dirs, tmp_path
         assert set(got) == set(reference)
         assert all(torch.equal(got[k], reference[k]) for k in reference)
     assert no_temporaries(tmp_path)
+    manifest = read_manifest(find_latest_checkpoint(outs["sharded"]))  # target layout recorded, saved unsharded
+    parallel = manifest["configs"]["parallel"]
+    assert (parallel["expert_model_parallel_size"], parallel["pipeline_model_parallel_size"]) == (2, 2)
+    assert manifest["layout"]["world_size"] == 1 and manifest["layout"]["expert_model_parallel_size"] == 1
     manifest = read_manifest(find_latest_checkpoint(outs["no_tokenizer"]))
     assert manifest["configs"]["tokenizer"] == {"type": "NullTokenizer", "vocab_size": 256}
     assert not os.path.exists(os.path.join(outs["no_tokenizer"] + "_hf", "tokenizer.json"))

@@ -53,3 +53,17 @@ def test_checkpoint_records_source_and_layout_free_tokenizer(converted):
     assert manifest["configs"]["tokenizer"] == {"type": "HuggingFaceTokenizer", "vocab_size": 256}
     assert manifest["configs"]["model"]["transformer_impl"] == "local"
     assert set(manifest["tokenizer_files"]) >= {"tokenizer_model", "hf:tokenizer_config.json"}
+
+
+def test_checkpoint_loads_at_pipeline_parallel_2(converted):
+    """Layout-free: the two PP=2 stages hold exactly the TP=1 tensors between them."""
+    from megatron.training.testing import run_distributed
+    from tests.convert import hf_models as H
+
+    c = converted("deepseek_v2")
+    ref = run_distributed(H.stage_state_rank, 1, c.ckpt, 1, timeout_s=240)[0]
+    stages = run_distributed(H.stage_state_rank, 2, c.ckpt, 2, timeout_s=240)
+    assert set(stages[0]).isdisjoint(stages[1])
+    assert set(stages[0]) | set(stages[1]) == set(ref)
+    for stage in stages:
+        assert all(torch.equal(tensor, ref[name]) for name, tensor in stage.items())
