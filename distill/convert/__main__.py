@@ -41,9 +41,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if {args.source, args.target} != {"hf", "mcore"}:
         parser.error(f"--from {args.source} --to {args.target}: convert hf -> mcore or mcore -> hf")
+    import warnings
+
     from megatron import compat
 
     compat.quiet_warnings()
+    # upstream deprecation notices on the dist_checkpointing load path a user cannot act on
+    for message in (r"`load_state_dict` is deprecated", r"Please use DTensor instead"):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from distill.convert.hf_mcore import export_hf, import_hf
     from megatron.training.checkpointing import CheckpointError
 

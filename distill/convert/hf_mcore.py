@@ -191,9 +191,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
             for rule in rules:
                 tensor = rule.join([weights.get(name) for name in rule.hf])
                 param = params[rule.ours]
-                if rule.ours in _VOCAB_PARAMS and tensor.shape[0] < param.shape[0]:  # not at TP=1
-                    tensor = torch.cat([tensor, tensor.new_zeros((param.shape[0] - tensor.shape[0],) +
-                                                                 tuple(tensor.shape[1:]))])
+                assert tensor.shape == param.shape, (rule.ours, tensor.shape, param.shape)  # vocab unpadded
                 param.copy_(tensor.to(param.dtype))
         parent = os.path.dirname(os.path.abspath(out))
         tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out))}-{secrets.token_hex(4)}")

@@ -187,3 +187,21 @@ def stage_state_rank(rank, world_size, ckpt: str, pp: int):
     offset = parallel_state.get_pipeline_model_parallel_rank() * configs.model.num_layers // pp
     return {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", k): v
             for k, v in gather_global_state_dict(model, pgc).items()}
+
+
+def native_checkpoint_rank(rank, world_size, ckpt: str, values: dict):
+    """Save a randomly initialised model of ours (never imported from HF) and return its logits."""
+    from megatron.training.arguments import configs_from_dict
+    from megatron.training.loading import save_model
+    from megatron.training.model_builder import build_model, causal_attention_mask
+    from megatron.training.parallel import initialize_parallel
+
+    configs = configs_from_dict(values)
+    pgc = initialize_parallel(configs.parallel, seed=123)
+    model = build_model(configs.model, configs.parallel, vocab_size=VOCAB, pg_collection=pgc).eval()
+    save_model(ckpt, model, configs, tokenizer_info={"type": "NullTokenizer", "vocab_size": VOCAB})
+    positions = torch.arange(PROMPT.shape[1])[None].expand_as(PROMPT)
+    with torch.no_grad():
+        logits = model(PROMPT, positions, causal_attention_mask(PROMPT.shape[1]))
+    _stop_children()
+    return logits[..., :VOCAB].float()
