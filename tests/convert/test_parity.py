@@ -25,6 +25,7 @@ ATOL = 5e-5
 
 def _check(result, ref_logits, ref_tokens, label):
     logits, tokens = result
+    print(f"{label}: max |logit difference| {(logits - ref_logits).abs().max().item():.2e}")  # pytest -s
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=ATOL, msg=lambda m: f"{label}: {m}")
     assert torch.equal(tokens, ref_tokens), f"{label}: greedy {tokens.tolist()} != HF {ref_tokens.tolist()}"
 
