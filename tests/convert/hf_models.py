@@ -150,20 +150,7 @@ def cli_rank(rank, world_size, argv_list):
             except SystemExit as e:  # argparse errors
                 code = e.code
         results.append((code, err.getvalue()))
-    _stop_children()
     return results
-
-
-def _stop_children() -> None:
-    """Stop this rank's child processes before it reports: dist_checkpointing's save starts a
-    multiprocessing manager (``filesystem_async.py:51-56``) that is shut down at interpreter exit,
-    but ``run_distributed`` kills a rank that has reported and is still exiting, which would leave
-    the manager running as an orphan."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(timeout=10)
 
 
 def parity_rank(rank, world_size, ckpt: str, layouts):
@@ -203,5 +190,4 @@ def native_checkpoint_rank(rank, world_size, ckpt: str, values: dict):
     positions = torch.arange(PROMPT.shape[1])[None].expand_as(PROMPT)
     with torch.no_grad():
         logits = model(PROMPT, positions, causal_attention_mask(PROMPT.shape[1]))
-    _stop_children()
     return logits[..., :VOCAB].float()
