@@ -63,19 +63,11 @@ def write_json_atomic(path: str, payload: dict, *, overwrite: bool = False) -> N
     """Write JSON to a temporary file beside ``path`` and rename it into place."""
     from lm_eval.utils import handle_non_serializable
 
-    directory = os.path.dirname(os.path.abspath(path))
+    from megatron.training.bench.schema import write_json_atomic as write_atomic
+
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"--output {path} exists (pass --overwrite to replace it)")
-    fd, tmp = tempfile.mkstemp(prefix=".results-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=handle_non_serializable)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, payload, default=handle_non_serializable)
 
 
 class _DropCustomDatasetNotice(logging.Filter):

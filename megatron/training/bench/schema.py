@@ -57,8 +57,9 @@ STEP_FIELDS = (
 )
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to a temporary file next to ``path`` and rename it into place."""
+def write_json_atomic(path: str, obj: Any, default=None) -> None:
+    """Write ``obj`` as JSON to a temporary file next to ``path`` and rename it into place
+    (``default`` as in ``json.dump``, for values JSON cannot encode)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
@@ -67,7 +68,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
+            json.dump(obj, f, indent=1, sort_keys=False, default=default)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
