@@ -2,7 +2,13 @@
 
 import pytest
 
-from megatron.training.bench.aggregate import format_table, ratios_vs, summarize, variant_stats
+from megatron.training.bench.aggregate import (
+    format_table,
+    ratios_vs,
+    summarize,
+    uncontended_comm_fraction,
+    variant_stats,
+)
 from megatron.training.bench.schema import RankResult, SyntheticOptions, WorkerSpec
 
 
@@ -38,6 +44,8 @@ def test_variant_stats_by_hand():
     assert s["a2a_bytes"]["median"] == 3000 and s["a2a_bytes"]["min"] == 2000
     # tokens/s per step: 200 / max(step) = 200/1, 200/4, 200/3 -> median 66.67
     assert s["tokens_per_s"]["median"] == pytest.approx(200 / 3)
+    # compute = step - exposed (exposed = a2a / 2): .75, 1.75, 2.25, .875, 3.5, 2.625
+    assert s["compute_s"]["min"] == pytest.approx(0.75) and s["compute_s"]["max"] == pytest.approx(3.5)
     assert s["tokens_per_s"]["n"] == 3
     assert s["peak_rss_mb"]["max"] == 101.0
     assert "a2a_bytes_backward" not in s
@@ -104,3 +112,15 @@ def test_worker_spec_round_trip_and_errors(tmp_path):
         WorkerSpec.from_dict({**spec.to_dict(), "nope": 1})
     with pytest.raises(ValueError, match="--synthetic-hidden"):
         SyntheticOptions(hidden=0)
+
+
+def test_uncontended_fraction_uses_the_fastest_compute():
+    # a2a median 0.5; compute (step - a2a/2) 0.75, 1.75, 2.75 -> minimum 0.75
+    r0 = _result(0, [1.0, 2.0, 3.0], [0.5, 0.5, 0.5], 1, 1)
+    s = variant_stats([r0, _result(1, [1.0, 2.0, 3.0], [0.5, 0.5, 0.5], 1, 1)])
+    assert uncontended_comm_fraction(s) == pytest.approx(0.5 / (0.5 + 0.75))
+    # a slower compute in some steps does not move it; the median share does move
+    slow = _result(0, [1.0, 4.0, 5.0], [0.5, 0.5, 0.5], 1, 1)
+    s_slow = variant_stats([slow, _result(1, [1.0, 4.0, 5.0], [0.5, 0.5, 0.5], 1, 1)])
+    assert uncontended_comm_fraction(s_slow) == pytest.approx(uncontended_comm_fraction(s))
+    assert s_slow["comm_fraction"]["median"] < s["comm_fraction"]["median"]

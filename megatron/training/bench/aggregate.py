@@ -7,6 +7,8 @@ quantities:
 
 * ``comm_fraction``     ``a2a_time_s / step_time_s``: share of the step an all-to-all was in flight.
 * ``exposed_fraction``  ``exposed_comm_s / step_time_s``: share the compute thread was blocked.
+* ``compute_s``         ``step_time_s - exposed_comm_s``: the step's time not spent blocked on an
+                        all-to-all.
 * ``a2a_bytes``         ``a2a_bytes_dispatch + a2a_bytes_combine`` (forward, off-rank).
 * ``overlap_fwd/bwd``   ``1 - exposed / in-flight`` all-to-all time per direction (model workers),
                         with ``pooled`` = 1 - sum(exposed) / sum(in-flight) over all ranks and steps.
@@ -24,7 +26,7 @@ from typing import Optional, Sequence
 
 from .schema import RankResult
 
-__all__ = ["summarize", "variant_stats", "ratios_vs", "format_table", "TABLE_COLUMNS"]
+__all__ = ["summarize", "variant_stats", "uncontended_comm_fraction", "ratios_vs", "format_table", "TABLE_COLUMNS"]
 
 _TIME_FIELDS = ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s")
 _COUNT_FIELDS = ("a2a_bytes_dispatch", "a2a_bytes_combine", "tokens")
@@ -68,6 +70,9 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
     out["comm_fraction"] = summarize(
         [a / s for r in results for a, s in zip(r.a2a_time_s, r.step_time_s) if s > 0]
     )
+    out["compute_s"] = summarize(
+        [s - e for r in results for s, e in zip(r.step_time_s, r.exposed_comm_s)]
+    )
     out["exposed_fraction"] = summarize(
         [e / s for r in results for e, s in zip(r.exposed_comm_s, r.step_time_s) if s > 0]
     )
@@ -90,6 +95,22 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
             out[f"overlap_{direction}"]["pooled"] = 1.0 - total_e / total_t
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
     return out
+
+
+def uncontended_comm_fraction(stats: dict) -> float:
+    """All-to-all share of a step run at the fastest compute seen: ``A / (A + C_min)``.
+
+    ``A`` is the median in-flight all-to-all time, ``C_min`` the minimum compute time over ranks
+    and steps. On a shared host the compute speed drifts by 10-20% from minute to minute while
+    the all-to-all time at a given link rate does not (it is set by the shaper), so a link rate
+    chosen from the median share inherits the drift and amplifies it into the step time; the
+    minimum compute time estimates the uncontended speed and is far more repeatable.
+    """
+    a2a = stats["a2a_time_s"]["median"]
+    compute = stats["compute_s"]["min"]
+    if a2a + compute <= 0:
+        raise ValueError("no time measured")
+    return a2a / (a2a + max(compute, 0.0))
 
 
 def _ratio(num: float, den: float) -> Optional[float]:
