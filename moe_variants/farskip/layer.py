@@ -42,14 +42,15 @@ from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
 __all__ = ["FarSkipTransformerLayer"]
 
 # Backward priorities inside a layer (see comm.LAUNCH_BACKWARD / DEFER_BACKWARD for the ends of
-# the scale; nodes keep their large default numbers otherwise). After the combine's gradient
-# all-to-all is launched, the shared-expert and core-attention backward (default numbers) overlap
-# it; then the expert backward (COMBINE_INPUT, whose hook waits); then, while the dispatch's
-# gradient all-to-all flies, the QKV projection (QKV) and the attention residual (RESIDUAL); last
-# the dispatch input's producer (DEFER_BACKWARD), whose hook waits.
+# the scale; nodes keep their large default numbers otherwise). The paper's Fig. 10 order: after
+# the combine's gradient all-to-all is launched, the shared-expert backward and the attention
+# backward down to the QKV outputs (residual add, output projection, core attention: default
+# numbers) overlap it; then the expert backward (COMBINE_INPUT, whose hook waits); then, while the
+# dispatch's gradient all-to-all flies, the QKV projection (QKV); last the dispatch input's
+# producer (DEFER_BACKWARD), whose hook waits. The attention's backward is thus split over the two
+# gradient all-to-alls of the layer.
 COMBINE_INPUT = 3
 QKV = 2
-RESIDUAL = 1
 
 
 def _noop():
@@ -161,8 +162,8 @@ class FarSkipTransformerLayer(TransformerLayer):
         if overlapped and split:
             for t in qkv:
                 set_backward_priority(t, QKV)
-            set_backward_priority(residual, RESIDUAL)
             self._mark_backward(qkv[0], "qkv bwd")
+            self._mark_backward(attn_out[0] if isinstance(attn_out, tuple) else attn_out, "attention bwd")
 
         if not self.is_moe_layer:  # dense: parallel MLP, streams collapse
             with self._phase("mlp"):

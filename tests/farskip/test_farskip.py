@@ -103,21 +103,31 @@ def _backward_order(rank, world, reorder):
     loss = forward_loss(model, tokens, labels)
     timeline.events.clear()  # keep the backward only
     loss.sum().backward()
-    launches = [e for e in timeline.events if e[1] == "comm" and e[0] == "dispatch bwd"]
-    waits = [e for e in timeline.events if e[1] == "wait" and e[0] == "wait dispatch bwd"]
-    qkv = [e for e in timeline.events if e[0].startswith("qkv bwd")]
-    return [(l[2], q[2], w[2]) for l, q, w in zip(sorted(launches, key=lambda e: e[2]),
-                                                  sorted(qkv, key=lambda e: e[2]), sorted(waits, key=lambda e: e[2]))]
+
+    def triples(kind, marker):
+        def starts(pred):
+            return sorted(e[2] for e in timeline.events if pred(e))
+
+        launches = starts(lambda e: e[1] == "comm" and e[0] == f"{kind} bwd")
+        waits = starts(lambda e: e[1] == "wait" and e[0] == f"wait {kind} bwd")
+        marks = starts(lambda e: e[0].startswith(marker))
+        return list(zip(launches, marks, waits))
+
+    return triples("dispatch", "qkv bwd"), triples("combine", "attention bwd")
 
 
 def test_backward_reordering_moves_attention_between_launch_and_wait():
-    """With the sequence numbers, each layer's QKV backward runs after its dispatch gradient
-    all-to-all is launched and before the hook waits for it; without them autograd's default order
-    waits first (the permutation node was created later in the forward, so it runs earlier)."""
-    for triples in run_distributed(_backward_order, 2, True):
-        assert triples and all(launch < qkv < wait for launch, qkv, wait in triples), triples
-    for triples in run_distributed(_backward_order, 2, False):
-        assert triples and all(not (launch < qkv < wait) for launch, qkv, wait in triples), triples
+    """With the sequence numbers, each layer's attention backward is split over its two gradient
+    all-to-alls (paper Fig. 10): the output projection and core attention run after the combine's
+    gradient all-to-all is launched and before the hook waits for it, the QKV projection likewise
+    inside the dispatch's. Without them autograd's default order waits first (the consumers of
+    the collectives were created later in the forward, so they run earlier)."""
+    for dispatch, combine in run_distributed(_backward_order, 2, True):
+        for triples in (dispatch, combine):
+            assert len(triples) == 2 and all(launch < mark < wait for launch, mark, wait in triples), triples
+    for dispatch, combine in run_distributed(_backward_order, 2, False):
+        for triples in (dispatch, combine):
+            assert len(triples) == 2 and all(not (launch < mark < wait) for launch, mark, wait in triples), triples
 
 
 def _collective_order(rank, world):
