@@ -1,7 +1,9 @@
 """megatron-core self-attention split in two, so a collective can run between the halves.
 
 ``attention_qkv`` is the QKV projection plus RoPE; ``attention_out`` is core attention plus the
-output projection. Together they are ``Attention.forward``'s training path
+output projection. ``core_attention_rows`` runs core attention on a slice of the micro-batch
+(sequences are independent in core attention) and ``attention_proj`` projects the concatenated
+slices, so the overlapped FarSkip layer can spread core attention over two communication windows. Together they are ``Attention.forward``'s training path
 (``transformer/attention.py:875-1215``: no inference context, packed sequences, output gate,
 activation offloading or core-attention recompute) with the same operations in the same order, so
 the result is bit-identical (tests/farskip/test_attention_split.py). Other attention classes (e.g.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["can_split", "attention_qkv", "attention_out"]
+__all__ = ["can_split", "attention_qkv", "attention_out", "core_attention_rows", "attention_proj"]
 
 
 def can_split(attn) -> bool:
@@ -63,4 +65,25 @@ def attention_out(attn, query, key, value, attention_mask):
         query, key, value, attention_mask, attn_mask_type=attn.attn_mask_type,
         attention_bias=None, packed_seq_params=None,
     )
+    return attn.linear_proj(core)
+
+
+def core_attention_rows(attn, query, key, value, attention_mask, start: int, stop: int) -> torch.Tensor:
+    """Core attention of the sequences ``start:stop`` of the micro-batch: [s, stop-start, h].
+
+    Each sequence's attention reads only that sequence, so the slices concatenated along the
+    batch dimension equal ``attn.core_attention`` on the whole micro-batch.
+    """
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4 and mask.size(0) == query.size(1) and mask.size(0) > 1:
+        mask = mask[start:stop]
+    return attn.core_attention(
+        query[:, start:stop], key[:, start:stop], value[:, start:stop], mask,
+        attn_mask_type=attn.attn_mask_type, attention_bias=None, packed_seq_params=None,
+    )
+
+
+def attention_proj(attn, core_parts):
+    """Output projection of core-attention slices (concatenated along the batch): ``(output, bias)``."""
+    core = core_parts[0] if len(core_parts) == 1 else torch.cat(core_parts, dim=1)
     return attn.linear_proj(core)

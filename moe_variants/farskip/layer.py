@@ -36,7 +36,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.training.config import FarSkipMode
 from moe_variants.common.comm import set_backward_priority
-from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
+from moe_variants.farskip.attention import (
+    attention_out,
+    attention_proj,
+    attention_qkv,
+    can_split,
+    core_attention_rows,
+)
 from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
 
 __all__ = ["FarSkipTransformerLayer"]
@@ -132,9 +138,14 @@ class FarSkipTransformerLayer(TransformerLayer):
         moe_reads_pre = mode in (FarSkipMode.full, FarSkipMode.mlp_only)
 
         qkv = None
+        early_core = None  # core attention of the first half of the micro-batch
         if split and attn_reads_a:  # (1) overlaps the previous layer's combine
             with self._phase("qkv"):
                 qkv = attention_qkv(attn, self.input_layernorm(state.attn_stream), rotary_pos_emb)
+            half = qkv[0].size(1) // 2
+            if overlapped and self.is_moe_layer and half > 0:  # (1b) and so does half the core attention
+                with self._phase("attention part 1"):
+                    early_core = core_attention_rows(attn, *qkv, attention_mask, 0, half)
         with self._phase("finish combine"):
             full_prev = state.full_stream()  # (2) o_{k-1}
         attn_in = state.attn_stream if attn_reads_a else full_prev
@@ -149,7 +160,10 @@ class FarSkipTransformerLayer(TransformerLayer):
                 dispatched = self._start_dispatch(moe_in, overlapped)
 
         with self._phase("attention"):  # (4)
-            if split:
+            if early_core is not None:
+                late_core = core_attention_rows(attn, *qkv, attention_mask, early_core.size(1), qkv[0].size(1))
+                attn_out = attention_proj(attn, [early_core, late_core])
+            elif split:
                 attn_out = attention_out(attn, *qkv, attention_mask)
             else:
                 attn_out = attn(
@@ -162,6 +176,8 @@ class FarSkipTransformerLayer(TransformerLayer):
         if overlapped and split:
             for t in qkv:
                 set_backward_priority(t, QKV)
+            if early_core is not None:  # the second half's core attention backward joins QKV's window
+                set_backward_priority(late_core, QKV)
             self._mark_backward(qkv[0], "qkv bwd")
             self._mark_backward(attn_out[0] if isinstance(attn_out, tuple) else attn_out, "attention bwd")
 

@@ -110,3 +110,11 @@ def test_default_sizes_cover_4k_to_64m_log_spaced():
     sizes = default_sizes()
     assert sizes[0] == 4096 and sizes[-1] == 64 << 20 and len(sizes) >= 8
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+
+
+def test_exact_rss_sets_a_fixed_mmap_threshold_for_the_ranks():
+    from megatron.training.bench.cli import _worker_env, build_parser
+
+    assert _worker_env(build_parser().parse_args(["--variants", "standard"])) == {}
+    env = _worker_env(build_parser().parse_args(["--variants", "standard", "--exact-rss"]))
+    assert env == {"MALLOC_MMAP_THRESHOLD_": "1048576"}

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_positive_int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
+    g.add_argument("--exact-rss", action="store_true",
+                   help="serve allocations of 1 MiB and more by mmap in the ranks (glibc "
+                        "MALLOC_MMAP_THRESHOLD_), so peak RSS tracks live tensors instead of heap "
+                        "the allocator kept; slower compute, use it to compare memory")  # fmt: skip
     g.add_argument("--json", metavar="PATH", help="write the results here")
     g.add_argument("--target-comm-fraction", type=float, metavar="F",
                    help="first pick the link rate giving the probe variant this all-to-all share")
@@ -211,11 +215,25 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
         seed=args.seed, config_path=os.path.abspath(args.config) if args.config else None,
         overrides=overrides, options=options, num_threads=args.threads,
     )  # fmt: skip
-    raw = launch(net, worker_module_for(variant), spec, run_dir, budget.remaining())
+    raw = launch(net, worker_module_for(variant), spec, run_dir, budget.remaining(), extra_env=_worker_env(args))
     results = [RankResult.from_dict(d) for d in raw]
     for r in results:
         r.validate(steps)
     return results
+
+
+EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def _worker_env(args) -> dict:
+    """Environment of the rank processes: ``--exact-rss`` fixes glibc's mmap threshold at 1 MiB.
+
+    By default glibc raises the threshold as large blocks are freed, so later blocks come from the
+    heap, which it keeps: peak RSS then depends on the order of allocations and frees (a variant
+    that splits a tensor in two differently sized halves can show hundreds of MiB more RSS with
+    the same live tensors). With a fixed threshold every large block is returned when freed.
+    """
+    return dict(EXACT_RSS_ENV) if args.exact_rss else {}
 
 
 def _synthetic_options(args) -> SyntheticOptions:
@@ -283,7 +301,7 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
             "config": {
                 "ranks": args.ranks, "variants": variants, "warmup": args.warmup, "steps": args.steps,
-                "seed": args.seed, "threads": args.threads, "config_path": args.config,
+                "seed": args.seed, "threads": args.threads, "exact_rss": args.exact_rss, "config_path": args.config,
                 "overrides": overrides,
                 "synthetic": dataclasses.asdict(_synthetic_options(args)) if SYNTHETIC in variants else None,
             },
