@@ -17,8 +17,9 @@ Two executions of the same math, with the same additions in the same order (so t
 bit-identical):
 
 - **simple**: blocking collectives, o_k completed inside the layer (reference, fine-tuning);
-- **overlapped**: (1) QKV of attention on A_{k-1} while layer k-1's combine is in flight; (2) wait
-  it, o_{k-1} = A_{k-1} + routed_{k-1}; (3) route and *start* the dispatch; (4) core attention and
+- **overlapped**: (1) QKV of attention on A_{k-1}, and core attention of the first half of the
+  micro-batch, while layer k-1's combine is in flight; (2) wait it, o_{k-1} = A_{k-1} +
+  routed_{k-1}; (3) route and *start* the dispatch; (4) core attention of the second half and the
   output projection while the dispatch flies; (5) wait, routed experts, *start* the combine; (6) the
   shared expert while the combine flies; hand A_k and the pending combine to layer k+1. Backward
   all-to-alls are asynchronous too (``moe_variants.common.comm``); autograd sequence numbers order
