@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--semmoe-tables", metavar="DIR", default=None,
+                   help="Sem-MoE tables (python -m moe_variants.semmoe solve) of the checkpoint's placement: "
+                        "assign requests to data-parallel ranks by Algorithm 2 (EP = world, TP = 1)")
     return p
 
 
@@ -130,6 +133,8 @@ def check_inputs(args) -> "object":
         raise ValueError(f"--limit must be > 0, got {args.limit:g}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.semmoe_tables is not None and not os.path.isdir(args.semmoe_tables):
+        raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
 
@@ -203,12 +208,17 @@ def evaluate(args, manager) -> dict:
         if rank != 0:
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
         start = time.perf_counter()
+        ckpt = find_latest_checkpoint(args.load)
+        manifest = read_manifest(ckpt, verify=False)
+        scheduler = _semmoe_scheduler(args, manifest, dist.get_world_size()) if args.semmoe_tables else None
         lm = MegatronCheckpointLM.from_checkpoint(
             args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed,
             batch_size=args.batch_size, max_gen_toks=args.max_gen_toks, generation=args.generation,
+            request_scheduler=scheduler,
         )
         loaded = time.perf_counter()
+        _reset_dispatch_counters(lm.model)
         results = lm_eval.simple_evaluate(
             model=lm, tasks=_task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
             task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
@@ -218,8 +228,7 @@ def evaluate(args, manager) -> dict:
         done = time.perf_counter()
         # lm-eval returns the results on local rank 0 only (its rule for TP launchers)
         results = results or {}
-        ckpt = find_latest_checkpoint(args.load)
-        manifest = read_manifest(ckpt, verify=False)
+        moe = _moe_traffic(lm, scheduler is not None)
         payload = {k: results[k] for k in ("results", "groups", "group_subtasks", "configs", "versions",
                                            "n-shot", "higher_is_better", "n-samples") if k in results}
         payload["model"] = {
@@ -236,6 +245,9 @@ def evaluate(args, manager) -> dict:
             "load_s": round(loaded - start, 3),
             "evaluate_s": round(done - loaded, 3),
         }
+        payload["moe"] = moe
+        if args.semmoe_tables:
+            payload["moe"]["semmoe_tables"] = os.path.abspath(args.semmoe_tables)
         status = [None]
         if rank == 0:
             try:
@@ -254,6 +266,48 @@ def evaluate(args, manager) -> dict:
             print(f"wrote {args.output} (load {payload['model']['load_s']:.1f}s, "
                   f"evaluate {payload['model']['evaluate_s']:.1f}s)", flush=True)
     return payload
+
+
+def _semmoe_scheduler(args, manifest: dict, world: int):
+    """Algorithm 2 over the data-parallel ranks from ``--semmoe-tables``; one-line errors when the
+    tables do not fit the checkpoint or the layout."""
+    from moe_variants.semmoe.apply import check_tables_match_checkpoint
+    from moe_variants.semmoe.scheduling import request_scheduler
+    from moe_variants.semmoe.tables import load_tables
+
+    tables = load_tables(args.semmoe_tables)
+    d = tables.num_devices
+    if args.tensor_model_parallel_size != 1 or args.expert_model_parallel_size != d or world != d:
+        raise ValueError(f"--semmoe-tables are for {d} devices: run with {d} ranks, "
+                         f"--expert-model-parallel-size {d} and --tensor-model-parallel-size 1")
+    check_tables_match_checkpoint(tables, manifest, args.semmoe_tables, args.load)
+    return request_scheduler(tables)
+
+
+def _reset_dispatch_counters(model) -> None:
+    from megatron.training.training import comm_counters
+
+    for counters in comm_counters([model]):
+        counters.reset()
+
+
+def _moe_traffic(lm, scheduled: bool) -> dict:
+    """All-to-all rows this evaluation sent to other ranks (summed over ranks) and, when scheduled,
+    the requests each data-parallel rank received (collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.training.training import comm_counters
+    from moe_variants.common.comm import CommCounters
+
+    totals = CommCounters.total(comm_counters([lm.model]))
+    t = torch.tensor([totals["bytes_dispatch"], totals["bytes_combine"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    out = {"dispatch_bytes_off_rank": int(t[0]), "combine_bytes_off_rank": int(t[1]),
+           "request_scheduling": "semmoe-algorithm-2" if scheduled else "round-robin"}
+    if scheduled:
+        out["requests_per_rank"] = lm._ranks.assigned
+    return out
 
 
 def main(argv=None) -> int:

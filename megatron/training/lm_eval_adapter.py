@@ -128,6 +128,7 @@ class _Ranks:
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
+        self.assigned: Optional[list[int]] = None  # requests per rank over the scheduled calls
 
     @staticmethod
     def max(value: int) -> int:
@@ -137,8 +138,26 @@ class _Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def mine(self, batches: list) -> list:
-        return batches[self.dp_rank::self.dp_size]
+    def mine(self, order: list[int], batch_size: int, tokens_of=None, scheduler=None) -> list[list[int]]:
+        """This rank's batches of request indices. ``order`` is every request, longest first.
+
+        Without a ``scheduler`` the batches of ``order`` are dealt round-robin over the ranks.
+        With one (e.g. Sem-MoE's Algorithm 2), ``scheduler(token_lists)`` gives each request's
+        rank, the requests taken in lm-eval's order (their arrival order); each rank then batches
+        its own requests, longest first. Every rank computes the same assignment.
+        """
+        if scheduler is None:
+            batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+            return batches[self.dp_rank::self.dp_size]
+        arrival = sorted(order)
+        ranks = [int(r) for r in scheduler([list(tokens_of(i)) for i in arrival])]
+        if len(ranks) != len(arrival) or any(not 0 <= r < self.dp_size for r in ranks):
+            raise ValueError(f"the request scheduler must give a rank in [0, {self.dp_size}) per request")
+        owner = dict(zip(arrival, ranks))
+        counts = [sum(1 for r in ranks if r == q) for q in range(self.dp_size)]
+        self.assigned = [a + c for a, c in zip(self.assigned or [0] * self.dp_size, counts)]
+        own = [i for i in order if owner[i] == self.dp_rank]
+        return [own[i:i + batch_size] for i in range(0, len(own), batch_size)]
 
     def gather(self, results: dict) -> dict:
         parts = [None] * self.dp_size
@@ -181,13 +200,16 @@ class MegatronCheckpointLM(TemplateLM):
         batch_size: sequences per forward.
         max_gen_toks: default generation budget when a request does not give one.
         generation: ``GenerationMode`` (``auto`` picks ``kv_cache`` where it is supported).
+        request_scheduler: ``f(token_lists) -> rank per request`` over the data-parallel ranks
+            (attention-DP request scheduling, e.g. ``semmoe_request_scheduler``); default:
+            length-sorted batches dealt round-robin.
     """
 
     backend = "causal"
 
     def __init__(self, model, tokenizer, *, max_length: int, pg_collection, batch_size: int = 8,
                  max_gen_toks: int = 256, generation: GenerationMode = GenerationMode.auto,
-                 capacity_factor: Optional[float] = None):
+                 capacity_factor: Optional[float] = None, request_scheduler=None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
@@ -201,6 +223,7 @@ class MegatronCheckpointLM(TemplateLM):
         self._batch_size = int(batch_size)
         self._max_gen_toks = int(max_gen_toks)
         self._ranks = _Ranks(pg_collection.dp)
+        self._scheduler = request_scheduler
         self._tp = pg_collection.tp.size()
         self._vocab = tokenizer.vocab_size
         from megatron.training.parallel import device
@@ -318,8 +341,7 @@ class MegatronCheckpointLM(TemplateLM):
         # nothing to score (an empty continuation): log 1 = 0, trivially greedy
         results: dict[int, tuple[float, bool]] = {i: (0.0, True) for i, w in enumerate(windows) if w[1] == 0}
         order = sorted((i for i in range(len(windows)) if i not in results), key=lambda i: (-len(windows[i][0]), i))
-        batches = [order[i:i + self._batch_size] for i in range(0, len(order), self._batch_size)]
-        mine = self._ranks.mine(batches)
+        mine = self._ranks.mine(order, self._batch_size, lambda i: windows[i][0][:-1], self._scheduler)
         for step in range(self._ranks.max(len(mine))):
             if step >= len(mine):
                 self._dummy_forward()
@@ -374,8 +396,7 @@ class MegatronCheckpointLM(TemplateLM):
         jobs = [self._job(*req.args) for req in requests]
         self._ranks.check_same("generate_until", [dataclasses.astuple(j) for j in jobs])
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i].prompt), i))
-        batches = [order[i:i + self._batch_size] for i in range(0, len(order), self._batch_size)]
-        mine = self._ranks.mine(batches)
+        mine = self._ranks.mine(order, self._batch_size, lambda i: jobs[i].prompt, self._scheduler)
         results: dict[int, str] = {}
         for step in range(self._ranks.max(len(mine))):
             batch = mine[step] if step < len(mine) else []

@@ -30,6 +30,7 @@ __all__ = [
     "choose_dp_rank",
     "DPRequestScheduler",
     "schedule_requests",
+    "request_scheduler",
     "routed_devices",
     "context_index",
     "predict_token_devices",
@@ -97,6 +98,18 @@ def schedule_requests(requests: Sequence[np.ndarray], tables: Tables) -> np.ndar
     """[R] DP rank of each request, scheduled in the given (arrival) order by Algorithm 2."""
     sched = DPRequestScheduler(tables)
     return np.array([sched.assign(r) for r in requests], dtype=np.int64)
+
+
+def request_scheduler(tables: Tables):
+    """Algorithm 2 as a batch scheduler for an evaluation harness: ``f(token_lists) -> [R] ranks``
+    (``megatron.training.lm_eval_adapter.MegatronCheckpointLM(request_scheduler=...)``)."""
+    if not tables.has_schedule:
+        raise ValueError(f"tables of method {tables.method!r} carry no token table to schedule requests with")
+
+    def schedule(token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        return schedule_requests([np.asarray(t, dtype=np.int64) for t in token_lists], tables)
+
+    return schedule
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,3 +234,51 @@ def _mismatched_requests(rank, world_size, path):
 def test_ranks_with_different_requests_raise_instead_of_hanging(ckpt_dir):
     errors = run_distributed(_mismatched_requests, 2, ckpt_dir["standard"], timeout_s=120)
     assert all(e and "different requests" in e for e in errors)
+
+
+def _by_length_parity(token_lists):
+    return [len(t) % 2 for t in token_lists]
+
+
+def _all_to_rank_one(token_lists):
+    return [1] * len(token_lists)
+
+
+def _scheduled_requests(rank, world_size, path, scheduler):
+    lm = _lm(path, batch_size=2, expert_model_parallel_size=2, request_scheduler=scheduler)
+    ll = lm.loglikelihood(_instances("loglikelihood", PAIRS))
+    rolling = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(DOC,), ("Short.",), (DOC[:90],)]))
+    gen = lm.generate_until(_instances("generate_until", [(p, {"until": [], "max_gen_toks": n})
+                                                          for p, n in zip(PROMPTS, [3, 9, 1, 6])]))
+    return (ll, rolling, gen), lm._ranks.assigned
+
+
+@pytest.mark.parametrize("scheduler", [_by_length_parity, _all_to_rank_one])
+def test_request_scheduler_moves_requests_between_ranks_not_scores(ckpt_dir, scheduler):
+    """A request scheduler (Sem-MoE's Algorithm 2 in evaluate_lm) only decides which data-parallel
+    rank runs a request: every score and generation equals the round-robin run's (a rank may get
+    nothing and run lockstep dummies only)."""
+    base = run_distributed(_all_requests, 2, ckpt_dir["standard"], 2, 1, "auto")[0]
+    got = run_distributed(_scheduled_requests, 2, ckpt_dir["standard"], scheduler)
+    (ll, roll, gen), assigned = got[0]
+    assert got[1][0] == got[0][0] and got[1][1] == assigned  # every rank agrees
+    assert [s for s, _ in ll] == pytest.approx([s for s, _ in base[0]], abs=ATOL)
+    assert [g for _, g in ll] == [g for _, g in base[0]]
+    assert roll == pytest.approx(base[1], abs=ATOL)
+    assert gen == base[2]
+    if scheduler is _all_to_rank_one:
+        assert assigned[0] == 0 and assigned[1] > 0
+
+
+def _bad_scheduler(rank, world_size, path):
+    lm = _lm(path, expert_model_parallel_size=2, request_scheduler=lambda toks: [2] * len(toks))
+    try:
+        lm.loglikelihood(_instances("loglikelihood", PAIRS))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_scheduler_naming_a_missing_rank_is_refused(ckpt_dir):
+    errors = run_distributed(_bad_scheduler, 2, ckpt_dir["standard"], timeout_s=120)
+    assert all(e and "rank in [0, 2)" in e for e in errors)
