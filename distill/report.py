@@ -2,7 +2,8 @@
 
     python -m distill.report --teacher CKPT --text HELDOUT.txt --out report.json \\
         [--untrained all --untrained last:2] [--student "FCSD kl, all=RUN/best" ...] \\
-        [--unigram-data PREFIX ...] [--max-windows N] [--micro-batch-size B]
+        [--unigram-data PREFIX ...] [--max-windows N] [--micro-batch-size B] \
+        [--lm-eval-tasks T1,T2 --include-path examples/lm_eval_tasks --data-dir ../shared/data --lm-eval-limit N]
 
 Rows, all scored on the same windows of ``--text`` (``data.build_heldout_windows``: every token
 after the first scored once):
@@ -16,7 +17,9 @@ after the first scored once):
   model must clearly beat.
 
 Each row reports the held-out loss, perplexity, its gap to the teacher's perplexity (relative) and
-the mean per-token KL(teacher || model). One process (a world of one gloo rank), EP=1: checkpoints
+the mean per-token KL(teacher || model); with ``--lm-eval-tasks`` also every model's lm-eval score
+on those tasks (through ``megatron.training.lm_eval_adapter``; the table shows each task's main
+metric, the JSON all of them). One process (a world of one gloo rank), EP=1: checkpoints
 are layout-free, and the numbers do not depend on the layout they were trained at. The JSON is
 written atomically; a markdown table is printed.
 """
@@ -24,6 +27,7 @@ written atomically; a markdown table is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["unigram_perplexity", "score_rows", "format_table", "main"]
+__all__ = ["unigram_perplexity", "score_rows", "lm_eval_scores", "main_metric", "format_table", "main"]
 
 
 def unigram_perplexity(train_counts: np.ndarray, heldout_labels: np.ndarray) -> dict:
@@ -69,9 +73,51 @@ def _parse_student(spec: str) -> tuple[str, str]:
     return label, path
 
 
+# the metric a task's column shows, first one present wins
+MAIN_METRICS = ("acc_norm,none", "acc,none", "word_perplexity,none", "perplexity,none", "exact_match,none")
+
+
+def main_metric(task_results: dict) -> tuple[Optional[str], Optional[float]]:
+    """(name, value) of a task's headline metric in lm-eval's results dict."""
+    for key in MAIN_METRICS:
+        if key in task_results:
+            return key.split(",")[0], float(task_results[key])
+    return None, None
+
+
+@dataclasses.dataclass
+class LMEvalSpec:
+    """lm-eval tasks to run on every model of the report."""
+
+    tasks: list
+    manager: object  # lm_eval.tasks.TaskManager
+    limit: Optional[float] = None
+    batch_size: int = 8
+    seed: int = 1234
+
+
+def lm_eval_scores(model, tokenizer, seq_length: int, pg_collection, spec: LMEvalSpec) -> dict:
+    """{task: {metric: value}} of one loaded model (lm-eval's numeric metrics, stderr included)."""
+    import lm_eval
+
+    from megatron.training.lm_eval_adapter import MegatronCheckpointLM
+
+    lm = MegatronCheckpointLM(model, tokenizer, max_length=seq_length, pg_collection=pg_collection,
+                              batch_size=spec.batch_size)
+    limit = None if spec.limit is None else (int(spec.limit) if spec.limit >= 1 else spec.limit)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=list(spec.tasks), limit=limit, task_manager=spec.manager, log_samples=False,
+        bootstrap_iters=0, random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
+        fewshot_random_seed=spec.seed,
+    )
+    return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            for task, metrics in results["results"].items()}
+
+
 @torch.no_grad()
 def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
-               max_windows: Optional[int], micro_batch_size: int) -> tuple[list[dict], object]:
+               max_windows: Optional[int], micro_batch_size: int,
+               lm_eval_spec: Optional[LMEvalSpec] = None) -> tuple[list[dict], object]:
     """Held-out rows for the teacher, the untrained conversions and the students (one rank)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -90,8 +136,11 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
 
     def row(label, model, farskip):
         r = heldout_kl(model, teacher, windows, micro_batch_size=micro_batch_size, pg_collection=pgc)
-        return {"model": label, "farskip": farskip, "loss": r["heldout_loss"], "ppl": r["heldout_ppl"],
-                "kl_to_teacher": r["heldout_kl"]}
+        out = {"model": label, "farskip": farskip, "loss": r["heldout_loss"], "ppl": r["heldout_ppl"],
+               "kl_to_teacher": r["heldout_kl"]}
+        if lm_eval_spec is not None:
+            out["lm_eval"] = lm_eval_scores(model, tokenizer, configs.model.seq_length, pgc, lm_eval_spec)
+        return out
 
     rows = [row("teacher", teacher, configs.model.farskip)]
     for spec in untrained:
@@ -112,12 +161,22 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | FarSkip layers | held-out loss | held-out ppl | vs teacher ppl | KL(teacher‖model) |",
-             "|---|---|---:|---:|---:|---:|"]
+    tasks = list(dict.fromkeys(t for r in rows for t in r.get("lm_eval", {})))
+    heads = []
+    for t in tasks:
+        name = next((main_metric(r["lm_eval"][t])[0] for r in rows if t in r.get("lm_eval", {})), None)
+        heads.append(f"{t} {name}" if name else t)
+    lines = ["| model | FarSkip layers | held-out loss | held-out ppl | vs teacher ppl | KL(teacher‖model) |"
+             + "".join(f" {h} |" for h in heads),
+             "|---|---|---:|---:|---:|---:|" + "---:|" * len(tasks)]
     for r in rows:
         kl = "" if r.get("kl_to_teacher") is None else f"{r['kl_to_teacher']:.4f}"
+        cells = []
+        for t in tasks:
+            value = main_metric(r["lm_eval"][t])[1] if t in r.get("lm_eval", {}) else None
+            cells.append("" if value is None else f"{value:.4f}")
         lines.append(f"| {r['model']} | {r.get('farskip') or 'none'} | {r['loss']:.4f} | {r['ppl']:.2f} | "
-                     f"{100 * r['ppl_gap_to_teacher']:+.1f}% | {kl} |")
+                     f"{100 * r['ppl_gap_to_teacher']:+.1f}% | {kl} |" + "".join(f" {c} |" for c in cells))
     return "\n".join(lines)
 
 
@@ -134,7 +193,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="indexed datasets whose token frequencies give the unigram row")
     p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
     p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--lm-eval-tasks", default=None, metavar="T1,T2",
+                   help="also score every model on these lm-eval tasks (needs lm-eval installed)")
+    p.add_argument("--include-path", default=None, help="extra directory of lm-eval task YAMLs")
+    p.add_argument("--data-dir", default=None, help="data directory of the offline local_* tasks")
+    p.add_argument("--lm-eval-limit", type=float, default=None, help="examples per task (or a fraction)")
+    p.add_argument("--lm-eval-batch-size", type=int, default=8)
     return p
+
+
+def _lm_eval_spec(args) -> Optional[LMEvalSpec]:
+    """The ``--lm-eval-*`` options checked before any model loads (one-line errors)."""
+    if args.lm_eval_tasks is None:
+        return None
+    from megatron.training.evaluate_lm import INSTALL_HINT, _task_list, _task_manager
+
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    for flag, path in (("--include-path", args.include_path), ("--data-dir", args.data_dir)):
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: no such directory")
+    if args.lm_eval_limit is not None and args.lm_eval_limit <= 0:
+        raise ValueError(f"--lm-eval-limit must be > 0, got {args.lm_eval_limit:g}")
+    tasks = _task_list(args.lm_eval_tasks)
+    manager = _task_manager(args, tasks)
+    unknown = [t for t in tasks if t not in set(manager.all_tasks)]
+    if unknown:
+        raise ValueError(f"--lm-eval-tasks: unknown task {unknown[0]!r}")
+    return LMEvalSpec(tasks, manager, args.lm_eval_limit, args.lm_eval_batch_size)
 
 
 def main(argv=None) -> int:
@@ -150,12 +238,13 @@ def main(argv=None) -> int:
         if not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text}: no such file")
         students = [_parse_student(s) for s in args.student]
+        spec = _lm_eval_spec(args)
         with tempfile.TemporaryDirectory(prefix="fcsd-report-") as tmp:
             dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
             try:
                 rows, (windows, tokenizer) = score_rows(
                     args.teacher, args.text, untrained=args.untrained, students=students,
-                    max_windows=args.max_windows, micro_batch_size=args.micro_batch_size)
+                    max_windows=args.max_windows, micro_batch_size=args.micro_batch_size, lm_eval_spec=spec)
             finally:
                 from megatron.core import parallel_state
 

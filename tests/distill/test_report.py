@@ -49,6 +49,39 @@ def test_report_rows(teacher_ckpt, tmp_path):
     assert "| teacher |" in proc.stdout and "| untrained, farskip all | all |" in format_table(list(rows.values()))
 
 
+def _arc_data(root, num_questions=5):
+    """The shared-data layout of the offline ARC-Easy task, generated."""
+    arc = root / "eval" / "arc"
+    arc.mkdir(parents=True)
+    with open(arc / "arc_easy.jsonl", "w") as f:
+        for i in range(num_questions):
+            choices = [f"the {w} answer {i}" for w in ("first", "second", "third", "fourth")]
+            f.write(json.dumps({"query": f"Question: which answer is {i}?", "choices": choices, "gold": i % 4}) + "\n")
+    return root
+
+
+def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
+    """``--lm-eval-tasks``: every row gets the task's scores through the adapter; the same weights
+    score the same, and the table shows the main metric as a column."""
+    pytest.importorskip("lm_eval")
+    from megatron.training.tokenizer import DEFAULT_CORPUS
+
+    out = tmp_path / "report.json"
+    proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", out,
+                   "--untrained", "all", "--student", f"same={teacher_ckpt / 'teacher'}", "--max-windows", 2,
+                   "--lm-eval-tasks", "local_arc_easy", "--include-path", os.path.join(REPO, "examples", "lm_eval_tasks"),
+                   "--data-dir", _arc_data(tmp_path / "data"), "--lm-eval-limit", 5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert 0.0 <= r["lm_eval"]["local_arc_easy"]["acc,none"] <= 1.0
+    assert rows["same"]["lm_eval"] == rows["teacher"]["lm_eval"]
+    assert "| local_arc_easy acc_norm |" in proc.stdout
+    bad = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", tmp_path / "b.json",
+                  "--lm-eval-tasks", "no_such_task", "--include-path", os.path.join(REPO, "examples", "lm_eval_tasks"))
+    assert bad.returncode == 2 and "unknown task 'no_such_task'" in bad.stderr and not (tmp_path / "b.json").exists()
+
+
 def test_report_bad_input(tmp_path):
     out = tmp_path / "r.json"
     proc = _report("--teacher", tmp_path / "missing", "--text", __file__, "--out", out)
