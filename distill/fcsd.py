@@ -3,15 +3,17 @@
     torchrun --nproc_per_node=N -m distill.fcsd --load CKPT --farskip all --save OUT \\
         --data-path ... --tokenizer-type ... [training flags as pretrain_gpt] \\
         [--kd-loss kl|kl+l2|sft] [--kd-temperature T] [--freeze-embeddings] \\
-        [--proxy heldout-kl|heldout-ppl] [--proxy-text FILE] [--patience P] [--min-delta D]
+        [--proxy heldout-kl|heldout-ppl|lm-eval] [--proxy-text FILE] [--patience P] [--min-delta D] \\
+        [--proxy-task TASK --proxy-include-path DIR --proxy-data-dir DIR --proxy-limit N]
 
 The teacher is a frozen copy of the checkpoint with its original connectivity (no gradients, eval
 mode, not in the optimizer); the student is the same weights with ``--farskip`` connectivity and is
 trained with the pretraining loop (megatron-core DDP, optimizer, schedule) on
 ``KL(teacher || student)`` per token (paper Eq. 4), optionally plus an intermediate hidden-state L2
 (``kl+l2``), or plain next-token loss (``sft``, the baseline). Model shape flags default to the
-checkpoint's. Every ``--eval-interval`` steps a proxy (held-out KL to the teacher, or held-out
-perplexity) is evaluated; the best student is kept in ``SAVE/best`` and training stops after
+checkpoint's. Every ``--eval-interval`` steps a proxy (held-out KL to the teacher, held-out
+perplexity, or the main metric of an lm-eval task through ``megatron.training.lm_eval_adapter``:
+accuracy, higher is better, or perplexity) is evaluated; the best student is kept in ``SAVE/best`` and training stops after
 ``--patience`` evaluations without a ``--min-delta`` (relative) improvement (paper: patience 20,
 delta 2%). Tensor/expert/data parallelism as in pretraining; pipeline parallelism is not supported
 (teacher and student would have to be pipelined together).
@@ -43,6 +45,7 @@ class KDLoss(str, enum.Enum):
 class Proxy(str, enum.Enum):
     heldout_kl = "heldout-kl"
     heldout_ppl = "heldout-ppl"
+    lm_eval = "lm-eval"  # --proxy-task's main metric through the lm-eval adapter (the paper: MBPP+)
 
 
 @dataclasses.dataclass
@@ -55,6 +58,10 @@ class FCSDConfig:
     proxy: Proxy = Proxy.heldout_kl
     proxy_text: Optional[str] = None  # default: the first --heldout-text
     proxy_max_windows: Optional[int] = 64
+    proxy_task: Optional[str] = None  # --proxy lm-eval: the task (e.g. local_arc_easy)
+    proxy_limit: Optional[float] = None  # --proxy lm-eval: examples (or fraction) per evaluation
+    proxy_include_path: Optional[str] = None  # --proxy lm-eval: task YAML directory
+    proxy_data_dir: Optional[str] = None  # --proxy lm-eval: data of the offline local_* tasks
     patience: int = 20
     min_delta: float = 0.02
 
@@ -217,9 +224,10 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     else:  # start from the pretrained weights: new optimizer, iteration 0
         c.checkpoint.finetune = True
     proxy_text = fcsd.proxy_text or (c.data.heldout_text or [None])[0]
-    if proxy_text is None:
+    lm_eval_spec = _lm_eval_proxy(fcsd, c.training.micro_batch_size) if fcsd.proxy == Proxy.lm_eval else None
+    if proxy_text is None and lm_eval_spec is None:
         raise ValueError("FCSD early stopping needs --proxy-text FILE (or --heldout-text)")
-    if not os.path.isfile(proxy_text):
+    if proxy_text is not None and not os.path.isfile(proxy_text):
         raise ValueError(f"--proxy-text {proxy_text}: no such file")
     stopper = EarlyStopping(patience=fcsd.patience, min_delta=fcsd.min_delta, mode="min")
     state = {}
@@ -228,10 +236,13 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
         teacher, _, tokenizer, _ = load_model(teacher_path, parallel=configs.parallel, overrides={"farskip": "none"})
         for p in teacher.parameters():
             p.requires_grad_(False)
-        windows = build_heldout_windows(proxy_text, tokenizer, configs.model.seq_length)
-        if fcsd.proxy_max_windows:
-            windows = windows[: fcsd.proxy_max_windows]
-        state.update(teacher=teacher, windows=windows, pgc=ProcessGroupCollection.use_mpu_process_groups())
+        windows = None
+        if proxy_text is not None:
+            windows = build_heldout_windows(proxy_text, tokenizer, configs.model.seq_length)
+            if fcsd.proxy_max_windows:
+                windows = windows[: fcsd.proxy_max_windows]
+        state.update(teacher=teacher, windows=windows, pgc=ProcessGroupCollection.use_mpu_process_groups(),
+                     tokenizer=tokenizer, seq_length=configs.model.seq_length)
         before = evaluate(0, chunks)
         if dist.get_rank() == 0:
             print(f"{prog}: student before distillation: " + json.dumps(before), flush=True)
@@ -239,11 +250,30 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
 
     def evaluate(iteration, chunks):
         student = chunks[0].module
-        result = heldout_kl(student, state["teacher"], state["windows"],
-                            micro_batch_size=c.training.micro_batch_size, pg_collection=state["pgc"])
+        result = {}
+        if state["windows"] is not None:
+            result = heldout_kl(student, state["teacher"], state["windows"],
+                                micro_batch_size=c.training.micro_batch_size, pg_collection=state["pgc"])
+        if lm_eval_spec is not None:
+            from distill.report import lm_eval_scores, main_metric
+
+            was_training = student.training
+            student.eval()
+            try:
+                scores = lm_eval_scores(student, state["tokenizer"], state["seq_length"], state["pgc"], lm_eval_spec)
+            finally:
+                student.train(was_training)
+            metric, value = main_metric(scores[fcsd.proxy_task])
+            if metric is None:
+                raise ValueError(f"--proxy-task {fcsd.proxy_task}: no accuracy or perplexity metric in its results")
+            stopper.mode = "min" if "perplexity" in metric else "max"
+            result.update(lm_eval_task=fcsd.proxy_task, lm_eval_metric=metric, lm_eval_value=value)
         if iteration == 0:
             return result
-        value = result["heldout_kl" if fcsd.proxy == Proxy.heldout_kl else "heldout_ppl"]
+        if fcsd.proxy == Proxy.lm_eval:
+            value = result["lm_eval_value"]
+        else:
+            value = result["heldout_kl" if fcsd.proxy == Proxy.heldout_kl else "heldout_ppl"]
         new_best, stop = stopper.update(iteration, value)
         result.update(proxy=fcsd.proxy.value, best=stopper.best, best_step=stopper.best_step, stop=stop)
         if new_best and c.checkpoint.save:
@@ -267,6 +297,31 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     summary["best"] = {"step": stopper.best_step, "value": stopper.best, "proxy": fcsd.proxy.value}
     summary["early_stopping_history"] = stopper.history
     return summary
+
+
+def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
+    """The lm-eval early-stopping proxy, checked before any model loads (one-line errors)."""
+    import argparse
+
+    from distill.report import LMEvalSpec
+    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager
+
+    if not fcsd.proxy_task:
+        raise ValueError("--proxy lm-eval needs --proxy-task TASK (e.g. local_arc_easy)")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    for flag, path in (("--proxy-include-path", fcsd.proxy_include_path), ("--proxy-data-dir", fcsd.proxy_data_dir)):
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: no such directory")
+    if fcsd.proxy_limit is not None and fcsd.proxy_limit <= 0:
+        raise ValueError(f"--proxy-limit must be > 0, got {fcsd.proxy_limit:g}")
+    args = argparse.Namespace(include_path=fcsd.proxy_include_path, data_dir=fcsd.proxy_data_dir)
+    manager = _task_manager(args, [fcsd.proxy_task])
+    if fcsd.proxy_task not in set(manager.all_tasks):
+        raise ValueError(f"--proxy-task: unknown task {fcsd.proxy_task!r}")
+    return LMEvalSpec([fcsd.proxy_task], manager, fcsd.proxy_limit, batch_size)
 
 
 class _TeacherRef(torch.nn.Module):

@@ -110,8 +110,18 @@ def lm_eval_scores(model, tokenizer, seq_length: int, pg_collection, spec: LMEva
         bootstrap_iters=0, random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
         fewshot_random_seed=spec.seed,
     )
-    return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-            for task, metrics in results["results"].items()}
+    scores = None
+    if results:
+        scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                  for task, metrics in results["results"].items()}
+    # lm-eval returns results on local rank 0 only; every rank needs them (early stopping agrees)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, scores)
+        scores = next(s for s in every if s is not None)
+    return scores
 
 
 @torch.no_grad()

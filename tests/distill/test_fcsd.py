@@ -141,3 +141,41 @@ def test_bad_input(capsys, tmp_path):
     assert "--load" in capsys.readouterr().err
     assert main(["--load", str(tmp_path / "nothing"), "--farskip", "all"]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+def test_lm_eval_proxy_drives_early_stopping(teacher_ckpt, tmp_path):
+    """``--proxy lm-eval``: the student is scored on an lm-eval task (accuracy: higher is better)
+    at every evaluation, in training, under EP=2; the best checkpoint is kept."""
+    import json
+    import os
+
+    import pytest
+
+    pytest.importorskip("lm_eval")
+    from tests.helpers import read_jsonl, torchrun
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    arc = tmp_path / "data" / "eval" / "arc"
+    arc.mkdir(parents=True)
+    with open(arc / "arc_easy.jsonl", "w") as f:
+        for i in range(4):
+            choices = [f"the {w} answer {i}" for w in ("first", "second", "third", "fourth")]
+            f.write(json.dumps({"query": f"Question: which answer is {i}?", "choices": choices, "gold": i % 4}) + "\n")
+    out = tmp_path / "student"
+    proc = torchrun("distill.fcsd", [
+        "--load", teacher_ckpt / "teacher", "--farskip", "all", "--expert-model-parallel-size", 2, "--save", out,
+        "--train-iters", 4, "--eval-interval", 2, "--eval-iters", 0, "--log-interval", 1, "--micro-batch-size", 4,
+        "--global-batch-size", 16, "--proxy", "lm-eval", "--proxy-task", "local_arc_easy",
+        "--proxy-include-path", os.path.join(repo, "examples", "lm_eval_tasks"), "--proxy-data-dir", tmp_path / "data",
+        "--patience", 5, "--data-cache-path", teacher_ckpt / "cache", "--lr", 1e-3])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("lm_eval_task") == "local_arc_easy"]
+    assert evals and all(r["lm_eval_metric"] == "acc_norm" and 0 <= r["lm_eval_value"] <= 1 for r in evals)
+    assert os.path.isdir(out / "best")
+
+
+def test_lm_eval_proxy_bad_input(capsys, teacher_ckpt):
+    from distill.fcsd import main
+
+    assert main(["--load", str(teacher_ckpt / "teacher"), "--farskip", "all", "--proxy", "lm-eval"]) == 2
+    assert "--proxy-task" in capsys.readouterr().err
