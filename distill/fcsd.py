@@ -301,27 +301,15 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
 
 def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
     """The lm-eval early-stopping proxy, checked before any model loads (one-line errors)."""
-    import argparse
-
-    from distill.report import LMEvalSpec
-    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager
+    from distill.report import make_lm_eval_spec
 
     if not fcsd.proxy_task:
         raise ValueError("--proxy lm-eval needs --proxy-task TASK (e.g. local_arc_easy)")
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ValueError(INSTALL_HINT) from None
-    for flag, path in (("--proxy-include-path", fcsd.proxy_include_path), ("--proxy-data-dir", fcsd.proxy_data_dir)):
-        if path is not None and not os.path.isdir(path):
-            raise ValueError(f"{flag} {path}: no such directory")
-    if fcsd.proxy_limit is not None and fcsd.proxy_limit <= 0:
-        raise ValueError(f"--proxy-limit must be > 0, got {fcsd.proxy_limit:g}")
-    args = argparse.Namespace(include_path=fcsd.proxy_include_path, data_dir=fcsd.proxy_data_dir)
-    manager = _task_manager(args, [fcsd.proxy_task])
-    if fcsd.proxy_task not in set(manager.all_tasks):
-        raise ValueError(f"--proxy-task: unknown task {fcsd.proxy_task!r}")
-    return LMEvalSpec([fcsd.proxy_task], manager, fcsd.proxy_limit, batch_size)
+    return make_lm_eval_spec(
+        [fcsd.proxy_task], include_path=fcsd.proxy_include_path, data_dir=fcsd.proxy_data_dir,
+        limit=fcsd.proxy_limit, batch_size=batch_size,
+        flags={"tasks": "--proxy-task", "include_path": "--proxy-include-path", "data_dir": "--proxy-data-dir",
+               "limit": "--proxy-limit"})
 
 
 class _TeacherRef(torch.nn.Module):

@@ -212,27 +212,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _lm_eval_spec(args) -> Optional[LMEvalSpec]:
-    """The ``--lm-eval-*`` options checked before any model loads (one-line errors)."""
-    if args.lm_eval_tasks is None:
-        return None
-    from megatron.training.evaluate_lm import INSTALL_HINT, _task_list, _task_manager
+def make_lm_eval_spec(tasks: list[str], *, include_path: Optional[str], data_dir: Optional[str],
+                      limit: Optional[float], batch_size: int, flags: dict) -> LMEvalSpec:
+    """An ``LMEvalSpec`` checked before any model loads; one-line errors name the caller's
+    ``flags`` (keys ``tasks``, ``include_path``, ``data_dir``, ``limit``)."""
+    import argparse
+
+    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager
 
     try:
         import lm_eval  # noqa: F401
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
-    for flag, path in (("--include-path", args.include_path), ("--data-dir", args.data_dir)):
+    for key, path in (("include_path", include_path), ("data_dir", data_dir)):
         if path is not None and not os.path.isdir(path):
-            raise ValueError(f"{flag} {path}: no such directory")
-    if args.lm_eval_limit is not None and args.lm_eval_limit <= 0:
-        raise ValueError(f"--lm-eval-limit must be > 0, got {args.lm_eval_limit:g}")
-    tasks = _task_list(args.lm_eval_tasks)
-    manager = _task_manager(args, tasks)
+            raise ValueError(f"{flags[key]} {path}: no such directory")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"{flags['limit']} must be > 0, got {limit:g}")
+    manager = _task_manager(argparse.Namespace(include_path=include_path, data_dir=data_dir), tasks)
     unknown = [t for t in tasks if t not in set(manager.all_tasks)]
     if unknown:
-        raise ValueError(f"--lm-eval-tasks: unknown task {unknown[0]!r}")
-    return LMEvalSpec(tasks, manager, args.lm_eval_limit, args.lm_eval_batch_size)
+        raise ValueError(f"{flags['tasks']}: unknown task {unknown[0]!r}")
+    return LMEvalSpec(list(tasks), manager, limit, batch_size)
+
+
+def _lm_eval_spec(args) -> Optional[LMEvalSpec]:
+    if args.lm_eval_tasks is None:
+        return None
+    from megatron.training.evaluate_lm import _task_list
+
+    return make_lm_eval_spec(
+        _task_list(args.lm_eval_tasks), include_path=args.include_path, data_dir=args.data_dir,
+        limit=args.lm_eval_limit, batch_size=args.lm_eval_batch_size,
+        flags={"tasks": "--lm-eval-tasks", "include_path": "--include-path", "data_dir": "--data-dir",
+               "limit": "--lm-eval-limit"})
 
 
 def main(argv=None) -> int:

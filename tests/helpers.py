@@ -87,3 +87,18 @@ SMALL_PRETRAIN_ARGS = [
     "--micro-batch-size", 4, "--global-batch-size", 16, "--lr", 3e-3, "--lr-warmup-iters", 2,
     "--log-interval", 1, "--eval-interval", 100, "--eval-iters", 2, "--split", "949,50,1",
 ]
+
+
+def write_arc_easy(root, num_questions: int = 5):
+    """The shared-data layout of the offline ARC-Easy task (``eval/arc/arc_easy.jsonl``), generated;
+    returns ``root``."""
+    import json
+    from pathlib import Path
+
+    arc = Path(root) / "eval" / "arc"
+    arc.mkdir(parents=True, exist_ok=True)
+    with open(arc / "arc_easy.jsonl", "w") as f:
+        for i in range(num_questions):
+            choices = [f"the {w} number {i}" for w in ("first", "second", "third", "fourth")]
+            f.write(json.dumps({"query": f"Question: which is number {i}?", "choices": choices, "gold": i % 4}) + "\n")
+    return root

@@ -146,21 +146,15 @@ def test_bad_input(capsys, tmp_path):
 def test_lm_eval_proxy_drives_early_stopping(teacher_ckpt, tmp_path):
     """``--proxy lm-eval``: the student is scored on an lm-eval task (accuracy: higher is better)
     at every evaluation, in training, under EP=2; the best checkpoint is kept."""
-    import json
     import os
 
     import pytest
 
     pytest.importorskip("lm_eval")
-    from tests.helpers import read_jsonl, torchrun
+    from tests.helpers import read_jsonl, torchrun, write_arc_easy
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    arc = tmp_path / "data" / "eval" / "arc"
-    arc.mkdir(parents=True)
-    with open(arc / "arc_easy.jsonl", "w") as f:
-        for i in range(4):
-            choices = [f"the {w} answer {i}" for w in ("first", "second", "third", "fourth")]
-            f.write(json.dumps({"query": f"Question: which answer is {i}?", "choices": choices, "gold": i % 4}) + "\n")
+    write_arc_easy(tmp_path / "data", 4)
     out = tmp_path / "student"
     proc = torchrun("distill.fcsd", [
         "--load", teacher_ckpt / "teacher", "--farskip", "all", "--expert-model-parallel-size", 2, "--save", out,

@@ -49,28 +49,18 @@ def test_report_rows(teacher_ckpt, tmp_path):
     assert "| teacher |" in proc.stdout and "| untrained, farskip all | all |" in format_table(list(rows.values()))
 
 
-def _arc_data(root, num_questions=5):
-    """The shared-data layout of the offline ARC-Easy task, generated."""
-    arc = root / "eval" / "arc"
-    arc.mkdir(parents=True)
-    with open(arc / "arc_easy.jsonl", "w") as f:
-        for i in range(num_questions):
-            choices = [f"the {w} answer {i}" for w in ("first", "second", "third", "fourth")]
-            f.write(json.dumps({"query": f"Question: which answer is {i}?", "choices": choices, "gold": i % 4}) + "\n")
-    return root
-
-
 def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
     """``--lm-eval-tasks``: every row gets the task's scores through the adapter; the same weights
     score the same, and the table shows the main metric as a column."""
     pytest.importorskip("lm_eval")
     from megatron.training.tokenizer import DEFAULT_CORPUS
+    from tests.helpers import write_arc_easy
 
     out = tmp_path / "report.json"
     proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", out,
                    "--untrained", "all", "--student", f"same={teacher_ckpt / 'teacher'}", "--max-windows", 2,
                    "--lm-eval-tasks", "local_arc_easy", "--include-path", os.path.join(REPO, "examples", "lm_eval_tasks"),
-                   "--data-dir", _arc_data(tmp_path / "data"), "--lm-eval-limit", 5)
+                   "--data-dir", write_arc_easy(tmp_path / "data"), "--lm-eval-limit", 5)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
     for r in rows.values():

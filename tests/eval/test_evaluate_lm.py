@@ -47,12 +47,9 @@ def _args(ckpt, out, **extra):
 
 def _generated_data(root, num_questions=6):
     """A data directory with the shared-data layout: a generated ARC-style file and WikiText lines."""
-    arc = root / "eval" / "arc"
-    arc.mkdir(parents=True)
-    with open(arc / "arc_easy.jsonl", "w") as f:
-        for i in range(num_questions):
-            choices = [f"the {w} number {i}" for w in ("first", "second", "third", "fourth")]
-            f.write(json.dumps({"query": f"Question: which is number {i}?", "choices": choices, "gold": i % 4}) + "\n")
+    from tests.helpers import write_arc_easy
+
+    write_arc_easy(root, num_questions)
     wiki = root / "pretrain" / "wikitext-2-raw"
     wiki.mkdir(parents=True)
     with open(wiki / "wiki.test.raw", "w") as f:
