@@ -81,10 +81,18 @@ _HOLDER = textwrap.dedent(
 )
 
 
+def _interactive_signals():
+    """Child set-up: SIGINT as in a terminal. A shell started without job control (CI in the
+    background) makes its children ignore SIGINT, and the benchmark rightly keeps an inherited
+    SIG_IGN, so without this the Ctrl-C cases would wait forever there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_run_cleans_up(sig):
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(root=repo_root())],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_interactive_signals)  # fmt: skip
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         assert len(_ours(proc.pid)) == 3
@@ -134,7 +142,7 @@ def test_cli_signal_mid_run_stops_workers_and_removes_namespaces(sig, code):
     proc = subprocess.Popen(
         [sys.executable, script, "--variants", "synthetic", "--warmup", "0", "--steps", "100000",
          "--synthetic-tokens", "8", "--synthetic-hidden", "8", "--synthetic-ffn", "8", "--timeout-s", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interactive_signals,
     )  # fmt: skip
     workers = []
     try:
