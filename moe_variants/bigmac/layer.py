@@ -10,7 +10,13 @@ the local spec on CPU and with either spec on GPU, with both dispatchers, EP, TP
 capacity-factor routing. Probabilities weight and sum the top-k expert outputs in the low dimension
 before the single up-projection, which equals projecting each because the projection is linear.
 
-Shape legend: T tokens, H hidden, L latent (r*H).
+With the local (``SequentialMLP``) experts the routing probabilities scale each expert's L-wide
+output instead of its F-wide intermediate activation (megatron-core's ``per_token_scale``): the same
+product, since the expert's fc2 is linear, but on a tensor F / L (8x at r = 0.25) times narrower in
+the forward and in the two backward products (the activation's gradient and the probabilities'
+gradient) -- see docs/bigmac.md, "Compute overhead on CPU".
+
+Shape legend: T tokens, H hidden, L latent (r*H), F expert intermediate, N routed token copies.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from moe_variants.common.moe_layer import ProjectMoELayer
 
-__all__ = ["BigMacMoELayer", "DuplicatedLinear", "LatentExperts"]
+__all__ = ["BigMacMoELayer", "DuplicatedLinear", "LatentExperts", "LatentSequentialMLP"]
 
 
 class DuplicatedLinear(MegatronModule):
@@ -50,13 +57,42 @@ class DuplicatedLinear(MegatronModule):
         return F.linear(x, self.weight), None
 
 
+class LatentSequentialMLP(SequentialMLP):
+    """megatron-core's ``SequentialMLP`` whose routing probabilities scale the expert output.
+
+    Upstream multiplies the probabilities into the activation ``[N, F]`` before fc2
+    (``mlp.py`` ``per_token_scale``), which suits a fine-grained expert (F < H). A reversed expert has
+    F = 4-8 x L, so scaling its output ``[N, L]`` is the cheaper place for the same product
+    ``fc2(p * a) = p * fc2(a)`` (fc2 is linear; a bias is added before scaling, as upstream scales it).
+    Parameters, names and state dicts are ``SequentialMLP``'s. fp8/fp4 padding and
+    ``moe_apply_probs_on_input`` keep the upstream path.
+    """
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        config = self.config
+        if config.moe_apply_probs_on_input or config.fp8 or config.fp4:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        if self.num_local_experts == 1:
+            chunks = [permuted_local_hidden_states]
+        else:
+            chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
+        outputs = []
+        for expert, tokens in zip(self.local_experts, chunks):
+            output, output_bias = expert(tokens)
+            if output_bias is not None:
+                output = output + output_bias
+            outputs.append(output)
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)  # [N, L]
+        return (output * permuted_probs.unsqueeze(-1)).to(output.dtype), None
+
+
 class LatentExperts:
     """Spec factory: the configured expert module, built with BigMac's latent input/output size.
 
     ``build_module`` passes ``(num_local_experts, config, submodules=, pg_collection=)``; this
     returns the real expert class built on a copy of the config whose ``moe_latent_size`` and
     ``moe_ffn_hidden_size`` are BigMac's (megatron-core's ``MLP`` sizes expert fc1-in/fc2-out from
-    ``moe_latent_size``, ``mlp.py:117-153``).
+    ``moe_latent_size``, ``mlp.py:117-153``). ``SequentialMLP`` becomes ``LatentSequentialMLP``.
     """
 
     def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None, *,
@@ -64,6 +100,8 @@ class LatentExperts:
         latent_config = copy.deepcopy(config)
         latent_config.moe_latent_size = latent_size
         latent_config.moe_ffn_hidden_size = ffn_hidden_size
+        if expert_module is SequentialMLP:
+            expert_module = LatentSequentialMLP
         return expert_module(num_local_experts, latent_config, submodules, pg_collection=pg_collection)
 
 
