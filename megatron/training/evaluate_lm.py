@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Optional
 
-__all__ = ["build_parser", "main", "check_inputs", "write_json_atomic"]
+__all__ = ["build_parser", "main", "check_inputs", "load_tasks", "write_json_atomic"]
 
 INSTALL_HINT = 'lm-eval is not installed: pip install -e ".[eval]"'
 
@@ -146,16 +146,23 @@ def check_inputs(args) -> "object":
             hint = "" if args.include_path else " (the offline local_* tasks need --include-path examples/lm_eval_tasks)"
             raise ValueError(f"--tasks: unknown task {name!r}{hint}")
     # build the tasks once now (their data loads here) so that a missing file fails before the model loads
+    load_tasks(manager, tasks, flag=f"--tasks {args.tasks}")
+    return manager
+
+
+def load_tasks(manager, tasks: list[str], *, flag: str) -> dict:
+    """Build ``tasks`` (their data loads here); returns ``{name: Task}`` of the leaf tasks. A missing
+    or unreadable data file is a one-line ``ValueError`` starting with ``flag``."""
     try:
         if hasattr(manager, "load"):  # lm-eval >= 0.4.10
-            manager.load(tasks)
+            loaded = manager.load(tasks)["tasks"]
         else:
             from lm_eval.tasks import get_task_dict
 
-            get_task_dict(tasks, manager)
+            loaded = get_task_dict(tasks, manager)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--tasks {args.tasks}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    return manager
+        raise ValueError(f"{flag}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    return {str(name): task for name, task in loaded.items()}
 
 
 def _limit(value: Optional[float]):
