@@ -30,14 +30,15 @@ def test_profile_script_writes_both_variants(tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "profile_bigmac_layer.py"), "--config", str(cfg),
-         "--repeats", "1", "--json", str(out)],
+         "--repeats", "1", "--with-upstream-scaling", "--gemm-rows", "8", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    for variant in ("standard", "bigmac"):
+    for variant in ("standard", "bigmac", "bigmac_upstream_scaling"):
         r = data["results"][variant]
-        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["profile_matmul_ms"] > 0
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["profile_matmul_ms"] > 0 and r["backward_ops_ms"]
+    assert len(data["gemms"]) == 12
     assert set(data["ratios_bigmac_over_standard"]) == {"fwd_ms", "bwd_ms", "profile_matmul_ms", "profile_other_ms"}
 
 
