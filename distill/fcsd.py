@@ -4,7 +4,7 @@
         --data-path ... --tokenizer-type ... [training flags as pretrain_gpt] \\
         [--kd-loss kl|kl+l2|sft] [--kd-temperature T] [--freeze-embeddings] \\
         [--proxy heldout-kl|heldout-ppl|lm-eval] [--proxy-text FILE] [--patience P] [--min-delta D] \\
-        [--proxy-task TASK --proxy-include-path DIR --proxy-data-dir DIR --proxy-limit N]
+        [--proxy-task TASK [--proxy-metric M] --proxy-include-path DIR --proxy-data-dir DIR --proxy-limit N]
 
 The teacher is a frozen copy of the checkpoint with its original connectivity (no gradients, eval
 mode, not in the optimizer); the student is the same weights with ``--farskip`` connectivity and is
@@ -12,9 +12,9 @@ trained with the pretraining loop (megatron-core DDP, optimizer, schedule) on
 ``KL(teacher || student)`` per token (paper Eq. 4), optionally plus an intermediate hidden-state L2
 (``kl+l2``), or plain next-token loss (``sft``, the baseline). Model shape flags default to the
 checkpoint's. Every ``--eval-interval`` steps a proxy (held-out KL to the teacher, held-out
-perplexity, or the main metric of an lm-eval task through ``megatron.training.lm_eval_adapter``:
-accuracy, higher is better, or perplexity) is evaluated; the best student is kept in ``SAVE/best`` and training stops after
-``--patience`` evaluations without a ``--min-delta`` (relative) improvement (paper: patience 20,
+perplexity, or a metric of an lm-eval task through ``megatron.training.lm_eval_adapter``, its
+direction taken from the task's ``higher_is_better``: accuracy up, perplexity down) is evaluated; the
+best student is kept in ``SAVE/best`` and training stops after ``--patience`` evaluations without a ``--min-delta`` (relative) improvement (paper: patience 20,
 delta 2%). Tensor/expert/data parallelism as in pretraining; pipeline parallelism is not supported
 (teacher and student would have to be pipelined together).
 """
@@ -59,6 +59,7 @@ class FCSDConfig:
     proxy_text: Optional[str] = None  # default: the first --heldout-text
     proxy_max_windows: Optional[int] = 64
     proxy_task: Optional[str] = None  # --proxy lm-eval: the task (e.g. local_arc_easy)
+    proxy_metric: Optional[str] = None  # --proxy lm-eval: metric[,filter] (default: the task's main metric)
     proxy_limit: Optional[float] = None  # --proxy lm-eval: examples (or fraction) per evaluation
     proxy_include_path: Optional[str] = None  # --proxy lm-eval: task YAML directory
     proxy_data_dir: Optional[str] = None  # --proxy lm-eval: data of the offline local_* tasks
@@ -76,6 +77,11 @@ class FCSDConfig:
                     raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
         if self.kd_temperature <= 0:
             raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+        if self.proxy != Proxy.lm_eval:
+            for name in ("proxy_task", "proxy_metric", "proxy_limit", "proxy_include_path", "proxy_data_dir"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} applies to --proxy lm-eval only "
+                                     f"(got --proxy {self.proxy.value})")
 
 
 def _freeze_embeddings(model) -> None:
@@ -229,7 +235,11 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
         raise ValueError("FCSD early stopping needs --proxy-text FILE (or --heldout-text)")
     if proxy_text is not None and not os.path.isfile(proxy_text):
         raise ValueError(f"--proxy-text {proxy_text}: no such file")
-    stopper = EarlyStopping(patience=fcsd.patience, min_delta=fcsd.min_delta, mode="min")
+    mode = "min"
+    if lm_eval_spec is not None:
+        proxy_metric, higher = _lm_eval_proxy_metric(fcsd, lm_eval_spec)
+        mode = "max" if higher else "min"
+    stopper = EarlyStopping(patience=fcsd.patience, min_delta=fcsd.min_delta, mode=mode)
     state = {}
 
     def after_setup(chunks, configs):
@@ -255,7 +265,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
             result = heldout_kl(student, state["teacher"], state["windows"],
                                 micro_batch_size=c.training.micro_batch_size, pg_collection=state["pgc"])
         if lm_eval_spec is not None:
-            from distill.report import lm_eval_scores, main_metric
+            from distill.report import lm_eval_scores
 
             was_training = student.training
             student.eval()
@@ -263,11 +273,12 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
                 scores = lm_eval_scores(student, state["tokenizer"], state["seq_length"], state["pgc"], lm_eval_spec)
             finally:
                 student.train(was_training)
-            metric, value = main_metric(scores[fcsd.proxy_task])
-            if metric is None:
-                raise ValueError(f"--proxy-task {fcsd.proxy_task}: no accuracy or perplexity metric in its results")
-            stopper.mode = "min" if "perplexity" in metric else "max"
-            result.update(lm_eval_task=fcsd.proxy_task, lm_eval_metric=metric, lm_eval_value=value)
+            value = scores[fcsd.proxy_task].get(proxy_metric)
+            if value is None:
+                raise ValueError(f"--proxy-metric {proxy_metric}: not in the results of {fcsd.proxy_task} "
+                                 f"({', '.join(k for k in scores[fcsd.proxy_task] if 'stderr' not in k)})")
+            result.update(lm_eval_task=fcsd.proxy_task, lm_eval_metric=proxy_metric.split(",")[0],
+                          lm_eval_value=float(value), lm_eval_mode=stopper.mode)
         if iteration == 0:
             return result
         if fcsd.proxy == Proxy.lm_eval:
@@ -310,6 +321,21 @@ def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
         limit=fcsd.proxy_limit, batch_size=batch_size,
         flags={"tasks": "--proxy-task", "include_path": "--proxy-include-path", "data_dir": "--proxy-data-dir",
                "limit": "--proxy-limit"})
+
+
+def _lm_eval_proxy_metric(fcsd: FCSDConfig, spec) -> tuple[str, bool]:
+    """(results key ``metric,filter``, higher is better) of the proxy, from the task's config."""
+    higher = spec.higher_is_better.get(fcsd.proxy_task)
+    if higher is None:
+        raise ValueError(f"--proxy-task {fcsd.proxy_task}: a group or tag; the proxy needs one task")
+    metric = fcsd.proxy_metric or spec.default_metric(fcsd.proxy_task)
+    if metric is None:
+        raise ValueError(f"--proxy-task {fcsd.proxy_task}: no accuracy or perplexity metric; "
+                         f"pass --proxy-metric (one of {', '.join(higher)})")
+    name = metric.split(",")[0]
+    if name not in higher:
+        raise ValueError(f"--proxy-metric {metric}: not a metric of {fcsd.proxy_task} (one of {', '.join(higher)})")
+    return (metric if "," in metric else f"{metric},none"), bool(higher[name])
 
 
 class _TeacherRef(torch.nn.Module):

@@ -94,29 +94,53 @@ class LMEvalSpec:
     limit: Optional[float] = None
     batch_size: int = 8
     seed: int = 1234
+    higher_is_better: dict = dataclasses.field(default_factory=dict)  # {task: {metric: bool}}
+
+    def default_metric(self, task: str) -> Optional[str]:
+        """The task's headline metric (as ``main_metric`` picks it), from its config."""
+        names = self.higher_is_better.get(task, {})
+        return next((k.split(",")[0] for k in MAIN_METRICS if k.split(",")[0] in names), None)
 
 
 def lm_eval_scores(model, tokenizer, seq_length: int, pg_collection, spec: LMEvalSpec) -> dict:
-    """{task: {metric: value}} of one loaded model (lm-eval's numeric metrics, stderr included)."""
+    """{task: {metric: value}} of one loaded model (lm-eval's numeric metrics, stderr included),
+    on every rank. Collective: every rank of the model's layout calls it. The caller's random
+    states (python, numpy, torch) are restored afterwards: lm-eval reseeds them all, which would
+    otherwise reset the training run's RNG at every evaluation."""
+    import logging
+    import random
+
     import lm_eval
+    import torch.distributed as dist
 
     from megatron.training.lm_eval_adapter import MegatronCheckpointLM
 
     lm = MegatronCheckpointLM(model, tokenizer, max_length=seq_length, pg_collection=pg_collection,
                               batch_size=spec.batch_size)
     limit = None if spec.limit is None else (int(spec.limit) if spec.limit >= 1 else spec.limit)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(spec.tasks), limit=limit, task_manager=spec.manager, log_samples=False,
-        bootstrap_iters=0, random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
-        fewshot_random_seed=spec.seed,
-    )
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            if quiet:
+                log.setLevel(logging.ERROR)
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=list(spec.tasks), limit=limit, task_manager=spec.manager, log_samples=False,
+                bootstrap_iters=0, random_seed=spec.seed, numpy_random_seed=spec.seed,
+                torch_random_seed=spec.seed, fewshot_random_seed=spec.seed,
+            )
+    finally:
+        log.setLevel(level)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
     scores = None
     if results:
         scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                   for task, metrics in results["results"].items()}
     # lm-eval returns results on local rank 0 only; every rank needs them (early stopping agrees)
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, scores)
@@ -218,7 +242,7 @@ def make_lm_eval_spec(tasks: list[str], *, include_path: Optional[str], data_dir
     ``flags`` (keys ``tasks``, ``include_path``, ``data_dir``, ``limit``)."""
     import argparse
 
-    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager
+    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager, load_tasks
 
     try:
         import lm_eval  # noqa: F401
@@ -232,8 +256,12 @@ def make_lm_eval_spec(tasks: list[str], *, include_path: Optional[str], data_dir
     manager = _task_manager(argparse.Namespace(include_path=include_path, data_dir=data_dir), tasks)
     unknown = [t for t in tasks if t not in set(manager.all_tasks)]
     if unknown:
-        raise ValueError(f"{flags['tasks']}: unknown task {unknown[0]!r}")
-    return LMEvalSpec(list(tasks), manager, limit, batch_size)
+        hint = "" if include_path else f" (the offline local_* tasks need {flags['include_path']} examples/lm_eval_tasks)"
+        raise ValueError(f"{flags['tasks']}: unknown task {unknown[0]!r}{hint}")
+    # build the tasks now: a missing data file fails before any model loads
+    loaded = load_tasks(manager, tasks, flag=f"{flags['tasks']} {','.join(tasks)}")
+    higher = {name: dict(task.higher_is_better() or {}) for name, task in loaded.items()}
+    return LMEvalSpec(list(tasks), manager, limit, batch_size, higher_is_better=higher)
 
 
 def _lm_eval_spec(args) -> Optional[LMEvalSpec]:

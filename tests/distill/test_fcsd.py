@@ -86,6 +86,97 @@ def test_early_stopping_patience_and_delta():
         EarlyStopping(patience=0)
 
 
+def test_early_stopping_higher_is_better():
+    """``mode="max"`` (accuracy proxies): a rise is an improvement, the delta is relative to the
+    last significant value, and a fall never makes a new best."""
+    es = EarlyStopping(patience=2, min_delta=0.1, mode="max")
+    assert es.update(1, 0.50) == (True, False)
+    assert es.update(2, 0.40) == (False, False)  # worse: patience 1/2
+    assert es.update(3, 0.60) == (True, False)  # +20% of 0.5: resets the patience
+    assert es.update(4, 0.62) == (True, False)  # a new best but < 10% of 0.6: patience 1/2
+    assert es.update(5, 0.61) == (False, True)
+    assert (es.best, es.best_step) == (0.62, 4)
+    es = EarlyStopping(patience=1, min_delta=0.0, mode="max")
+    es.update(1, 0.0)
+    assert es.update(2, 0.25) == (True, False)  # from a zero reference any rise counts
+    with pytest.raises(ValueError, match="mode"):
+        EarlyStopping(mode="up")
+
+
+def test_lm_eval_proxy_metric_and_direction():
+    """The proxy's metric and direction come from the task's ``higher_is_better``."""
+    from distill.fcsd import FCSDConfig, _lm_eval_proxy_metric
+    from distill.report import LMEvalSpec
+
+    spec = LMEvalSpec(["arc", "wiki", "gen"], manager=None, higher_is_better={
+        "arc": {"acc": True, "acc_norm": True}, "wiki": {"word_perplexity": False, "bits_per_byte": False},
+        "gen": {"pass@1": True}})
+    cfg = lambda task, metric=None: FCSDConfig(proxy="lm-eval", proxy_task=task, proxy_metric=metric)
+    assert _lm_eval_proxy_metric(cfg("arc"), spec) == ("acc_norm,none", True)
+    assert _lm_eval_proxy_metric(cfg("arc", "acc"), spec) == ("acc,none", True)
+    assert _lm_eval_proxy_metric(cfg("wiki"), spec) == ("word_perplexity,none", False)
+    assert _lm_eval_proxy_metric(cfg("wiki", "bits_per_byte"), spec) == ("bits_per_byte,none", False)
+    assert _lm_eval_proxy_metric(cfg("gen", "pass@1,create_test"), spec) == ("pass@1,create_test", True)
+    with pytest.raises(ValueError, match="pass --proxy-metric"):
+        _lm_eval_proxy_metric(cfg("gen"), spec)
+    with pytest.raises(ValueError, match="not a metric of arc"):
+        _lm_eval_proxy_metric(cfg("arc", "f1"), spec)
+    with pytest.raises(ValueError, match="applies to --proxy lm-eval only"):
+        FCSDConfig(proxy="heldout-kl", proxy_task="arc")
+
+
+def _scores_keep_rng(rank, world, data_dir, include_path):
+    import random
+
+    import numpy as np
+
+    from distill.report import lm_eval_scores, make_lm_eval_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.config import ParallelConfig
+    from megatron.training.model_builder import build_model
+    from megatron.training.parallel import initialize_parallel
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from tests.helpers import tiny_model_config
+
+    initialize_parallel(ParallelConfig(), seed=3)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+    model = build_model(tiny_model_config(seq_length=32), ParallelConfig(), vocab_size=tokenizer.vocab_size,
+                        pg_collection=pgc).eval()
+    spec = make_lm_eval_spec(["local_arc_easy"], include_path=include_path, data_dir=data_dir, limit=3,
+                             batch_size=4, flags=dict.fromkeys(("tasks", "include_path", "data_dir", "limit"), "--x"))
+
+    def draw():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    def seed():
+        torch.manual_seed(5), random.seed(5), np.random.seed(5)
+
+    seed()
+    expected = draw()
+    seed()
+    first = lm_eval_scores(model, tokenizer, 32, pgc, spec)
+    after = draw()
+    return expected, after, first, lm_eval_scores(model, tokenizer, 32, pgc, spec)
+
+
+def test_lm_eval_scores_restore_rng_and_repeat(tmp_path):
+    """lm-eval reseeds python, numpy and torch; ``lm_eval_scores`` hands the caller its own
+    random states back (a training run's RNG must not restart at every evaluation), and scoring
+    the same model twice gives the same numbers (exact: same batches, same kernels)."""
+    import os
+
+    pytest.importorskip("lm_eval")
+    from tests.helpers import write_arc_easy
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    data = str(write_arc_easy(tmp_path / "data", 3))
+    (expected, after, first, second), = run_distributed(
+        _scores_keep_rng, 1, data, os.path.join(repo, "examples", "lm_eval_tasks"))
+    assert after == expected
+    assert first == second and 0.0 <= first["local_arc_easy"]["acc,none"] <= 1.0
+
+
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
     parameters never need gradients, the best checkpoint is kept, early stopping reports."""
@@ -144,32 +235,58 @@ def test_bad_input(capsys, tmp_path):
 
 
 def test_lm_eval_proxy_drives_early_stopping(teacher_ckpt, tmp_path):
-    """``--proxy lm-eval``: the student is scored on an lm-eval task (accuracy: higher is better)
-    at every evaluation, in training, under EP=2; the best checkpoint is kept."""
+    """``--proxy lm-eval``: the student is scored on an lm-eval task at every evaluation, in
+    training, under EP=2, on ``--proxy-limit`` questions; accuracy is higher-is-better; the best
+    checkpoint is kept and the teacher's files are byte-identical afterwards."""
+    import hashlib
     import os
-
-    import pytest
 
     pytest.importorskip("lm_eval")
     from tests.helpers import read_jsonl, torchrun, write_arc_easy
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    write_arc_easy(tmp_path / "data", 4)
+    teacher = teacher_ckpt / "teacher"
+    digest = lambda: hashlib.sha256(b"".join(
+        p.read_bytes() for p in sorted(teacher.rglob("*")) if p.is_file())).hexdigest()
+    before = digest()
+    write_arc_easy(tmp_path / "data", 6)
     out = tmp_path / "student"
     proc = torchrun("distill.fcsd", [
-        "--load", teacher_ckpt / "teacher", "--farskip", "all", "--expert-model-parallel-size", 2, "--save", out,
+        "--load", teacher, "--farskip", "all", "--expert-model-parallel-size", 2, "--save", out,
         "--train-iters", 4, "--eval-interval", 2, "--eval-iters", 0, "--log-interval", 1, "--micro-batch-size", 4,
-        "--global-batch-size", 16, "--proxy", "lm-eval", "--proxy-task", "local_arc_easy",
-        "--proxy-include-path", os.path.join(repo, "examples", "lm_eval_tasks"), "--proxy-data-dir", tmp_path / "data",
-        "--patience", 5, "--data-cache-path", teacher_ckpt / "cache", "--lr", 1e-3])
+        "--global-batch-size", 16, "--proxy", "lm-eval", "--proxy-task", "local_arc_easy", "--proxy-metric", "acc",
+        "--proxy-limit", 4, "--proxy-include-path", os.path.join(repo, "examples", "lm_eval_tasks"),
+        "--proxy-data-dir", tmp_path / "data", "--patience", 5, "--data-cache-path", teacher_ckpt / "cache",
+        "--lr", 1e-3])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert digest() == before
     evals = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("lm_eval_task") == "local_arc_easy"]
-    assert evals and all(r["lm_eval_metric"] == "acc_norm" and 0 <= r["lm_eval_value"] <= 1 for r in evals)
+    assert len(evals) == 2
+    for r in evals:
+        assert r["lm_eval_metric"] == "acc" and r["lm_eval_mode"] == "max" and r["lm_eval_value"] in (0, .25, .5, .75, 1)
+    assert evals[-1]["best"] == max(r["lm_eval_value"] for r in evals)
     assert os.path.isdir(out / "best")
+    assert '"lm_eval_metric": "acc"' in proc.stdout  # the step-0 (before) score is printed
 
 
-def test_lm_eval_proxy_bad_input(capsys, teacher_ckpt):
+def test_lm_eval_proxy_bad_input(capsys, teacher_ckpt, tmp_path):
+    import os
+
+    pytest.importorskip("lm_eval")
     from distill.fcsd import main
+    from tests.helpers import write_arc_easy
 
-    assert main(["--load", str(teacher_ckpt / "teacher"), "--farskip", "all", "--proxy", "lm-eval"]) == 2
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = ["--load", str(teacher_ckpt / "teacher"), "--farskip", "all", "--proxy", "lm-eval"]
+    assert main(base) == 2
     assert "--proxy-task" in capsys.readouterr().err
+    tasks = ["--proxy-task", "local_arc_easy", "--proxy-include-path", os.path.join(repo, "examples", "lm_eval_tasks")]
+    assert main(base + tasks + ["--proxy-data-dir", str(tmp_path)]) == 2  # no eval/arc/arc_easy.jsonl there
+    err = capsys.readouterr().err
+    assert "no such file" in err and err.strip().count("\n") == 0
+    data = str(write_arc_easy(tmp_path / "data", 2))
+    assert main(base + tasks + ["--proxy-data-dir", data, "--proxy-metric", "f1"]) == 2
+    assert "--proxy-metric f1: not a metric of local_arc_easy" in capsys.readouterr().err
+    assert main(["--load", str(teacher_ckpt / "teacher"), "--farskip", "all", "--proxy-limit", "3"]) == 2
+    assert "applies to --proxy lm-eval only" in capsys.readouterr().err
+    assert not (teacher_ckpt / "teacher" / "best").exists()
