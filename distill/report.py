@@ -208,7 +208,7 @@ def format_table(rows: list[dict]) -> str:
         cells = []
         for t in tasks:
             value = main_metric(r["lm_eval"][t])[1] if t in r.get("lm_eval", {}) else None
-            cells.append("" if value is None else f"{value:.4f}")
+            cells.append("" if value is None else f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}")
         lines.append(f"| {r['model']} | {r.get('farskip') or 'none'} | {r['loss']:.4f} | {r['ppl']:.2f} | "
                      f"{100 * r['ppl_gap_to_teacher']:+.1f}% | {kl} |" + "".join(f" {c} |" for c in cells))
     return "\n".join(lines)
@@ -308,6 +308,9 @@ def main(argv=None) -> int:
                          "ppl": uni["ppl"], "kl_to_teacher": None, "ppl_gap_to_teacher": uni["ppl"] / rows[0]["ppl"] - 1})
         payload = {"text": args.text, "windows": int(windows.shape[0]), "tokens": int(windows[:, 1:].numel()),
                    "teacher": args.teacher, "rows": rows}
+        if spec is not None:
+            payload["lm_eval"] = {"tasks": spec.tasks, "limit": args.lm_eval_limit, "include_path": args.include_path,
+                                  "data_dir": args.data_dir, "higher_is_better": spec.higher_is_better}
         from megatron.training.bench.schema import write_json_atomic
 
         write_json_atomic(args.out, payload)

@@ -70,6 +70,13 @@ def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
     bad = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", tmp_path / "b.json",
                   "--lm-eval-tasks", "no_such_task", "--include-path", os.path.join(REPO, "examples", "lm_eval_tasks"))
     assert bad.returncode == 2 and "unknown task 'no_such_task'" in bad.stderr and not (tmp_path / "b.json").exists()
+    meta = json.loads(out.read_text())["lm_eval"]
+    assert meta["tasks"] == ["local_arc_easy"] and meta["higher_is_better"]["local_arc_easy"]["acc"] is True
+    missing = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", tmp_path / "b.json",
+                      "--lm-eval-tasks", "local_piqa", "--include-path", os.path.join(REPO, "examples", "lm_eval_tasks"),
+                      "--data-dir", tmp_path / "data")  # no eval/piqa there: fails before any model loads
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0 and "no such file" in missing.stderr
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_report_bad_input(tmp_path):
