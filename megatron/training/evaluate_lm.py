@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--semmoe-tables", metavar="DIR", default=None,
-                   help="Sem-MoE tables (python -m moe_variants.semmoe solve) of the checkpoint's placement: "
-                        "assign requests to data-parallel ranks by Algorithm 2 (EP = world, TP = 1)")
+                   help="Sem-MoE tables (python -m moe_variants.semmoe solve) of the checkpoint's placement "
+                        "(apply; contiguous tables for an unplaced checkpoint): assign requests to data-parallel "
+                        "ranks by Algorithm 2 (EP = world = the tables' devices, TP = 1)")
     return p
 
 
@@ -133,8 +134,14 @@ def check_inputs(args) -> "object":
         raise ValueError(f"--limit must be > 0, got {args.limit:g}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.semmoe_tables is not None and not os.path.isdir(args.semmoe_tables):
-        raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
+    if args.semmoe_tables is not None:
+        if not os.path.isdir(args.semmoe_tables):
+            raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
+        from megatron.training.checkpointing import read_manifest
+
+        # before any rank loads the model: the world is torchrun's (1 for a plain python -m)
+        manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+        _semmoe_scheduler(args, manifest, int(os.environ.get("WORLD_SIZE", "1")))
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
 
@@ -226,16 +233,23 @@ def evaluate(args, manager) -> dict:
         )
         loaded = time.perf_counter()
         _reset_dispatch_counters(lm.model)
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=_task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
-            task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
-            random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-            fewshot_random_seed=args.seed,
-        )
+        counter, no_lar = lar_counter(lm)
+        with counter if counter is not None else contextlib.nullcontext():
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=_task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
+                task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
+                random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+                fewshot_random_seed=args.seed,
+            )
         done = time.perf_counter()
         # lm-eval returns the results on local rank 0 only (its rule for TP launchers)
         results = results or {}
         moe = _moe_traffic(lm, scheduler is not None)
+        if counter is not None:
+            moe.update(counter.summary())
+        else:
+            moe["lar"] = None
+            moe["lar_not_counted"] = no_lar
         payload = {k: results[k] for k in ("results", "groups", "group_subtasks", "configs", "versions",
                                            "n-shot", "higher_is_better", "n-samples") if k in results}
         payload["model"] = {
@@ -270,6 +284,9 @@ def evaluate(args, manager) -> dict:
             print(make_table(results))
             if results.get("groups"):
                 print(make_table(results, "groups"))
+            if moe.get("lar") is not None:
+                print(f"local activation rate {moe['lar']:.4f} ({moe['request_scheduling']}, "
+                      f"requests per rank {moe['requests_per_rank']})", flush=True)
             print(f"wrote {args.output} (load {payload['model']['load_s']:.1f}s, "
                   f"evaluate {payload['model']['evaluate_s']:.1f}s)", flush=True)
     return payload
@@ -277,18 +294,52 @@ def evaluate(args, manager) -> dict:
 
 def _semmoe_scheduler(args, manifest: dict, world: int):
     """Algorithm 2 over the data-parallel ranks from ``--semmoe-tables``; one-line errors when the
-    tables do not fit the checkpoint or the layout."""
-    from moe_variants.semmoe.apply import check_tables_match_checkpoint
+    tables do not fit the checkpoint (MoE layers x experts, placement) or the layout."""
+    from moe_variants.semmoe.apply import _moe_shape, check_tables_match_checkpoint
     from moe_variants.semmoe.scheduling import request_scheduler
     from moe_variants.semmoe.tables import load_tables
 
-    tables = load_tables(args.semmoe_tables)
+    flag = f"--semmoe-tables {args.semmoe_tables}"
+    try:
+        tables = load_tables(args.semmoe_tables)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {str(err).splitlines()[0]}") from None
+    layers, experts = _moe_shape(manifest, args.load)
+    if (tables.num_layers, tables.num_experts) != (layers, experts):
+        raise ValueError(f"{flag}: tables for {tables.num_layers} MoE layers x {tables.num_experts} experts, "
+                         f"the model of --load has {layers} x {experts}")
     d = tables.num_devices
     if args.tensor_model_parallel_size != 1 or args.expert_model_parallel_size != d or world != d:
         raise ValueError(f"--semmoe-tables are for {d} devices: run with {d} ranks, "
-                         f"--expert-model-parallel-size {d} and --tensor-model-parallel-size 1")
-    check_tables_match_checkpoint(tables, manifest, args.semmoe_tables, args.load)
+                         f"--expert-model-parallel-size {d} and --tensor-model-parallel-size 1 "
+                         f"(got {world} ranks, EP {args.expert_model_parallel_size}, "
+                         f"TP {args.tensor_model_parallel_size})")
+    check_tables_match_checkpoint(tables, manifest, args.semmoe_tables, args.load, flag="--semmoe-tables")
+    if not tables.has_schedule:
+        raise ValueError(f"{flag}: tables of method {tables.method!r} carry no token table to schedule requests "
+                         "with (solve with --method semmoe)")
     return request_scheduler(tables)
+
+
+def lar_counter(lm):
+    """(Sem-MoE's ``LocalActivationCounter`` installed as ``lm``'s forward observer, None) or
+    (None, why the local activation rate cannot be counted): it needs TP = 1 (a token lives on
+    one rank), a dropless MoE and routers that report their routing."""
+    import torch.distributed as dist
+
+    if lm.pg_collection.tp.size() != 1:
+        return None, "TP > 1 (sequence-parallel tokens live on several ranks)"
+    if getattr(lm.model.config, "moe_expert_capacity_factor", None) is not None:
+        return None, "the MoE drops tokens (moe_expert_capacity_factor)"
+    from moe_variants.semmoe.model_run import LocalActivationCounter
+
+    ep = lm.pg_collection.ep
+    try:
+        counter = LocalActivationCounter(lm.model, dist.get_rank(ep), dist.get_world_size(ep))
+    except ValueError as err:
+        return None, str(err)
+    lm.forward_observer = counter.count
+    return counter, None
 
 
 def _reset_dispatch_counters(model) -> None:
@@ -299,8 +350,8 @@ def _reset_dispatch_counters(model) -> None:
 
 
 def _moe_traffic(lm, scheduled: bool) -> dict:
-    """All-to-all rows this evaluation sent to other ranks (summed over ranks) and, when scheduled,
-    the requests each data-parallel rank received (collective: every rank calls it)."""
+    """All-to-all bytes this evaluation sent to other ranks (summed over ranks) and the requests
+    each data-parallel rank ran (collective: every rank calls it)."""
     import torch
     import torch.distributed as dist
 
@@ -311,9 +362,8 @@ def _moe_traffic(lm, scheduled: bool) -> dict:
     t = torch.tensor([totals["bytes_dispatch"], totals["bytes_combine"]], dtype=torch.float64)
     dist.all_reduce(t)
     out = {"dispatch_bytes_off_rank": int(t[0]), "combine_bytes_off_rank": int(t[1]),
-           "request_scheduling": "semmoe-algorithm-2" if scheduled else "round-robin"}
-    if scheduled:
-        out["requests_per_rank"] = lm._ranks.assigned
+           "request_scheduling": "semmoe-algorithm-2" if scheduled else "round-robin",
+           "requests_per_rank": list(lm._ranks.assigned)}
     return out
 
 

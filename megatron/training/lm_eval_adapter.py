@@ -10,7 +10,9 @@ every rank runs the whole lm-eval pipeline and receives the same requests in the
 hash of each request list is all-gathered and compared; a mismatch raises instead of hanging).
 The adapter shards the work itself: requests are sorted longest first, cut into batches, and batch
 ``i`` goes to data-parallel rank ``i mod DP`` (megatron-core's DP group; TP peers share a DP rank,
-so they see the same batch, as tensor parallelism needs). Results are all-gathered over the DP
+so they see the same batch, as tensor parallelism needs). A ``request_scheduler`` (Sem-MoE's
+Algorithm 2) instead picks each request's DP rank, and each rank batches its own requests longest
+first; a request's forward is then the same apart from which requests share its batch. Results are all-gathered over the DP
 group and put back in request order, so every rank returns the same list.
 
 **Lockstep.** Every MoE layer runs an all-to-all over its EP group, whose members hold different
@@ -128,7 +130,7 @@ class _Ranks:
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
-        self.assigned: Optional[list[int]] = None  # requests per rank over the scheduled calls
+        self.assigned: list[int] = [0] * self.dp_size  # requests each DP rank ran, over every call
 
     @staticmethod
     def max(value: int) -> int:
@@ -148,6 +150,8 @@ class _Ranks:
         """
         if scheduler is None:
             batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+            counts = [sum(len(b) for b in batches[q::self.dp_size]) for q in range(self.dp_size)]
+            self.assigned = [a + c for a, c in zip(self.assigned, counts)]
             return batches[self.dp_rank::self.dp_size]
         arrival = sorted(order)
         ranks = [int(r) for r in scheduler([list(tokens_of(i)) for i in arrival])]
@@ -155,7 +159,7 @@ class _Ranks:
             raise ValueError(f"the request scheduler must give a rank in [0, {self.dp_size}) per request")
         owner = dict(zip(arrival, ranks))
         counts = [sum(1 for r in ranks if r == q) for q in range(self.dp_size)]
-        self.assigned = [a + c for a, c in zip(self.assigned or [0] * self.dp_size, counts)]
+        self.assigned = [a + c for a, c in zip(self.assigned, counts)]
         own = [i for i in order if owner[i] == self.dp_rank]
         return [own[i:i + batch_size] for i in range(0, len(own), batch_size)]
 
@@ -201,15 +205,19 @@ class MegatronCheckpointLM(TemplateLM):
         max_gen_toks: default generation budget when a request does not give one.
         generation: ``GenerationMode`` (``auto`` picks ``kv_cache`` where it is supported).
         request_scheduler: ``f(token_lists) -> rank per request`` over the data-parallel ranks
-            (attention-DP request scheduling, e.g. ``semmoe_request_scheduler``); default:
-            length-sorted batches dealt round-robin.
+            (attention-DP request scheduling, e.g. ``moe_variants.semmoe.scheduling.request_scheduler``);
+            default: length-sorted batches dealt round-robin. ``loglikelihood_rolling`` schedules
+            each disjoint window as a request (each is one sequence of its own).
+        forward_observer: called after every model forward with a [B, S] bool mask of the tokens
+            that belong to requests (False: right padding, lockstep dummies, rows of a generation
+            batch that have finished), e.g. ``moe_variants.semmoe.model_run.LocalActivationCounter.count``.
     """
 
     backend = "causal"
 
     def __init__(self, model, tokenizer, *, max_length: int, pg_collection, batch_size: int = 8,
                  max_gen_toks: int = 256, generation: GenerationMode = GenerationMode.auto,
-                 capacity_factor: Optional[float] = None, request_scheduler=None):
+                 capacity_factor: Optional[float] = None, request_scheduler=None, forward_observer=None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
@@ -224,6 +232,8 @@ class MegatronCheckpointLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self._ranks = _Ranks(pg_collection.dp)
         self._scheduler = request_scheduler
+        self.forward_observer = forward_observer  # settable once the model exists
+        self.pg_collection = pg_collection
         self._tp = pg_collection.tp.size()
         self._vocab = tokenizer.vocab_size
         from megatron.training.parallel import device
@@ -307,12 +317,17 @@ class MegatronCheckpointLM(TemplateLM):
         return None
 
     # --- model calls ------------------------------------------------------------------------
-    def _forward(self, tokens_BS: torch.Tensor, inference_context=None, position_ids_BS=None) -> torch.Tensor:
+    def _forward(self, tokens_BS: torch.Tensor, inference_context=None, position_ids_BS=None,
+                 real_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, S, V] (fp32, tokenizer vocabulary). Without a cache, S is padded to a multiple
-        of TP (sequence parallelism) with trailing tokens that the causal mask keeps invisible."""
+        of TP (sequence parallelism) with trailing tokens that the causal mask keeps invisible.
+        ``real_BS``: the tokens that belong to requests, for the forward observer (default all)."""
         from megatron.training.model_builder import causal_attention_mask
 
         num_b, num_s = tokens_BS.shape
+        if real_BS is None:
+            real_BS = torch.ones((num_b, num_s), dtype=torch.bool)
+        pad = 0
         if inference_context is None:
             pad = (-num_s) % self._tp
             if pad:
@@ -325,13 +340,16 @@ class MegatronCheckpointLM(TemplateLM):
         with torch.no_grad():
             logits_BSV = self.model(tokens_BS.to(self._device), position_ids_BS.to(self._device), mask,
                                     inference_context=inference_context, runtime_gather_output=True)
+        if self.forward_observer is not None:
+            self.forward_observer(F.pad(real_BS.bool(), (0, pad), value=False))
         if inference_context is None:
             logits_BSV = logits_BSV[:, :num_s]
         return logits_BSV[..., :self._vocab].float()
 
     def _dummy_forward(self) -> None:
         """A forward whose output is dropped: keeps this rank in the collectives of its peers."""
-        self._forward(torch.full((1, 1), self.eot_token_id, dtype=torch.long))
+        self._forward(torch.full((1, 1), self.eot_token_id, dtype=torch.long),
+                      real_BS=torch.zeros((1, 1), dtype=torch.bool))
 
     # --- loglikelihood ----------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -349,9 +367,11 @@ class MegatronCheckpointLM(TemplateLM):
             rows = [windows[i] for i in mine[step]]
             lengths = [len(tokens) - 1 for tokens, _ in rows]
             inputs_BS = torch.full((len(rows), max(lengths)), self.eot_token_id, dtype=torch.long)
+            real_BS = torch.zeros(inputs_BS.shape, dtype=torch.bool)
             for b, (tokens, _) in enumerate(rows):
                 inputs_BS[b, :lengths[b]] = torch.tensor(tokens[:-1])
-            logits_BSV = self._forward(inputs_BS).cpu()
+                real_BS[b, :lengths[b]] = True
+            logits_BSV = self._forward(inputs_BS, real_BS=real_BS).cpu()
             for b, (i, (tokens, num_scored)) in enumerate(zip(mine[step], rows)):
                 end = lengths[b]
                 targets_S = torch.tensor(tokens[-num_scored:])
@@ -441,22 +461,23 @@ class _GreedyBatch:
 
     def _next_logits_BV(self) -> torch.Tensor:
         L, pos = self.lm.max_length, self.pos
+        live_B = torch.tensor([not d for d in self.done])  # finished rows feed fillers
         if self.cache is not None and pos <= L:
             cache = self.cache
             if cache.sequence_len_offset == 0:  # prefill [0, pos)
                 tokens_BS = torch.tensor([s[:pos] for s in self.seqs])
-                logits = self.lm._forward(tokens_BS, cache)
+                logits = self.lm._forward(tokens_BS, cache, real_BS=live_B[:, None].expand_as(tokens_BS))
                 cache.sequence_len_offset = pos
                 cache.enable_decode_mode()
             else:  # one token, position pos - 1
                 tokens_BS = torch.tensor([[s[pos - 1]] for s in self.seqs])
                 positions = torch.full_like(tokens_BS, pos - 1)
-                logits = self.lm._forward(tokens_BS, cache, positions)
+                logits = self.lm._forward(tokens_BS, cache, positions, real_BS=live_B[:, None].expand_as(tokens_BS))
                 cache.sequence_len_offset += 1
             return logits[:, -1]
         start = max(0, pos - L)  # sliding window of the last L tokens
         tokens_BS = torch.tensor([s[start:pos] for s in self.seqs])
-        return self.lm._forward(tokens_BS)[:, -1]
+        return self.lm._forward(tokens_BS, real_BS=live_B[:, None].expand_as(tokens_BS))[:, -1]
 
     def step(self) -> None:
         next_B = self._next_logits_BV().argmax(-1).tolist()

@@ -91,9 +91,11 @@ def _moe_shape(manifest: dict, path: str) -> tuple[int, int]:
     return int(sum(pattern)), int(cfg.num_experts)
 
 
-def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: str, ckpt_path: str) -> None:
+def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: str, ckpt_path: str,
+                                  flag: str = "--tables") -> None:
     """Raise unless ``tables`` are the placement the checkpoint carries (contiguous tables match
-    an unplaced checkpoint): the token tables only predict the right devices for that placement."""
+    an unplaced checkpoint): the token tables only predict the right devices for that placement.
+    ``flag`` names the tables' option in the message."""
     placement = checkpoint_placement(manifest)
     expected = tables.physical_to_logical()
     if placement is None:
@@ -102,7 +104,7 @@ def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: s
         applied = np.asarray(placement["semmoe_tables_map"], dtype=np.int64)
     if applied.shape != expected.shape or not np.array_equal(applied, expected):
         raise ValueError(
-            f"--tables {tables_path} are not the placement of --load {ckpt_path}; "
+            f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
             "apply them first (python -m moe_variants.semmoe apply)"
         )
 

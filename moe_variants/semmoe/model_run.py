@@ -43,6 +43,7 @@ __all__ = [
     "encode_prompts",
     "pack_batches",
     "RouteRecorder",
+    "LocalActivationCounter",
     "RunOptions",
     "profile_rank",
     "lar_rank",
@@ -188,6 +189,67 @@ class RouteRecorder:
                 gathered.append(torch.cat(parts, 0))
             out = gathered
         return out
+
+
+class LocalActivationCounter:
+    """Local activations of the forwards this rank runs, counted from the routers' top-k.
+
+    An activation (token, routed expert) is local when megatron-core's contiguous expert split
+    puts the expert on this EP rank, the rank that holds the token (attention-DP, TP = 1; for a
+    Sem-MoE placed checkpoint the split *is* the tables' placement). Use ``with counter:`` around
+    the forwards (it installs a :class:`RouteRecorder`) and call :meth:`count` after every forward
+    with the mask of the tokens that count (padding and lockstep dummies are forwarded, routed and
+    dispatched, but belong to no request). Totals over ranks: :meth:`summary` (collective).
+    """
+
+    def __init__(self, model, ep_rank: int, ep_size: int):
+        self.recorder = RouteRecorder(model)
+        n_exp = self.recorder.num_experts
+        if n_exp % ep_size:
+            raise ValueError(f"{ep_size} EP ranks do not split {n_exp} experts evenly")
+        self.ep_rank = int(ep_rank)
+        self.expert2device = torch.arange(n_exp) // (n_exp // ep_size)  # [N]
+        num_layers = len(self.recorder.layers)
+        self.local = np.zeros(num_layers, dtype=np.int64)  # [L] local activations of counted tokens
+        self.total = np.zeros(num_layers, dtype=np.int64)  # [L] activations of counted tokens
+        self.remote_all = 0  # remote (token, expert) rows over every forwarded token, pads included
+
+    def __enter__(self):
+        self.recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.recorder.__exit__(*exc)
+
+    def count(self, real_BS: torch.Tensor) -> np.ndarray:
+        """Count the last forward of tokens [B, S] (megatron routes them in [S, B] order);
+        ``real_BS`` [B, S] bool marks the tokens to count. Returns [L, B] local activations of
+        each row's counted tokens."""
+        num_b, num_s = real_BS.shape
+        real_SB = real_BS.t().cpu()
+        k = self.recorder.top_k
+        out = np.zeros((len(self.local), num_b), dtype=np.int64)
+        for l, topk in enumerate(self.recorder.take()):
+            hit_SBK = (self.expert2device[topk.cpu()] == self.ep_rank).view(num_s, num_b, k)
+            self.remote_all += int((~hit_SBK).sum())
+            out[l] = (hit_SBK & real_SB[:, :, None]).sum((0, 2)).numpy()
+            self.total[l] += int(real_SB.sum()) * k
+        self.local += out.sum(1)
+        return out
+
+    def summary(self, group=None) -> dict:
+        """LAR over the counted tokens of every rank of ``group`` (all-reduce; collective)."""
+        t = torch.from_numpy(np.concatenate([self.local, self.total, [self.remote_all]])).double()
+        dist.all_reduce(t, group=group)
+        num_layers = len(self.local)
+        local, total = t[:num_layers].long().numpy(), t[num_layers:2 * num_layers].long().numpy()
+        return {
+            "lar": float(local.sum() / total.sum()) if total.sum() else None,
+            "lar_per_layer": [float(a / b) if b else None for a, b in zip(local, total)],
+            "local_activations": int(local.sum()),
+            "activations": int(total.sum()),
+            "remote_rows_all_tokens": int(t[-1]),
+        }
 
 
 def _forward(model, tokens: torch.Tensor):
@@ -475,17 +537,17 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     ids = encode_prompts(prompts, tokenizer, max_tokens)
     lengths = np.array([len(t) for t in ids])
     keep = [i for i in range(len(ids)) if lengths[i] > 0]
-    recorder = RouteRecorder(model)
+    counter = LocalActivationCounter(model, rank, d)
+    recorder = counter.recorder
     n_exp, k, num_layers = recorder.num_experts, recorder.top_k, len(recorder.layers)
     if tables.expert2device.shape != (num_layers, n_exp):
         raise ValueError(f"--tables are for {tables.expert2device.shape} layers x experts, the model has "
                          f"{(num_layers, n_exp)}")  # fmt: skip
-    expert2device = torch.arange(n_exp) // (n_exp // d)
     local = np.zeros(len(ids), dtype=np.int64)  # this rank's local activations per request
     per_layer = np.zeros(num_layers, dtype=np.int64)
     seen_remote = 0  # remote (token, expert) rows over every forwarded token, pads included
     _reset_comm(model)
-    with torch.no_grad(), recorder:
+    with torch.no_grad(), counter:
         if mode == "dp":
             if tables.has_schedule:
                 req_dev = schedule_requests([ids[i] for i in keep], tables)
@@ -499,13 +561,14 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
                 seq = int(max((lengths[i] for i in batch), default=1))
                 tokens = _batch_tensor([ids[i] for i in batch] or [np.zeros(1, dtype=np.int64)], seq)
                 _forward(model, tokens)
-                for l, topk in enumerate(recorder.take()):
-                    hit = (expert2device[topk] == rank).view(seq, tokens.shape[0], k)  # [S, B, K]
-                    seen_remote += int((~hit).sum())
-                    for j, i in enumerate(batch):
-                        c = int(hit[: lengths[i], j].sum())
-                        local[i] += c
-                        per_layer[l] += c
+                real_BS = torch.zeros(tokens.shape, dtype=torch.bool)
+                for j, i in enumerate(batch):
+                    real_BS[j, : lengths[i]] = True
+                local_LB = counter.count(real_BS)
+                for j, i in enumerate(batch):
+                    local[i] += int(local_LB[:, j].sum())
+            per_layer = counter.local.copy()
+            seen_remote = counter.remote_all
         elif mode == "tp":
             rebatch = AttentionTPRebatching(model, tables, pgc.ep, recorder)
             with rebatch:
@@ -515,7 +578,7 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
                     before = rebatch.local_counts.copy()
                     _forward(model, _batch_tensor([ids[i]], seq))
                     for l, topk in enumerate(recorder.take()):
-                        seen_remote += int((expert2device[topk] != rank).sum())
+                        seen_remote += int((counter.expert2device[topk] != rank).sum())
                     local[i] = int((rebatch.local_counts - before).sum())
             per_layer = rebatch.local_counts.copy()
         else:
