@@ -2,8 +2,13 @@
 
     torchrun --nproc_per_node=N -m megatron.training.evaluate_lm --load CKPT --tasks T1,T2 \\
         [--limit K] [--include-path DIR] [--data-dir DIR] [--num-fewshot K] [--batch-size B] \\
-        [--tensor-model-parallel-size N --expert-model-parallel-size N] --output results.json
+        [--tensor-model-parallel-size N --expert-model-parallel-size N] [--semmoe-tables TABLES] \
+        --output results.json
     python -m megatron.training.evaluate_lm ...        (one process, TP = EP = 1)
+
+``--semmoe-tables`` assigns requests to data-parallel ranks by Sem-MoE's Algorithm 2 (docs/semmoe.md);
+with or without it the output's ``moe`` section reports the local activation rate, the requests per
+rank and the all-to-all bytes sent off-rank.
 
 The offline tasks in ``examples/lm_eval_tasks`` (``local_arc_easy``, ..., tag ``local_eval``) read
 the evaluation files under ``--data-dir`` (the layout of ``../shared/data``): pass

@@ -145,4 +145,9 @@ def test_local_tasks_end_to_end_two_ranks_equal_one(ckpt_dir, tmp_path):
     assert 1 < wiki2["word_perplexity,none"] < float("inf")
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert wiki2[metric] == pytest.approx(wiki1[metric], rel=1e-5)
+    # the local activation rate over the requests' tokens (padding and lockstep dummies not counted)
+    assert one["moe"]["lar"] == 1.0 and 0 < two["moe"]["lar"] < 1  # one rank holds every expert
+    assert two["moe"]["activations"] == one["moe"]["activations"] > 0
+    assert sum(two["moe"]["requests_per_rank"]) == sum(one["moe"]["requests_per_rank"])
+    assert two["moe"]["request_scheduling"] == "round-robin" and "local activation rate" in stdout
     assert [p for p in os.listdir(tmp_path) if p.startswith(".results-")] == []
