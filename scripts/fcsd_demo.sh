@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The FCSD demonstration of docs/fcsd.md, end to end on this machine (2 CPU ranks, about an hour):
+#
+#   scripts/fcsd_demo.sh [SHARED_DATA_DIR] [RUNS_DIR]
+#
+# 1. the shared pretraining corpus (War and Peace + tiny-shakespeare + WikiText-2 valid) and a
+#    distillation corpus the teacher never saw (the ShareGPT first-turn prompts, the stand-in for
+#    the paper's SFT data), both with the teacher's BPE-8192;
+# 2. the teacher: examples/corpus_moe_cpu.yaml, 1500 steps;
+# 3. per distillation corpus (DATA=pretrain|sharegpt): FCSD kl on all layers, SFT on all layers,
+#    FCSD kl on the last 2 of 4 layers (examples/fcsd_tiny_cpu.yaml, 300 steps each);
+# 4. per corpus, the held-out report on WikiText-2 test (perplexity, KL to the teacher, lm-eval
+#    columns): RUNS_DIR/fcsd_report_<DATA>.json.
+# Finished steps are skipped (a run directory with a summary, a report that exists), so an
+# interrupted demonstration resumes. Environment: PYTHON, TORCHRUN (default: .venv's), NPROC (2),
+# LM_EVAL_LIMIT (500), STEPS (300), DATASETS ("pretrain sharegpt"), TEACHER (RUNS_DIR/corpus_moe_cpu).
+set -euo pipefail
+
+SHARED=${1:-../shared/data}
+RUNS=${2:-runs}
+PYTHON=${PYTHON:-.venv/bin/python}
+TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
+NPROC=${NPROC:-2}
+LM_EVAL_LIMIT=${LM_EVAL_LIMIT:-500}
+STEPS=${STEPS:-300}
+DATASETS=${DATASETS:-pretrain sharegpt}
+BPE=data/pretrain/bpe8192
+
+finished() {  # finished <run dir>: its metrics.jsonl ends with a summary event
+    [[ -f $1/metrics.jsonl ]] && grep -q '"event": "summary"' "$1/metrics.jsonl"
+}
+
+PYTHON=$PYTHON TOKENIZERS=bpe scripts/prepare_pretrain_corpus.sh "$SHARED" data/pretrain
+if [[ ! -f data/sft/sharegpt_text_document.bin ]]; then
+    [[ -f data/sft/sharegpt_all.jsonl ]] || "$PYTHON" scripts/semmoe_prompts.py \
+        --data-dir "$SHARED/prompts" --out-dir data/sft --datasets sharegpt
+    "$PYTHON" scripts/preprocess_data.py --input data/sft/sharegpt_all.jsonl --json-keys text \
+        --output-prefix data/sft/sharegpt --tokenizer-type HuggingFaceTokenizer \
+        --tokenizer-model "$BPE/tokenizer.json" --append-eod --workers 1
+fi
+
+TEACHER=${TEACHER:-$RUNS/corpus_moe_cpu}
+finished "$TEACHER" || "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m megatron.training.pretrain_gpt \
+    --config examples/corpus_moe_cpu.yaml --save "$TEACHER"
+
+for data in $DATASETS; do
+    data_flags=()
+    [[ $data == sharegpt ]] && data_flags=(--data-path data/sft/sharegpt_text_document)
+    students=()
+    for run in "kl all" "sft all" "kl last:2"; do
+        read -r kd farskip <<<"$run"
+        out=$RUNS/fcsd_${data}_${kd}_${farskip/:/}
+        finished "$out" || "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m distill.fcsd \
+            --config examples/fcsd_tiny_cpu.yaml --load "$TEACHER" --save "$out" --kd-loss "$kd" \
+            --farskip "$farskip" --train-iters "$STEPS" "${data_flags[@]}"
+        label="FCSD kl"; [[ $kd == sft ]] && label="SFT"
+        students+=(--student "$label, $farskip=$out/best")
+    done
+    report=$RUNS/fcsd_report_$data.json
+    [[ -f $report ]] || "$PYTHON" -m distill.report --teacher "$TEACHER" \
+        --text "$SHARED/pretrain/wikitext-2/test.txt" --out "$report" --untrained all --untrained last:2 \
+        "${students[@]}" --unigram-data "$BPE"/{warpeace,tinyshakespeare,wikitext2_valid}_text_document \
+        --max-windows 300 --lm-eval-tasks local_arc_easy,local_piqa,local_lambada \
+        --include-path examples/lm_eval_tasks --data-dir "$SHARED" --lm-eval-limit "$LM_EVAL_LIMIT"
+done
