@@ -7,13 +7,14 @@
 #    distillation corpus the teacher never saw (the ShareGPT first-turn prompts, the stand-in for
 #    the paper's SFT data), both with the teacher's BPE-8192;
 # 2. the teacher: examples/corpus_moe_cpu.yaml, 1500 steps;
-# 3. per distillation corpus (DATA=pretrain|sharegpt): FCSD kl on all layers, SFT on all layers,
+# 3. per distillation corpus (DATA=pretrain|sharegpt|mix, mix = half ShareGPT, half the pretraining
+#    corpus in its own proportions): FCSD kl on all layers, SFT on all layers,
 #    FCSD kl on the last 2 of 4 layers (examples/fcsd_tiny_cpu.yaml, 300 steps each);
 # 4. per corpus, the held-out report on WikiText-2 test (perplexity, KL to the teacher, lm-eval
 #    columns): RUNS_DIR/fcsd_report_<DATA>.json.
 # Finished steps are skipped (a run directory with a summary, a report that exists), so an
 # interrupted demonstration resumes. Environment: PYTHON, TORCHRUN (default: .venv's), NPROC (2),
-# LM_EVAL_LIMIT (500), STEPS (300), DATASETS ("pretrain sharegpt"), TEACHER (RUNS_DIR/corpus_moe_cpu).
+# LM_EVAL_LIMIT (500), STEPS (300), DATASETS ("pretrain sharegpt mix"), TEACHER (RUNS_DIR/corpus_moe_cpu).
 set -euo pipefail
 
 SHARED=${1:-../shared/data}
@@ -23,7 +24,7 @@ TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
 NPROC=${NPROC:-2}
 LM_EVAL_LIMIT=${LM_EVAL_LIMIT:-500}
 STEPS=${STEPS:-300}
-DATASETS=${DATASETS:-pretrain sharegpt}
+DATASETS=${DATASETS:-pretrain sharegpt mix}
 BPE=data/pretrain/bpe8192
 
 finished() {  # finished <run dir>: its metrics.jsonl ends with a summary event
@@ -45,7 +46,14 @@ finished "$TEACHER" || "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m meg
 
 for data in $DATASETS; do
     data_flags=()
-    [[ $data == sharegpt ]] && data_flags=(--data-path data/sft/sharegpt_text_document)
+    case $data in
+    pretrain) ;;  # the checkpoint's own training data
+    sharegpt) data_flags=(--data-path data/sft/sharegpt_text_document) ;;
+    mix) data_flags=(--data-path 0.5 data/sft/sharegpt_text_document 0.282 "$BPE/warpeace_text_document"
+                     0.115 "$BPE/tinyshakespeare_text_document" 0.103 "$BPE/wikitext2_valid_text_document") ;;
+    *) echo "fcsd_demo.sh: error: unknown distillation corpus '$data' in DATASETS (pretrain, sharegpt, mix)" >&2
+       exit 2 ;;
+    esac
     students=()
     for run in "kl all" "sft all" "kl last:2"; do
         read -r kd farskip <<<"$run"
