@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Per-collective overlap of one step from an EP-benchmark Chrome trace (``bench_ep.py --trace DIR``).
+
+    python scripts/trace_overlap.py DIR/trace_farskip_rank0.json [--json out.json]
+
+For every all-to-all of the step (forward dispatch/combine, their backward, the routing-probability
+``meta`` exchange) it prints the time in flight, the time the compute thread waited for it
+(exposed), and the *window*: how long the compute thread worked between the launch and the
+wait (for a collective that was not waited on at once). Summed per kind and direction, with the
+forward's compute phases (FarSkip layers record them), so one can see which collective is exposed
+and whether the window or the collective is too short: FarSkip's bound (paper Eq. 9) is
+``sum(min(in flight, window)) / sum(in flight)`` with the windows its schedule offers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training.bench.schema import write_json_atomic  # noqa: E402
+
+
+def _load(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read trace ({e})") from None
+    lanes = {e["tid"]: e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("ph") == "M"}
+    events = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X":
+            start = e["ts"] / 1e3
+            events.append({"name": e["name"], "lane": lanes.get(e["tid"], "?"), "start": start,
+                           "end": start + e["dur"] / 1e3})
+    if not events:
+        raise ValueError(f"{path}: no events (was it written by bench_ep.py --trace?)")
+    return events
+
+
+def collectives(events: list[dict]) -> list[dict]:
+    """Each collective with its in-flight time, exposed (waited) time and compute window, in ms."""
+    waits = collections.defaultdict(list)
+    for e in events:
+        if e["lane"] == "wait" and e["name"].startswith("wait "):
+            waits[e["name"][5:]].append(e)
+    out = []
+    for e in sorted((e for e in events if e["lane"] == "comm"), key=lambda e: e["start"]):
+        # the wait that ends at (or just after) this collective's completion
+        mine = [w for w in waits[e["name"]] if w["start"] <= e["end"] + 1e-3 and w["end"] >= e["end"] - 1e-3]
+        wait = min(mine, key=lambda w: abs(w["end"] - e["end"])) if mine else None
+        in_flight = e["end"] - e["start"]
+        exposed = max(0.0, e["end"] - max(wait["start"], e["start"])) if wait else 0.0
+        window = max(0.0, wait["start"] - e["start"]) if wait else in_flight
+        out.append({"name": e["name"], "backward": e["name"].endswith(" bwd"), "start_ms": e["start"],
+                    "in_flight_ms": in_flight, "exposed_ms": exposed, "window_ms": window})
+    return out
+
+
+def summarize(events: list[dict]) -> dict:
+    rows = collectives(events)
+    kinds = collections.OrderedDict()
+    for r in rows:
+        k = kinds.setdefault(r["name"], {"count": 0, "in_flight_ms": 0.0, "exposed_ms": 0.0, "window_ms": 0.0})
+        k["count"] += 1
+        for key in ("in_flight_ms", "exposed_ms", "window_ms"):
+            k[key] += r[key]
+    directions = {}
+    for name, backward in (("forward", False), ("backward", True)):
+        mine = [r for r in rows if r["backward"] == backward]
+        total = sum(r["in_flight_ms"] for r in mine)
+        exposed = sum(r["exposed_ms"] for r in mine)
+        directions[name] = {"in_flight_ms": total, "exposed_ms": exposed,
+                            "overlap": 1.0 - exposed / total if total else None}
+    phases = collections.OrderedDict()
+    for e in events:
+        if e["lane"] == "phases" and e["end"] > e["start"]:
+            base = e["name"].rsplit(" L", 1)[0]
+            phases[base] = phases.get(base, 0.0) + e["end"] - e["start"]
+    step = [e for e in events if e["lane"] == "step"]
+    return {"step_ms": step[0]["end"] - step[0]["start"] if step else None, "directions": directions,
+            "kinds": kinds, "forward_phases_ms": phases, "collectives": rows}
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"step {s['step_ms']:.1f} ms" if s["step_ms"] else "step: not recorded"]
+    for name, d in s["directions"].items():
+        ov = "-" if d["overlap"] is None else f"{100 * d['overlap']:.1f}%"
+        lines.append(f"{name:9s} in flight {d['in_flight_ms']:8.1f} ms  exposed {d['exposed_ms']:8.1f} ms  overlap {ov}")
+    lines.append("")
+    lines.append(f"{'collective':16s} {'n':>3s} {'in flight ms':>13s} {'window ms':>10s} {'exposed ms':>11s}")
+    for name, k in s["kinds"].items():
+        lines.append(f"{name:16s} {k['count']:3d} {k['in_flight_ms']:13.1f} {k['window_ms']:10.1f} {k['exposed_ms']:11.1f}")
+    if s["forward_phases_ms"]:
+        lines.append("")
+        lines.append("forward phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["forward_phases_ms"].items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="a trace_<variant>_rank<r>.json written by bench_ep.py --trace")
+    ap.add_argument("--json", help="also write the summary (with every collective) here")
+    args = ap.parse_args(argv)
+    try:
+        summary = summarize(_load(args.trace))
+    except ValueError as e:
+        print(f"trace_overlap.py: error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    if args.json:
+        write_json_atomic(args.json, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

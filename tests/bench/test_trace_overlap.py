@@ -1,0 +1,73 @@
+"""scripts/trace_overlap.py: per-collective in-flight / window / exposed times from a bench trace."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_variants.common.comm import TimelineRecorder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "trace_overlap.py")
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("_script_trace_overlap", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace(tmp_path):
+    """A step of 100 ms (times in seconds): a dispatch in flight 0-10 ms whose wait starts at 6 ms
+    (window 6, exposed 4), a combine 20-30 ms never waited on (all hidden), a backward dispatch
+    50-70 ms waited on from its launch (window 0, exposed 20)."""
+    t = TimelineRecorder()
+    ms = 1e-3
+    t.add("dispatch", "comm", 0 * ms, 10 * ms)
+    t.add("wait dispatch", "wait", 6 * ms, 10.2 * ms)  # wake-up after completion is not exposed
+    t.add("combine", "comm", 20 * ms, 30 * ms)
+    t.add("dispatch bwd", "comm", 50 * ms, 70 * ms)
+    t.add("wait dispatch bwd", "wait", 50 * ms, 70 * ms)
+    t.add("attention L0", "phases", 1 * ms, 6 * ms)
+    t.add("attention L1", "phases", 21 * ms, 24 * ms)
+    t.add("farskip step", "step", 0 * ms, 100 * ms)
+    path = tmp_path / "trace_farskip_rank0.json"
+    path.write_text(json.dumps(t.to_chrome_trace(pid=0)))
+    return path
+
+
+def test_summary_splits_in_flight_into_window_and_exposed(tmp_path):
+    mod = _module()
+    s = mod.summarize(mod._load(str(_trace(tmp_path))))
+    assert s["step_ms"] == pytest.approx(100.0)
+    kinds = s["kinds"]
+    assert kinds["dispatch"]["in_flight_ms"] == pytest.approx(10.0)
+    assert kinds["dispatch"]["window_ms"] == pytest.approx(6.0)
+    assert kinds["dispatch"]["exposed_ms"] == pytest.approx(4.0)
+    assert kinds["combine"]["exposed_ms"] == 0.0 and kinds["combine"]["window_ms"] == pytest.approx(10.0)
+    assert kinds["dispatch bwd"]["window_ms"] == 0.0 and kinds["dispatch bwd"]["exposed_ms"] == pytest.approx(20.0)
+    fwd, bwd = s["directions"]["forward"], s["directions"]["backward"]
+    assert fwd["overlap"] == pytest.approx(1 - 4 / 20)
+    assert bwd["overlap"] == pytest.approx(0.0)
+    assert s["forward_phases_ms"] == {"attention": pytest.approx(8.0)}
+
+
+def test_cli_prints_table_and_writes_json(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, SCRIPT, str(_trace(tmp_path)), "--json", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "overlap 80.0%" in proc.stdout and "dispatch bwd" in proc.stdout
+    assert len(json.loads(out.read_text())["collectives"]) == 3
+
+
+def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = subprocess.run([sys.executable, SCRIPT, str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "cannot read trace" in proc.stderr
