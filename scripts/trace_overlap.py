@@ -6,8 +6,9 @@
 For every all-to-all of the step (forward dispatch/combine, their backward, the routing-probability
 ``meta`` exchange) it prints the time in flight, the time the compute thread waited for it
 (exposed), and the *window*: how long the compute thread worked between the launch and the
-wait (for a collective that was not waited on at once). Summed per kind and direction, with the
-forward's compute phases (FarSkip layers record them), so one can see which collective is exposed
+wait (for a collective that was not waited on at once). Summed per kind; per direction the time
+in flight is the wall time with any all-to-all in flight (concurrent ones count once, as in the
+benchmark's overlap fraction). With the forward's compute phases (FarSkip layers record them), so one can see which collective is exposed
 and whether the window or the collective is too short: FarSkip's bound (paper Eq. 9) is
 ``sum(min(in flight, window)) / sum(in flight)`` with the windows its schedule offers.
 """
@@ -23,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.bench.schema import write_json_atomic  # noqa: E402
+from moe_variants.common.comm import BusyTime  # noqa: E402
 
 
 def _load(path: str) -> list[dict]:
@@ -72,8 +74,11 @@ def summarize(events: list[dict]) -> dict:
             k[key] += r[key]
     directions = {}
     for name, backward in (("forward", False), ("backward", True)):
+        busy = BusyTime()  # wall time with an all-to-all in flight: concurrent ones count once
         mine = [r for r in rows if r["backward"] == backward]
-        total = sum(r["in_flight_ms"] for r in mine)
+        for r in mine:
+            busy.add(r["start_ms"], r["start_ms"] + r["in_flight_ms"])
+        total = busy.total
         exposed = sum(r["exposed_ms"] for r in mine)
         directions[name] = {"in_flight_ms": total, "exposed_ms": exposed,
                             "overlap": 1.0 - exposed / total if total else None}

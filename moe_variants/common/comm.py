@@ -14,6 +14,7 @@ Shape legend: ``N`` rows sent (tokens x top-k routed off this rank's slice), ``M
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 import time
@@ -80,13 +81,20 @@ class CommCounters:
 
     Bytes count only what leaves this rank (rows addressed to other ranks); the local share of
     an all-to-all is a memory copy, not network traffic.
+
+    ``time_*_s`` is wall time with at least one all-to-all in flight (the union of the launch-to-
+    completion intervals), not the sum over collectives: an overlapped layer keeps two in flight
+    at once (the dispatch and its routing probabilities), and summing would count that interval
+    twice and inflate the overlap fraction ``1 - exposed / time``. ``total`` takes the union
+    across layers too. ``exposed_*_s`` is the time the compute thread waited (its waits never
+    overlap each other: they are on one thread).
     """
 
     bytes_dispatch: int = 0  # forward dispatch, hidden-state payload
     bytes_combine: int = 0  # forward combine, hidden-state payload
     bytes_meta: int = 0  # routing probabilities and other metadata, forward and backward
     bytes_backward: int = 0  # backward all-to-alls of the hidden-state payload
-    time_fwd_s: float = 0.0  # launch-to-completion time of forward collectives
+    time_fwd_s: float = 0.0  # wall time with a forward collective in flight (union, see above)
     time_bwd_s: float = 0.0
     exposed_fwd_s: float = 0.0  # time the compute thread waited on forward collectives
     exposed_bwd_s: float = 0.0
@@ -95,6 +103,7 @@ class CommCounters:
 
     def __post_init__(self):
         self._lock = threading.Lock()
+        self._busy = {False: BusyTime(), True: BusyTime()}  # by direction (backward?)
 
     def reset(self) -> None:
         timeline = self.timeline
@@ -102,6 +111,7 @@ class CommCounters:
             if field.name != "timeline":
                 setattr(self, field.name, field.default)
         self.timeline = timeline
+        self._busy = {False: BusyTime(), True: BusyTime()}
 
     def add_bytes(self, kind: str, num_bytes: int) -> None:
         with self._lock:
@@ -114,13 +124,16 @@ class CommCounters:
             setattr(self, attr, getattr(self, attr) + num_bytes)
             self.calls += 1
 
-    def add_time(self, backward: bool, in_flight_s: float, exposed_s: float) -> None:
+    def add_time(self, backward: bool, start: float, done: float, exposed_s: float) -> None:
+        """Book a collective in flight from ``start`` to ``done`` (``perf_counter`` seconds) of
+        which the compute thread waited ``exposed_s``."""
         with self._lock:
+            busy = self._busy[backward].add(start, done)
             if backward:
-                self.time_bwd_s += in_flight_s
+                self.time_bwd_s = busy
                 self.exposed_bwd_s += exposed_s
             else:
-                self.time_fwd_s += in_flight_s
+                self.time_fwd_s = busy
                 self.exposed_fwd_s += exposed_s
 
     def as_dict(self) -> dict:
@@ -132,10 +145,41 @@ class CommCounters:
     def total(counters: Sequence["CommCounters"]) -> dict:
         """Sum of several layers' counters as a plain dict."""
         out = CommCounters().as_dict()
+        busy = {False: BusyTime(), True: BusyTime()}
         for c in counters:
             for key, value in c.as_dict().items():
                 out[key] += value
+            for backward, mine in c._busy.items():
+                for start, end in mine.spans:
+                    busy[backward].add(start, end)
+        out["time_fwd_s"] = busy[False].total
+        out["time_bwd_s"] = busy[True].total
         return out
+
+
+class BusyTime:
+    """Length of the union of intervals added in any order (kept as sorted disjoint spans, so a
+    long evaluation's thousands of collectives cost little)."""
+
+    def __init__(self):
+        self.spans: list[list[float]] = []
+        self.total = 0.0
+
+    def add(self, start: float, end: float) -> float:
+        """Add ``[start, end]``; returns the new total."""
+        if end <= start:
+            return self.total
+        i = bisect.bisect_left(self.spans, [start, start])
+        if i > 0 and self.spans[i - 1][1] >= start:
+            i -= 1
+        j, lo, hi, covered = i, start, end, 0.0
+        while j < len(self.spans) and self.spans[j][0] <= end:
+            lo, hi = min(lo, self.spans[j][0]), max(hi, self.spans[j][1])
+            covered += self.spans[j][1] - self.spans[j][0]
+            j += 1
+        self.spans[i:j] = [[lo, hi]]
+        self.total += (hi - lo) - covered
+        return self.total
 
 
 def off_rank_bytes(input_splits: Sequence[int], row_numel: int, element_size: int, rank: int) -> int:
@@ -188,11 +232,11 @@ class PendingComm:
         # completion is scheduling latency, not communication)
         exposed = max(0.0, done - max(t0, self.start))
         if self.counters is not None:
-            self.counters.add_time(self.backward, done - self.start, exposed)
+            self.counters.add_time(self.backward, self.start, done, exposed)
         if self.timeline is not None:
             self.timeline.add(self.name, "comm", self.start, done)
-            if t1 - t0 > 1e-6:
-                self.timeline.add(f"wait {self.name}", "wait", t0, t1)
+            # recorded even when it did not block: its start ends the collective's compute window
+            self.timeline.add(f"wait {self.name}", "wait", t0, t1)
         self._done = True
         output, self.output, self.work = self.output, None, None
         return output

@@ -140,11 +140,11 @@ class AllGatherDispatcher(MoEAllGatherTokenDispatcher):
         peers = self._group_size - 1
         start = time.perf_counter()
         out_hidden, out_probs = super().token_dispatch(hidden_states, probs)
-        elapsed = time.perf_counter() - start
+        done = time.perf_counter()
         self.comm.add_bytes("dispatch", hidden_states.numel() * hidden_states.element_size() * peers)
         meta = probs.numel() * probs.element_size() + probs.numel()  # probs + bool routing map
         self.comm.add_bytes("meta", meta * peers)
-        self.comm.add_time(False, elapsed, elapsed)
+        self.comm.add_time(False, start, done, done - start)
         return out_hidden, out_probs
 
     def token_combine(self, hidden_states):
@@ -152,9 +152,9 @@ class AllGatherDispatcher(MoEAllGatherTokenDispatcher):
             return super().token_combine(hidden_states)
         start = time.perf_counter()
         out = super().token_combine(hidden_states)
-        elapsed = time.perf_counter() - start
+        done = time.perf_counter()
         self.comm.add_bytes("combine", out.numel() * 4 * (self._group_size - 1))  # fp32 reduce
-        self.comm.add_time(False, elapsed, elapsed)
+        self.comm.add_time(False, start, done, done - start)
         return out
 
 

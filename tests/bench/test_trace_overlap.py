@@ -23,11 +23,13 @@ def _module():
 
 def _trace(tmp_path):
     """A step of 100 ms (times in seconds): a dispatch in flight 0-10 ms whose wait starts at 6 ms
-    (window 6, exposed 4), a combine 20-30 ms never waited on (all hidden), a backward dispatch
+    (window 6, exposed 4) with the routing probabilities in flight inside it (1-9 ms, never
+    waited: counted once in the direction's time), a combine 20-30 ms never waited on (all hidden), a backward dispatch
     50-70 ms waited on from its launch (window 0, exposed 20)."""
     t = TimelineRecorder()
     ms = 1e-3
     t.add("dispatch", "comm", 0 * ms, 10 * ms)
+    t.add("meta", "comm", 1 * ms, 9 * ms)
     t.add("wait dispatch", "wait", 6 * ms, 10.2 * ms)  # wake-up after completion is not exposed
     t.add("combine", "comm", 20 * ms, 30 * ms)
     t.add("dispatch bwd", "comm", 50 * ms, 70 * ms)
@@ -51,6 +53,8 @@ def test_summary_splits_in_flight_into_window_and_exposed(tmp_path):
     assert kinds["combine"]["exposed_ms"] == 0.0 and kinds["combine"]["window_ms"] == pytest.approx(10.0)
     assert kinds["dispatch bwd"]["window_ms"] == 0.0 and kinds["dispatch bwd"]["exposed_ms"] == pytest.approx(20.0)
     fwd, bwd = s["directions"]["forward"], s["directions"]["backward"]
+    assert kinds["meta"]["in_flight_ms"] == pytest.approx(8.0) and kinds["meta"]["exposed_ms"] == 0.0
+    assert fwd["in_flight_ms"] == pytest.approx(20.0)  # not 28: the meta flew inside the dispatch
     assert fwd["overlap"] == pytest.approx(1 - 4 / 20)
     assert bwd["overlap"] == pytest.approx(0.0)
     assert s["forward_phases_ms"] == {"attention": pytest.approx(8.0)}
@@ -62,7 +66,7 @@ def test_cli_prints_table_and_writes_json(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "overlap 80.0%" in proc.stdout and "dispatch bwd" in proc.stdout
-    assert len(json.loads(out.read_text())["collectives"]) == 3
+    assert len(json.loads(out.read_text())["collectives"]) == 4
 
 
 def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):

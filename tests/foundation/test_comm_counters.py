@@ -55,3 +55,39 @@ def test_byte_counters_match_routing():
         assert measured["bytes_backward"] == (sent + received) * hidden * 4
         assert measured["bytes_meta"] == (sent + received) * 4
         assert measured["time_fwd_s"] > 0 and measured["time_bwd_s"] > 0
+
+
+def test_busy_time_is_the_union_of_intervals_in_any_order():
+    import random
+
+    from moe_variants.common.comm import BusyTime
+
+    rng = random.Random(0)
+    for _ in range(200):
+        intervals = [(a, a + rng.choice([0.0, 0.5, 1.0, 3.0])) for a in (rng.randrange(20) / 2 for _ in range(8))]
+        busy = BusyTime()
+        for start, end in intervals:
+            busy.add(start, end)
+        covered = sum(any(s <= x / 100 < e for s, e in intervals) for x in range(0, 2500)) / 100
+        assert abs(busy.total - covered) < 1e-9, intervals
+        assert all(a[1] < b[0] for a, b in zip(busy.spans, busy.spans[1:]))  # disjoint, sorted
+
+
+def test_concurrent_collectives_count_once_in_time_but_waits_add_up():
+    """Two collectives in flight together (an overlapped dispatch and its probabilities) occupy
+    the wall time once; a blocking one after them adds its own; totals take the union across
+    layers, so the overlap fraction 1 - exposed / time is not inflated by concurrency."""
+    from moe_variants.common.comm import CommCounters
+
+    a, b = CommCounters(), CommCounters()
+    a.add_time(False, 0.0, 1.0, 0.25)  # dispatch, waited for its last quarter
+    a.add_time(False, 0.1, 0.9, 0.0)  # probabilities, inside the dispatch's interval
+    a.add_time(False, 2.0, 3.0, 1.0)  # blocking
+    b.add_time(False, 2.5, 3.5, 0.5)  # another layer, half overlapping the blocking one
+    b.add_time(True, 0.0, 2.0, 0.0)
+    assert a.time_fwd_s == 2.0 and a.exposed_fwd_s == 1.25
+    total = CommCounters.total([a, b])
+    assert total["time_fwd_s"] == 2.5 and total["exposed_fwd_s"] == 1.75
+    assert total["time_bwd_s"] == 2.0
+    a.reset()
+    assert a.time_fwd_s == 0.0 and CommCounters.total([a])["time_fwd_s"] == 0.0

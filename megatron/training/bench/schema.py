@@ -13,9 +13,10 @@ Field meanings (all per rank, per step):
 
 * ``step_time_s``      wall time of the whole training step (forward, backward, optimizer).
 * ``fwd_time_s``       wall time of the forward pass; ``bwd_time_s`` of the backward pass.
-* ``a2a_time_s``       summed launch-to-completion time of every expert-parallel all-to-all of the
-                       step (forward and backward). Overlapped all-to-alls count in full even when
-                       hidden behind compute, so this can exceed what the step actually waited.
+* ``a2a_time_s``       wall time with at least one expert-parallel all-to-all in flight (launch to
+                       completion), forward plus backward: collectives in flight together count once.
+                       Overlapped all-to-alls count in full even when hidden behind compute, so this
+                       can exceed what the step actually waited.
 * ``exposed_comm_s``   time the compute thread spent blocked waiting on those all-to-alls.
 * ``a2a_bytes_dispatch`` / ``a2a_bytes_combine``  bytes of the forward dispatch / combine
                        all-to-alls that left this rank (rows addressed to other ranks), summed over

@@ -85,6 +85,8 @@ def _write_trace(timeline, start, end, chunks, trace_dir, variant, rank) -> None
     out = TimelineRecorder()
     cursor = start
     for s, e in waits:
+        if e - s < 1e-6:  # a wait that did not block does not interrupt the compute
+            continue
         if s > cursor:
             out.add("compute", "compute", cursor, s)
         cursor = max(cursor, e)
