@@ -6,7 +6,7 @@
 For every all-to-all of the step (forward dispatch/combine, their backward, the routing-probability
 ``meta`` exchange) it prints the time in flight, the time the compute thread waited for it
 (exposed), and the *window*: how long the compute thread worked between the launch and the
-wait (for a collective that was not waited on at once). Summed per kind; per direction the time
+wait (traces without a wait for a collective count its time in flight). Summed per kind; per direction the time
 in flight is the wall time with any all-to-all in flight (concurrent ones count once, as in the
 benchmark's overlap fraction). With the forward's compute phases (FarSkip layers record them), so one can see which collective is exposed
 and whether the window or the collective is too short: FarSkip's bound (paper Eq. 9) is
@@ -53,9 +53,10 @@ def collectives(events: list[dict]) -> list[dict]:
             waits[e["name"][5:]].append(e)
     out = []
     for e in sorted((e for e in events if e["lane"] == "comm"), key=lambda e: e["start"]):
-        # the wait that ends at (or just after) this collective's completion
-        mine = [w for w in waits[e["name"]] if w["start"] <= e["end"] + 1e-3 and w["end"] >= e["end"] - 1e-3]
-        wait = min(mine, key=lambda w: abs(w["end"] - e["end"])) if mine else None
+        # its wait: the first of that name to end at or after its completion (a wait that did not
+        # block starts after the completion; earlier layers' waits ended before it was launched)
+        mine = [w for w in waits[e["name"]] if w["end"] >= e["end"] - 1e-3 and w["start"] >= e["start"] - 1e-3]
+        wait = min(mine, key=lambda w: w["end"]) if mine else None
         in_flight = e["end"] - e["start"]
         exposed = max(0.0, e["end"] - max(wait["start"], e["start"])) if wait else 0.0
         window = max(0.0, wait["start"] - e["start"]) if wait else in_flight
@@ -68,8 +69,10 @@ def summarize(events: list[dict]) -> dict:
     rows = collectives(events)
     kinds = collections.OrderedDict()
     for r in rows:
-        k = kinds.setdefault(r["name"], {"count": 0, "in_flight_ms": 0.0, "exposed_ms": 0.0, "window_ms": 0.0})
+        k = kinds.setdefault(r["name"], {"count": 0, "exposed_count": 0, "in_flight_ms": 0.0, "exposed_ms": 0.0,
+                                         "window_ms": 0.0})
         k["count"] += 1
+        k["exposed_count"] += r["exposed_ms"] > 0.5  # waited on for more than half a millisecond
         for key in ("in_flight_ms", "exposed_ms", "window_ms"):
             k[key] += r[key]
     directions = {}
@@ -98,9 +101,11 @@ def format_summary(s: dict) -> str:
         ov = "-" if d["overlap"] is None else f"{100 * d['overlap']:.1f}%"
         lines.append(f"{name:9s} in flight {d['in_flight_ms']:8.1f} ms  exposed {d['exposed_ms']:8.1f} ms  overlap {ov}")
     lines.append("")
-    lines.append(f"{'collective':16s} {'n':>3s} {'in flight ms':>13s} {'window ms':>10s} {'exposed ms':>11s}")
+    lines.append(f"{'collective':16s} {'n':>3s} {'exposed n':>9s} {'in flight ms':>13s} {'window ms':>10s} "
+                 f"{'exposed ms':>11s}")
     for name, k in s["kinds"].items():
-        lines.append(f"{name:16s} {k['count']:3d} {k['in_flight_ms']:13.1f} {k['window_ms']:10.1f} {k['exposed_ms']:11.1f}")
+        lines.append(f"{name:16s} {k['count']:3d} {k['exposed_count']:9d} {k['in_flight_ms']:13.1f} "
+                     f"{k['window_ms']:10.1f} {k['exposed_ms']:11.1f}")
     if s["forward_phases_ms"]:
         lines.append("")
         lines.append("forward phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in s["forward_phases_ms"].items()))

@@ -32,6 +32,8 @@ def _trace(tmp_path):
     t.add("meta", "comm", 1 * ms, 9 * ms)
     t.add("wait dispatch", "wait", 6 * ms, 10.2 * ms)  # wake-up after completion is not exposed
     t.add("combine", "comm", 20 * ms, 30 * ms)
+    t.add("wait combine", "wait", 40 * ms, 40 * ms)  # waited after it finished: window 20
+    t.add("dispatch", "comm", 42 * ms, 44 * ms)  # another layer's, never waited: window = in flight
     t.add("dispatch bwd", "comm", 50 * ms, 70 * ms)
     t.add("wait dispatch bwd", "wait", 50 * ms, 70 * ms)
     t.add("attention L0", "phases", 1 * ms, 6 * ms)
@@ -47,15 +49,16 @@ def test_summary_splits_in_flight_into_window_and_exposed(tmp_path):
     s = mod.summarize(mod._load(str(_trace(tmp_path))))
     assert s["step_ms"] == pytest.approx(100.0)
     kinds = s["kinds"]
-    assert kinds["dispatch"]["in_flight_ms"] == pytest.approx(10.0)
-    assert kinds["dispatch"]["window_ms"] == pytest.approx(6.0)
+    assert kinds["dispatch"]["count"] == 2 and kinds["dispatch"]["exposed_count"] == 1
+    assert kinds["dispatch"]["in_flight_ms"] == pytest.approx(12.0)
+    assert kinds["dispatch"]["window_ms"] == pytest.approx(8.0)
     assert kinds["dispatch"]["exposed_ms"] == pytest.approx(4.0)
-    assert kinds["combine"]["exposed_ms"] == 0.0 and kinds["combine"]["window_ms"] == pytest.approx(10.0)
+    assert kinds["combine"]["exposed_ms"] == 0.0 and kinds["combine"]["window_ms"] == pytest.approx(20.0)
     assert kinds["dispatch bwd"]["window_ms"] == 0.0 and kinds["dispatch bwd"]["exposed_ms"] == pytest.approx(20.0)
     fwd, bwd = s["directions"]["forward"], s["directions"]["backward"]
     assert kinds["meta"]["in_flight_ms"] == pytest.approx(8.0) and kinds["meta"]["exposed_ms"] == 0.0
-    assert fwd["in_flight_ms"] == pytest.approx(20.0)  # not 28: the meta flew inside the dispatch
-    assert fwd["overlap"] == pytest.approx(1 - 4 / 20)
+    assert fwd["in_flight_ms"] == pytest.approx(22.0)  # not 30: the meta flew inside the dispatch
+    assert fwd["overlap"] == pytest.approx(1 - 4 / 22)
     assert bwd["overlap"] == pytest.approx(0.0)
     assert s["forward_phases_ms"] == {"attention": pytest.approx(8.0)}
 
@@ -65,8 +68,8 @@ def test_cli_prints_table_and_writes_json(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, str(_trace(tmp_path)), "--json", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "overlap 80.0%" in proc.stdout and "dispatch bwd" in proc.stdout
-    assert len(json.loads(out.read_text())["collectives"]) == 4
+    assert "overlap 81.8%" in proc.stdout and "dispatch bwd" in proc.stdout
+    assert len(json.loads(out.read_text())["collectives"]) == 5
 
 
 def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):
