@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from moe_variants.common import wgrad
+
 __all__ = [
     "CommCounters",
     "PendingComm",
@@ -207,6 +209,15 @@ class PendingComm:
             except (RuntimeError, AttributeError):
                 pass  # backends without futures: completion is taken at wait()
 
+    def in_flight(self) -> bool:
+        """True while the collective has not completed (never blocks)."""
+        if self.completed_at is not None or self.work is None:
+            return False
+        try:
+            return not self.work.is_completed()
+        except (RuntimeError, AttributeError):
+            return False
+
     def _on_complete(self, fut):
         self.completed_at = time.perf_counter()
         return None
@@ -367,6 +378,7 @@ def wait_backward_hook(handles: dict):
     def hook(grad):
         pending = handles.pop("backward", None)
         if pending is not None:
+            wgrad.run_while(pending.in_flight)  # deferred expert weight gradients fill the window
             pending.wait()
         return grad
 

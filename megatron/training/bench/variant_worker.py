@@ -31,6 +31,7 @@ VARIANTS = {
     "bigmac": {"moe_variant": "bigmac"},
     "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
     "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
+    "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
     "semmoe": {},  # placement + request scheduling, see moe_variants/semmoe/bench.py
 }
 

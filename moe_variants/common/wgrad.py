@@ -1,0 +1,117 @@
+"""Deferred expert weight gradients: fill the backward all-to-alls' windows.
+
+In an expert-parallel backward the routed experts' backward sits between two gradient
+all-to-alls: the combine's gradient must arrive before it runs, and the dispatch's gradient can
+be sent only when it is done. Only its *input* gradient is on that path; its *weight* gradient
+is needed by the optimizer alone. With deferral the expert linears return the input gradient at
+once and queue the weight gradient; the queue runs while a later gradient all-to-all is in
+flight (``run_while``, called by the all-to-all's wait hook before it blocks), and whatever is
+left runs when the backward pass ends (an autograd engine callback), before gradient
+synchronisation and the optimizer. The same idea as megatron-core's ``delay_wgrad_compute`` for
+Transformer Engine's grouped GEMM and DeepSeek's DualPipe; this is the local (``SequentialMLP``)
+expert version used on CPU/gloo.
+
+Gradients are the same values as without deferral (the same matmul, accumulated into
+``main_grad`` as megatron-core's DDP hook would, or into ``.grad`` without DDP); only when they
+are computed changes.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+__all__ = ["defer_expert_wgrad", "flush", "pending", "run_while"]
+
+_QUEUE: collections.deque = collections.deque()
+
+
+def pending() -> int:
+    """Weight gradients queued and not yet computed."""
+    return len(_QUEUE)
+
+
+def _push(task: Callable[[], None]) -> None:
+    if not _QUEUE:  # the first of this backward pass: make sure it ends with a flush
+        torch.autograd.Variable._execution_engine.queue_callback(flush)
+    _QUEUE.append(task)
+
+
+def run_while(busy: Callable[[], bool]) -> None:
+    """Compute queued weight gradients, oldest first, while ``busy()`` (a collective in flight)."""
+    while _QUEUE and busy():
+        _QUEUE.popleft()()
+
+
+def flush() -> None:
+    """Compute every queued weight gradient."""
+    while _QUEUE:
+        _QUEUE.popleft()()
+
+
+def _accumulate(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    if getattr(weight, "main_grad", None) is not None:  # megatron-core DDP's buffer
+        weight.main_grad.add_(grad)
+    elif weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
+
+
+class _DeferredWgradLinear(torch.autograd.Function):
+    """``input @ weight.t()`` (megatron-core's local linear, TP = 1, no bias) whose backward
+    returns the input gradient and queues the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, inp, weight):
+        ctx.save_for_backward(inp, weight)
+        return torch.matmul(inp, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inp, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+
+        def wgrad():
+            g = grad_output.reshape(-1, grad_output.shape[-1])
+            x = inp.reshape(-1, inp.shape[-1])
+            _accumulate(weight, g.t().matmul(x))
+
+        _push(wgrad)
+        return grad_input, None
+
+
+def _deferred_forward_impl(original):
+    def forward_impl(input, weight, *args, bias=None, allreduce_dgrad=False, sequence_parallel=False,
+                     gradient_accumulation_fusion=False, **kwargs):
+        if (not weight.requires_grad or bias is not None or allreduce_dgrad or sequence_parallel
+                or gradient_accumulation_fusion or args or kwargs.get("grad_output_buffer") is not None):
+            return original(input, weight, *args, bias=bias, allreduce_dgrad=allreduce_dgrad,
+                            sequence_parallel=sequence_parallel,
+                            gradient_accumulation_fusion=gradient_accumulation_fusion, **kwargs)
+        return _DeferredWgradLinear.apply(input, weight)
+
+    return forward_impl
+
+
+def defer_expert_wgrad(moe_layer) -> int:
+    """Make the local experts' linears of ``moe_layer`` (a megatron-core ``MoELayer`` with
+    ``SequentialMLP`` experts) defer their weight gradients; returns how many were switched.
+
+    Linears that need tensor-parallel communication, a bias or fused accumulation keep
+    megatron-core's path (per call, so nothing changes for them). Grouped-GEMM experts
+    (Transformer Engine) are left alone: TE has its own ``delay_wgrad_compute``.
+    """
+    experts = getattr(moe_layer, "experts", None)
+    switched = 0
+    for expert in getattr(experts, "local_experts", []):
+        for name in ("linear_fc1", "linear_fc2"):
+            linear = getattr(expert, name, None)
+            if linear is None or not hasattr(linear, "_forward_impl") or getattr(linear, "_wgrad_deferred", False):
+                continue
+            linear._forward_impl = _deferred_forward_impl(linear._forward_impl)
+            linear._wgrad_deferred = True
+            switched += 1
+    return switched
