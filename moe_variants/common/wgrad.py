@@ -4,7 +4,8 @@ In an expert-parallel backward the routed experts' backward sits between two gra
 all-to-alls: the combine's gradient must arrive before it runs, and the dispatch's gradient can
 be sent only when it is done. Only its *input* gradient is on that path; its *weight* gradient
 is needed by the optimizer alone. With deferral the expert linears return the input gradient at
-once and queue the weight gradient; the queue runs while a later gradient all-to-all is in
+once and queue the weight gradient (so does the output layer, whose backward runs before the
+first gradient all-to-all: its weight gradient then fills that collective's window); the queue runs while a later gradient all-to-all is in
 flight (``run_while``, called by the all-to-all's wait hook before it blocks), and whatever is
 left runs when the backward pass ends (an autograd engine callback), before gradient
 synchronisation and the optimizer. The same idea as megatron-core's ``delay_wgrad_compute`` for
@@ -23,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["defer_expert_wgrad", "flush", "pending", "run_while"]
+__all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "pending", "run_while"]
 
 _QUEUE: collections.deque = collections.deque()
 
@@ -96,6 +97,16 @@ def _deferred_forward_impl(original):
     return forward_impl
 
 
+def defer_wgrad(linear) -> bool:
+    """Make one megatron-core local linear (``ColumnParallelLinear``/``RowParallelLinear``) defer
+    its weight gradient; False if it has no local forward to wrap or already defers."""
+    if linear is None or not hasattr(linear, "_forward_impl") or getattr(linear, "_wgrad_deferred", False):
+        return False
+    linear._forward_impl = _deferred_forward_impl(linear._forward_impl)
+    linear._wgrad_deferred = True
+    return True
+
+
 def defer_expert_wgrad(moe_layer) -> int:
     """Make the local experts' linears of ``moe_layer`` (a megatron-core ``MoELayer`` with
     ``SequentialMLP`` experts) defer their weight gradients; returns how many were switched.
@@ -108,10 +119,5 @@ def defer_expert_wgrad(moe_layer) -> int:
     switched = 0
     for expert in getattr(experts, "local_experts", []):
         for name in ("linear_fc1", "linear_fc2"):
-            linear = getattr(expert, name, None)
-            if linear is None or not hasattr(linear, "_forward_impl") or getattr(linear, "_wgrad_deferred", False):
-                continue
-            linear._forward_impl = _deferred_forward_impl(linear._forward_impl)
-            linear._wgrad_deferred = True
-            switched += 1
+            switched += defer_wgrad(getattr(expert, name, None))
     return switched

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from megatron.training.config import FarSkipImpl, FarSkipMode, ModelConfig
-from moe_variants.common.wgrad import defer_expert_wgrad
+from moe_variants.common.wgrad import defer_expert_wgrad, defer_wgrad
 from moe_variants.farskip.connectivity import FarSkipState, parse_farskip_layers
 from moe_variants.farskip.layer import FarSkipTransformerLayer
 
@@ -121,4 +121,6 @@ def apply_farskip(gpt, model: ModelConfig):
             layer.__class__ = FarSkipTransformerLayer
             if block.farskip_overlapped and model.farskip_defer_wgrad and layer.is_moe_layer:
                 defer_expert_wgrad(layer.mlp)
+    if block.farskip_overlapped and model.farskip_defer_wgrad:
+        defer_wgrad(getattr(gpt, "output_layer", None))  # only the last pipeline stage has one
     return gpt

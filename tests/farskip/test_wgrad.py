@@ -53,8 +53,9 @@ def _grads_and_queue(rank, world, defer):
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", farskip_defer_wgrad=defer, num_layers=2,
                             moe_layer_freq=1)
     model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=world))
-    switched = sum(getattr(lin, "_wgrad_deferred", False) for layer in moe_layers(model)
-                   for e in layer.experts.local_experts for lin in (e.linear_fc1, e.linear_fc2))
+    linears = [lin for layer in moe_layers(model) for e in layer.experts.local_experts
+               for lin in (e.linear_fc1, e.linear_fc2)] + [model.output_layer]
+    switched = sum(getattr(lin, "_wgrad_deferred", False) for lin in linears)
     ran_in_windows = []
     original = wgrad.run_while
 
@@ -74,13 +75,14 @@ def _grads_and_queue(rank, world, defer):
 
 
 def test_overlapped_farskip_defers_expert_wgrad_with_identical_gradients():
-    """EP=2: every local expert linear is switched, the queue is empty after the backward, and the
+    """EP=2: every local expert linear and the output layer is switched, the queue is empty after the backward, and the
     gradients equal the eager ones bit for bit. (Whether a task runs inside a window or at the
     final flush depends on timing, so only the total is pinned, not the split.)"""
     deferred = run_distributed(_grads_and_queue, 2, True)
     eager = run_distributed(_grads_and_queue, 2, False)
     for (switched, _, left, grads), (eager_switched, eager_ran, _, eager_grads) in zip(deferred, eager):
-        assert switched > 0 and eager_switched == 0 and eager_ran == 0
+        assert switched == 2 * 2 * 2 + 1  # 2 MoE layers x 2 local experts (4 on EP=2) x fc1/fc2, + output layer
+        assert eager_switched == 0 and eager_ran == 0
         assert left == 0
         assert grads.keys() == eager_grads.keys()
         for name in grads:
