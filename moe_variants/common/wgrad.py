@@ -24,7 +24,11 @@ from typing import Callable
 
 import torch
 
-__all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "pending", "run_while"]
+from megatron.compat.linear import wrap_local_linear
+
+__all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "is_deferred", "pending", "run_while"]
+
+DEFERRED = "deferred-wgrad"
 
 _QUEUE: collections.deque = collections.deque()
 
@@ -100,11 +104,11 @@ def _deferred_forward_impl(original):
 def defer_wgrad(linear) -> bool:
     """Make one megatron-core local linear (``ColumnParallelLinear``/``RowParallelLinear``) defer
     its weight gradient; False if it has no local forward to wrap or already defers."""
-    if linear is None or not hasattr(linear, "_forward_impl") or getattr(linear, "_wgrad_deferred", False):
-        return False
-    linear._forward_impl = _deferred_forward_impl(linear._forward_impl)
-    linear._wgrad_deferred = True
-    return True
+    return wrap_local_linear(linear, _deferred_forward_impl, DEFERRED)
+
+
+def is_deferred(linear) -> bool:
+    return DEFERRED in getattr(linear, "_compat_linear_wraps", ())
 
 
 def defer_expert_wgrad(moe_layer) -> int:

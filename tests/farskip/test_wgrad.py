@@ -55,7 +55,10 @@ def _grads_and_queue(rank, world, defer):
     model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=world))
     linears = [lin for layer in moe_layers(model) for e in layer.experts.local_experts
                for lin in (e.linear_fc1, e.linear_fc2)] + [model.output_layer]
-    switched = sum(getattr(lin, "_wgrad_deferred", False) for lin in linears)
+    switched = sum(wgrad.is_deferred(lin) for lin in linears)
+    if defer:  # wrapping is idempotent: a second pass switches nothing
+        assert sum(wgrad.defer_expert_wgrad(layer) for layer in moe_layers(model)) == 0
+        assert not wgrad.defer_wgrad(model.output_layer)
     ran_in_windows = []
     original = wgrad.run_while
 
