@@ -33,13 +33,16 @@ def _load(path: str) -> list[dict]:
             trace = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read trace ({e})") from None
-    lanes = {e["tid"]: e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("ph") == "M"}
-    events = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X":
-            start = e["ts"] / 1e3
-            events.append({"name": e["name"], "lane": lanes.get(e["tid"], "?"), "start": start,
-                           "end": start + e["dur"] / 1e3})
+    try:
+        lanes = {e["tid"]: e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("ph") == "M"}
+        events = []
+        for e in trace.get("traceEvents", []):
+            if e.get("ph") == "X":
+                start = e["ts"] / 1e3
+                events.append({"name": e["name"], "lane": lanes.get(e["tid"], "?"), "start": start,
+                               "end": start + e["dur"] / 1e3})
+    except (AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a Chrome trace of bench_ep.py --trace (bad event: {e!r})") from None
     if not events:
         raise ValueError(f"{path}: no events (was it written by bench_ep.py --trace?)")
     return events

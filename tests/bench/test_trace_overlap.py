@@ -78,3 +78,12 @@ def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "cannot read trace" in proc.stderr
+
+
+def test_cli_rejects_json_that_is_not_a_bench_trace(tmp_path):
+    for text in ('[1, 2]', '{"traceEvents": [{"ph": "M", "tid": 1}]}', '{"traceEvents": []}'):
+        bad = tmp_path / "other.json"
+        bad.write_text(text)
+        proc = subprocess.run([sys.executable, SCRIPT, str(bad)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, text
+        assert proc.stderr.strip().count("\n") == 0 and "trace_overlap.py: error:" in proc.stderr, proc.stderr
