@@ -141,8 +141,9 @@ class ModelConfig:
     farskip: str = "none"  # none | all | first:N | last:N | A-B (0-based layer indices, inclusive)
     farskip_impl: FarSkipImpl = FarSkipImpl.simple
     farskip_mode: FarSkipMode = FarSkipMode.full
-    # overlapped FarSkip: the local experts' weight gradients run while a later gradient
-    # all-to-all flies (moe_variants/common/wgrad.py); --no-farskip-defer-wgrad computes them in place
+    # overlapped FarSkip: the local experts' and the output layer's weight gradients run while a
+    # later gradient all-to-all flies (moe_variants/common/wgrad.py); --no-farskip-defer-wgrad
+    # computes them in place
     farskip_defer_wgrad: bool = True
 
     def __post_init__(self):

@@ -5,10 +5,11 @@ all-to-alls: the combine's gradient must arrive before it runs, and the dispatch
 be sent only when it is done. Only its *input* gradient is on that path; its *weight* gradient
 is needed by the optimizer alone. With deferral the expert linears return the input gradient at
 once and queue the weight gradient (so does the output layer, whose backward runs before the
-first gradient all-to-all: its weight gradient then fills that collective's window); the queue runs while a later gradient all-to-all is in
-flight (``run_while``, called by the all-to-all's wait hook before it blocks), and whatever is
-left runs when the backward pass ends (an autograd engine callback), before gradient
-synchronisation and the optimizer. The same idea as megatron-core's ``delay_wgrad_compute`` for
+first gradient all-to-all: its weight gradient then fills that collective's window). The queue
+runs while a later gradient all-to-all is in flight (``run_while``, called by the all-to-all's
+wait hook before it blocks), and whatever is left runs when the backward pass ends (an autograd
+engine callback), before gradient synchronisation and the optimizer. Work queued by a backward
+that raised is dropped when the next backward queues, never added to its gradients. The same idea as megatron-core's ``delay_wgrad_compute`` for
 Transformer Engine's grouped GEMM and DeepSeek's DualPipe; this is the local (``SequentialMLP``)
 expert version used on CPU/gloo.
 
@@ -20,7 +21,7 @@ are computed changes.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -31,6 +32,7 @@ __all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "is_deferred", "pending
 DEFERRED = "deferred-wgrad"
 
 _QUEUE: collections.deque = collections.deque()
+_GRAPH_TASK: Optional[int] = None  # the backward pass whose end flushes the queue
 
 
 def pending() -> int:
@@ -39,8 +41,12 @@ def pending() -> int:
 
 
 def _push(task: Callable[[], None]) -> None:
-    if not _QUEUE:  # the first of this backward pass: make sure it ends with a flush
+    global _GRAPH_TASK
+    current = torch._C._current_graph_task_id()
+    if current != _GRAPH_TASK:  # the first of this backward pass: make sure it ends with a flush
+        _QUEUE.clear()  # left by a backward that raised before its end: not this pass's gradients
         torch.autograd.Variable._execution_engine.queue_callback(flush)
+        _GRAPH_TASK = current
     _QUEUE.append(task)
 
 
@@ -51,9 +57,11 @@ def run_while(busy: Callable[[], bool]) -> None:
 
 
 def flush() -> None:
-    """Compute every queued weight gradient."""
+    """Compute every queued weight gradient (the end-of-backward callback)."""
+    global _GRAPH_TASK
     while _QUEUE:
         _QUEUE.popleft()()
+    _GRAPH_TASK = None
 
 
 def _accumulate(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:

@@ -36,6 +36,27 @@ def test_deferred_linear_gives_autograds_gradients_at_the_end_of_backward():
     assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
 
 
+def test_work_of_a_backward_that_raised_is_dropped():
+    """A backward that fails after queuing leaves work behind (its end callback never ran); the
+    next backward must not add that stale gradient to its own."""
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+
+    def fail(grad):  # x's gradient comes after the linear's backward queued its weight gradient
+        raise RuntimeError("boom")
+
+    handle = x.register_hook(fail)
+    try:
+        wgrad._DeferredWgradLinear.apply(x, w).sum().backward()
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    assert wgrad.pending() == 1 and w.grad is None
+    handle.remove()
+    wgrad._DeferredWgradLinear.apply(x, w).sum().backward()
+    assert wgrad.pending() == 0
+    assert torch.equal(w.grad, torch.ones(4, 6).t().matmul(x.detach()))  # once, not twice
+
+
 def test_deferred_gradient_accumulates_into_main_grad():
     """With megatron-core DDP the gradient goes to ``main_grad`` (as DDP's hook would add it)."""
     x = torch.randn(4, 8)
