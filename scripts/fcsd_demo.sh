@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The FCSD demonstration of docs/fcsd.md, end to end on this machine (2 CPU ranks, about an hour):
+# The FCSD demonstration of docs/fcsd.md, end to end on this machine (2 CPU ranks; the teacher and
+# each distillation corpus take about an hour at 300 steps):
 #
 #   scripts/fcsd_demo.sh [SHARED_DATA_DIR] [RUNS_DIR]
 #
@@ -26,6 +27,14 @@ LM_EVAL_LIMIT=${LM_EVAL_LIMIT:-500}
 STEPS=${STEPS:-300}
 DATASETS=${DATASETS:-pretrain sharegpt mix}
 BPE=data/pretrain/bpe8192
+for data in $DATASETS; do  # before an hour of teacher training, not after it
+    case $data in
+    pretrain | sharegpt | mix) ;;
+    *) echo "fcsd_demo.sh: error: unknown distillation corpus '$data' in DATASETS (pretrain, sharegpt, mix)" >&2
+       exit 2 ;;
+    esac
+done
+[[ $STEPS =~ ^[1-9][0-9]*$ ]] || { echo "fcsd_demo.sh: error: STEPS must be a positive integer, got '$STEPS'" >&2; exit 2; }
 
 finished() {  # finished <run dir>: its metrics.jsonl ends with a summary event
     [[ -f $1/metrics.jsonl ]] && grep -q '"event": "summary"' "$1/metrics.jsonl"
@@ -51,8 +60,6 @@ for data in $DATASETS; do
     sharegpt) data_flags=(--data-path data/sft/sharegpt_text_document) ;;
     mix) data_flags=(--data-path 0.5 data/sft/sharegpt_text_document 0.282 "$BPE/warpeace_text_document"
                      0.115 "$BPE/tinyshakespeare_text_document" 0.103 "$BPE/wikitext2_valid_text_document") ;;
-    *) echo "fcsd_demo.sh: error: unknown distillation corpus '$data' in DATASETS (pretrain, sharegpt, mix)" >&2
-       exit 2 ;;
     esac
     students=()
     for run in "kl all" "sft all" "kl last:2"; do
