@@ -121,7 +121,7 @@ def _student_ce(logits_bsv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def make_forward_step_factory(teacher, cfg: FCSDConfig):
     """The loop's ``forward_step_func`` for distillation (teacher forward, then student)."""
     from distill.losses import hidden_state_l2, kl_divergence, masked_token_mean
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import device
     from megatron.training.training import _to_device
 
@@ -176,7 +176,7 @@ def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int
     import math
 
     from distill.losses import kl_divergence
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import device
 
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)

@@ -156,7 +156,7 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from distill.fcsd import heldout_kl
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.data import build_heldout_windows
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
         if spec is not None:
             payload["lm_eval"] = {"tasks": spec.tasks, "limit": args.lm_eval_limit, "include_path": args.include_path,
                                   "data_dir": args.data_dir, "higher_is_better": spec.higher_is_better}
-        from megatron.training.bench.schema import write_json_atomic
+        from tools.bench.schema import write_json_atomic
 
         write_json_atomic(args.out, payload)
     except (ValueError, FileNotFoundError) as e:

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.bench.cli import main  # noqa: E402
+from tools.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                "stage1_batch_tokens": stage1, "stage2_lr": stage2,
                "choice": {"batch_tokens": best["batch_tokens"], "global_batch_size": best["global_batch_size"],
                           "lr": best["lr"]}}
-    from megatron.training.bench.schema import write_json_atomic
+    from tools.bench.schema import write_json_atomic
 
     write_json_atomic(os.path.join(args.root, "sweep.json"), payload)
     print(json.dumps(payload["choice"]))

@@ -64,7 +64,7 @@ def _measure(rank, world, config_path: str, repeats: int, seed: int, with_upstre
     import torch
     from torch.profiler import profile
 
-    from megatron.training.model_builder import build_model, causal_attention_mask
+    from moe_variants.builder import build_model, causal_attention_mask
     from megatron.training.parallel import initialize_parallel
 
     torch.set_num_threads(1)
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         for name in ("standard", "bigmac"):
             print(f"  {name} sum {sum(r['us'] for k, r in gemms.items() if k.startswith(name)):.1f} us")
     if args.json:
-        from megatron.training.bench.schema import write_json_atomic
+        from tools.bench.schema import write_json_atomic
 
         write_json_atomic(args.json, {"command": sys.argv, "config": args.config, "repeats": args.repeats,
                                       "results": res, "ratios_bigmac_over_standard": ratios,

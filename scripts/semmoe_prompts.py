@@ -7,7 +7,7 @@ writes, per dataset (``sharegpt``, ``mmlu``), ``<name>_profile.jsonl`` (20% of t
 profile and solve on) and ``<name>_eval.jsonl`` (the other 80%, held out), plus
 ``<name>_all.jsonl`` and ``prompts_manifest.json`` (sources, counts, seed, sha256 of every output).
 One JSON object per line: ``{"id": "<dataset>:<source id>", "text": "..."}``, the format
-``python -m moe_variants.semmoe profile --data`` reads.
+``python -m tools.semmoe profile --data`` reads.
 
 * ShareGPT: the first ``human`` turn of every conversation in both shared files
   (``sg_90k_part1_html_cleaned_lang_first_sampled.json`` and ``ShareGPT_V3_filtered_500.json``),

@@ -2,7 +2,7 @@
 
 Generates a synthetic skewed profile (61 MoE layers, 256 experts, top-8, 129,280-token vocabulary,
 Zipf token popularity; 4,000 requests of 64-192 tokens by default), writes it to a temporary
-directory, then runs ``python -m moe_variants.semmoe solve --ep 64`` in a child process and reports
+directory, then runs ``python -m tools.semmoe solve --ep 64`` in a child process and reports
 the child's wall time and peak resident memory (ru_maxrss, which includes loading the profile).
 Prints a table and writes JSON.
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         prof_bytes = os.path.getsize(prof_path)
         del profile
         cmd = [
-            sys.executable, "-m", "moe_variants.semmoe", "solve", "--profile", prof_path, "--ep", str(args.ep),
+            sys.executable, "-m", "tools.semmoe", "solve", "--profile", prof_path, "--ep", str(args.ep),
             "--method", "semmoe", "--seed", str(args.seed), "--out", os.path.join(tmp, "tables"),
         ]  # fmt: skip
         t1 = time.perf_counter()

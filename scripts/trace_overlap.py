@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.bench.schema import write_json_atomic  # noqa: E402
+from tools.bench.schema import write_json_atomic  # noqa: E402
 from moe_variants.common.comm import BusyTime  # noqa: E402
 
 

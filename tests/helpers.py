@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.training.config import ModelConfig, ParallelConfig
+from moe_variants.config import ModelConfig, ParallelConfig
 
 VOCAB = 96
 
@@ -36,7 +36,7 @@ def batch(index: int, batch_size: int = 2, seq_length: int = 16, vocab: int = VO
 
 def forward_loss(model, tokens, labels):
     """Per-token loss [b, s] of a megatron-core GPTModel (explicit causal mask: see model_builder)."""
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
 
     seq = tokens.shape[1]
     position_ids = torch.arange(seq)[None].expand_as(tokens)
@@ -45,8 +45,8 @@ def forward_loss(model, tokens, labels):
 
 def build_and_load(model_cfg: ModelConfig, parallel: ParallelConfig, state=None, seed: int = 7):
     """Initialise the layout, build the model and (optionally) load a global state dict into it."""
-    from megatron.training.global_state import load_global_state_dict
-    from megatron.training.model_builder import build_model
+    from moe_variants.global_state import load_global_state_dict
+    from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
 
     pgc = initialize_parallel(parallel, seed=seed)

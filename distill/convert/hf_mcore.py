@@ -150,8 +150,8 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
     """Convert a Hugging Face model directory to our checkpoint at ``out``. Returns ``out``."""
     from megatron.training.arguments import configs_from_dict, configs_to_dict
     from megatron.training.checkpointing import layout_of, save_checkpoint
-    from megatron.training.config import ParallelConfig, validate
-    from megatron.training.model_builder import build_model
+    from moe_variants.config import ParallelConfig, validate
+    from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
 
     check_new_output(out)
@@ -231,8 +231,8 @@ def _write_config(family, hf_config: dict):
 
 def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
     """Convert our checkpoint (``load``: a save dir or an ``iter_*`` dir) to a Hugging Face directory."""
-    from megatron.training.config import ParallelConfig
-    from megatron.training.global_state import gather_global_state_dict
+    from moe_variants.config import ParallelConfig
+    from moe_variants.global_state import gather_global_state_dict
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
 

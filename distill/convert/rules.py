@@ -1,6 +1,6 @@
 """Tensor rules: how one of our tensors is made from Hugging Face tensors, and split back.
 
-Our side is the layout-free state dict (``megatron.training.global_state``: TP=1/EP=1 names and full
+Our side is the layout-free state dict (``moe_variants.global_state``: TP=1/EP=1 names and full
 tensors, local Transformer-Engine-free modules); the HF side is the model's safetensors names. A
 ``Rule`` is exact in both directions (concatenations and reshapes only), so HF -> ours -> HF gives
 back identical tensors. Shapes: ``H`` hidden, ``F`` FFN width, ``d`` head dim, ``G`` query groups.

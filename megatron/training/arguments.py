@@ -17,14 +17,8 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-from megatron.training.config import (
-    CheckpointConfig,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
+from moe_variants.config import ModelConfig, ParallelConfig
+from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 
 __all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict"]
 

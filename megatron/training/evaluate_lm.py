@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--semmoe-tables", metavar="DIR", default=None,
-                   help="Sem-MoE tables (python -m moe_variants.semmoe solve) of the checkpoint's placement "
+                   help="Sem-MoE tables (python -m tools.semmoe solve) of the checkpoint's placement "
                         "(apply; contiguous tables for an unplaced checkpoint): assign requests to data-parallel "
                         "ranks by Algorithm 2 (EP = world = the tables' devices, TP = 1)")
     return p
@@ -71,7 +71,7 @@ def write_json_atomic(path: str, payload: dict, *, overwrite: bool = False) -> N
     """Write JSON to a temporary file beside ``path`` and rename it into place."""
     from lm_eval.utils import handle_non_serializable
 
-    from megatron.training.bench.schema import write_json_atomic as write_atomic
+    from tools.bench.schema import write_json_atomic as write_atomic
 
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"--output {path} exists (pass --overwrite to replace it)")
@@ -300,7 +300,7 @@ def evaluate(args, manager) -> dict:
 def _semmoe_scheduler(args, manifest: dict, world: int):
     """Algorithm 2 over the data-parallel ranks from ``--semmoe-tables``; one-line errors when the
     tables do not fit the checkpoint (MoE layers x experts, placement) or the layout."""
-    from moe_variants.semmoe.apply import _moe_shape, check_tables_match_checkpoint
+    from tools.semmoe.apply import _moe_shape, check_tables_match_checkpoint
     from moe_variants.semmoe.scheduling import request_scheduler
     from moe_variants.semmoe.tables import load_tables
 
@@ -336,7 +336,7 @@ def lar_counter(lm):
         return None, "TP > 1 (sequence-parallel tokens live on several ranks)"
     if getattr(lm.model.config, "moe_expert_capacity_factor", None) is not None:
         return None, "the MoE drops tokens (moe_expert_capacity_factor)"
-    from moe_variants.semmoe.model_run import LocalActivationCounter
+    from tools.semmoe.model_run import LocalActivationCounter
 
     ep = lm.pg_collection.ep
     try:

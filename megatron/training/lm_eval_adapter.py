@@ -210,7 +210,7 @@ class MegatronCheckpointLM(TemplateLM):
             each disjoint window as a request (each is one sequence of its own).
         forward_observer: called after every model forward with a [B, S] bool mask of the tokens
             that belong to requests (False: right padding, lockstep dummies, rows of a generation
-            batch that have finished), e.g. ``moe_variants.semmoe.model_run.LocalActivationCounter.count``.
+            batch that have finished), e.g. ``tools.semmoe.model_run.LocalActivationCounter.count``.
     """
 
     backend = "causal"
@@ -255,7 +255,7 @@ class MegatronCheckpointLM(TemplateLM):
                         expert_model_parallel_size: int = 1, seed: int = 1234, **kwargs) -> "MegatronCheckpointLM":
         """Initialise the layout (torch.distributed must already be initialised), load the model at
         it and wrap it. Layout errors are ``ValueError``s naming the flag."""
-        from megatron.training.config import ParallelConfig, validate
+        from moe_variants.config import ParallelConfig, validate
         from megatron.training.loading import checkpoint_configs, load_model
         from megatron.training.parallel import initialize_parallel
 
@@ -322,7 +322,7 @@ class MegatronCheckpointLM(TemplateLM):
         """Logits [B, S, V] (fp32, tokenizer vocabulary). Without a cache, S is padded to a multiple
         of TP (sequence parallelism) with trailing tokens that the causal mask keeps invisible.
         ``real_BS``: the tokens that belong to requests, for the forward observer (default all)."""
-        from megatron.training.model_builder import causal_attention_mask
+        from moe_variants.builder import causal_attention_mask
 
         num_b, num_s = tokens_BS.shape
         if real_BS is None:

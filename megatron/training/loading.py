@@ -66,7 +66,7 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
     import torch.distributed as dist
 
     from megatron.training.checkpointing import load_checkpoint
-    from megatron.training.model_builder import build_model
+    from moe_variants.builder import build_model
 
     configs, manifest, ckpt = checkpoint_configs(path, overrides)
     if parallel is not None:

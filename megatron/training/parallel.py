@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import compat
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 
 __all__ = ["initialize_parallel", "default_backend", "set_seed", "device"]
 

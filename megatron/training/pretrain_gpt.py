@@ -188,7 +188,7 @@ def run_pretraining(
     from megatron.core import parallel_state
 
     from megatron.training.checkpointing import layout_of, load_checkpoint, save_checkpoint
-    from megatron.training.config import validate
+    from moe_variants.config import validate
     from megatron.training.data import build_heldout_windows
     from megatron.training.metrics import MetricsWriter, format_step_line, peak_rss_mb
     from megatron.training.parallel import initialize_parallel

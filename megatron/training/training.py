@@ -16,8 +16,9 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training.config import ModelConfig, ParallelConfig, TrainingConfig
-from megatron.training.model_builder import build_model, causal_attention_mask, moe_layers
+from moe_variants.config import ModelConfig, ParallelConfig
+from megatron.training.config import TrainingConfig
+from moe_variants.builder import build_model, causal_attention_mask, moe_layers
 
 __all__ = [
     "StepMetrics",

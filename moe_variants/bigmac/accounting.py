@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.training.config import ModelConfig, MoEVariant, moe_layer_pattern
+from moe_variants.config import ModelConfig, MoEVariant, moe_layer_pattern
 
 __all__ = ["paper_table3", "ModelAccounting", "model_accounting", "a2a_bytes_uniform"]
 

@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron.training.config import FarSkipImpl, FarSkipMode, ModelConfig
+from moe_variants.config import FarSkipImpl, FarSkipMode, ModelConfig
 from moe_variants.common.wgrad import defer_expert_wgrad, defer_wgrad
 from moe_variants.farskip.connectivity import FarSkipState, parse_farskip_layers
 from moe_variants.farskip.layer import FarSkipTransformerLayer

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.training.config import FarSkipMode
+from moe_variants.config import FarSkipMode
 from moe_variants.common.comm import set_backward_priority
 from moe_variants.farskip.attention import (
     attention_out,

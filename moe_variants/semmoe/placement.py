@@ -2,7 +2,7 @@
 
 megatron-core's EP split is contiguous: EP rank r owns experts ``[r * N/EP, (r+1) * N/EP)`` in the
 order of the expert index. So a placement is realised by permuting, in the layout-free global
-state dict (``megatron.training.global_state``), the experts of every MoE layer into the order of
+state dict (``moe_variants.global_state``), the experts of every MoE layer into the order of
 the tables' ``physical_to_logical`` map (devices in order, experts ascending within a device)
 together with the router rows (``router.weight`` [N, H], and ``router.bias`` / ``expert_bias``
 [N] where present). The permuted model computes the same function: the router scores the same
@@ -124,7 +124,7 @@ def permute_model_experts(model, pg_collection, physical_to_logical: np.ndarray)
     counters) are replicated on every rank and permuted locally. Call it before DDP and the
     optimizer copy the parameters.
     """
-    from megatron.training.global_state import gather_global_state_dict, load_global_state_dict
+    from moe_variants.global_state import gather_global_state_dict, load_global_state_dict
 
     state = gather_global_state_dict(model, pg_collection)
     buffers = {

@@ -2,14 +2,14 @@
 
 import pytest
 
-from megatron.training.bench.aggregate import (
+from tools.bench.aggregate import (
     format_table,
     ratios_vs,
     summarize,
     uncontended_comm_fraction,
     variant_stats,
 )
-from megatron.training.bench.schema import RankResult, SyntheticOptions, WorkerSpec
+from tools.bench.schema import RankResult, SyntheticOptions, WorkerSpec
 
 
 def _result(rank, step, a2a, disp, comb, tokens=(100, 100, 100), world=2, variant="v"):

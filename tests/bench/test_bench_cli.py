@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from megatron.training.bench.collectives import aggregate_rows, default_sizes, repeats_for
-from megatron.training.bench.launcher import repo_root
-from megatron.training.bench.schema import STEP_FIELDS, RankResult
-from megatron.training.bench.synthetic_worker import even_splits
+from tools.bench.collectives import aggregate_rows, default_sizes, repeats_for
+from tools.bench.launcher import repo_root
+from tools.bench.schema import STEP_FIELDS, RankResult
+from tools.bench.synthetic_worker import even_splits
 
 SCRIPT = os.path.join(repo_root(), "scripts", "bench_ep.py")
 TOKENS, HIDDEN, TOPK, LAYERS = 6, 8, 2, 2
@@ -113,7 +113,7 @@ def test_default_sizes_cover_4k_to_64m_log_spaced():
 
 
 def test_exact_rss_sets_a_fixed_mmap_threshold_for_the_ranks():
-    from megatron.training.bench.cli import _worker_env, build_parser
+    from tools.bench.cli import _worker_env, build_parser
 
     assert _worker_env(build_parser().parse_args(["--variants", "standard"])) == {}
     env = _worker_env(build_parser().parse_args(["--variants", "standard", "--exact-rss"]))

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from megatron.training.bench.launcher import LaunchError, LaunchTimeout, launch
-from megatron.training.bench.netns import LoopbackNetwork
-from megatron.training.bench.schema import WorkerSpec
+from tools.bench.launcher import LaunchError, LaunchTimeout, launch
+from tools.bench.netns import LoopbackNetwork
+from tools.bench.schema import WorkerSpec
 
 
 def _alive(pid: int) -> bool:
@@ -54,7 +54,7 @@ def test_refuses_to_overwrite_results(tmp_path):
 
 
 def test_open_network_falls_back_to_loopback_with_a_warning(monkeypatch, caplog):
-    from megatron.training.bench import netns
+    from tools.bench import netns
 
     monkeypatch.setattr(netns, "netns_available", lambda: (False, "not root (simulated)"))
     with caplog.at_level("WARNING"):

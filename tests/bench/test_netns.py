@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from megatron.training.bench import netns
-from megatron.training.bench.launcher import launch, repo_root
-from megatron.training.bench.schema import RankResult, WorkerSpec
+from tools.bench import netns
+from tools.bench.launcher import launch, repo_root
+from tools.bench.schema import RankResult, WorkerSpec
 
 ok, why = netns.netns_available() if os.geteuid() == 0 else (False, "not root")
 pytestmark = pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")
@@ -73,7 +73,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {root!r})
-    from megatron.training.bench import netns
+    from tools.bench import netns
     with netns.ShapedNetwork(2, netns.LinkSpec(1.0)) as net:
         print("ready", flush=True)
         time.sleep(120)
@@ -127,7 +127,7 @@ def test_synthetic_worker_across_namespaces(tmp_path):
     spec = WorkerSpec("synthetic", str(tmp_path / "out"), warmup=0, steps=1,
                       options={"tokens": 8, "hidden": 8, "ffn": 8, "topk": 1, "layers": 1})  # fmt: skip
     with netns.ShapedNetwork(2, netns.LinkSpec(1.0)) as net:
-        raw = launch(net, "megatron.training.bench.synthetic_worker", spec, str(tmp_path), timeout_s=100)
+        raw = launch(net, "tools.bench.synthetic_worker", spec, str(tmp_path), timeout_s=100)
     for d in raw:
         r = RankResult.from_dict(d)
         r.validate(1)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from megatron.training.bench.tune import find_rate
+from tools.bench.tune import find_rate
 
 
 def _model(c):

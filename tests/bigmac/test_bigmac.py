@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from moe_variants.bigmac.accounting import a2a_bytes_uniform, model_accounting, paper_table3
 from tests.foundation.test_ep_equivalence import _assert_grads_close, _run
@@ -26,7 +26,7 @@ def test_paper_table4_gpt3_xl():
 
 
 def _param_count(rank, world, cfg):
-    from megatron.training.model_builder import padded_vocab_size
+    from moe_variants.builder import padded_vocab_size
 
     model, _ = build_and_load(cfg, ParallelConfig())
     return sum(p.numel() for p in model.parameters()), padded_vocab_size(VOCAB, cfg, ParallelConfig())
@@ -87,7 +87,7 @@ def _ours_vs_upstream(rank, world):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe import moe_layer as upstream
 
-    from megatron.training.model_builder import transformer_config
+    from moe_variants.builder import transformer_config
     from megatron.training.parallel import initialize_parallel
     from moe_variants.bigmac.layer import BigMacMoELayer
     from moe_variants.common.moe_layer import ProjectRouter
@@ -145,7 +145,7 @@ def _latent_vs_sequential(rank, world, bias):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron.training.model_builder import transformer_config
+    from moe_variants.builder import transformer_config
     from megatron.training.parallel import initialize_parallel
     from moe_variants.bigmac.layer import LatentSequentialMLP
 
@@ -224,7 +224,7 @@ def _bytes(rank, world, cfg, state):
 
     model, pgc = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
     if state is not None:
-        from megatron.training.global_state import load_global_state_dict
+        from moe_variants.global_state import load_global_state_dict
 
         shared = {k: v for k, v in state.items() if ".experts." not in k}
         load_global_state_dict(model, shared, pgc, strict=False)
@@ -232,7 +232,7 @@ def _bytes(rank, world, cfg, state):
     forward_loss(model, tokens, labels).sum().backward()
     totals = CommCounters.total(comm_counters([model]))
     if state is None:
-        from megatron.training.global_state import gather_global_state_dict
+        from moe_variants.global_state import gather_global_state_dict
 
         return totals, gather_global_state_dict(model, pgc)
     return totals, None

@@ -110,9 +110,9 @@ def hf_reference(directory: str, family: str, **load_kwargs):
 
 def our_greedy_rank(rank, world_size, ckpt: str, tp: int, ep: int):
     """Run on each rank (run_distributed): load the checkpoint at TP x EP and decode greedily."""
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.loading import load_model
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import initialize_parallel
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
@@ -163,8 +163,8 @@ def stage_state_rank(rank, world_size, ckpt: str, pp: int):
     import re
 
     from megatron.core import parallel_state
-    from megatron.training.config import ParallelConfig
-    from megatron.training.global_state import gather_global_state_dict
+    from moe_variants.config import ParallelConfig
+    from moe_variants.global_state import gather_global_state_dict
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
 
@@ -180,7 +180,7 @@ def native_checkpoint_rank(rank, world_size, ckpt: str, values: dict):
     """Save a randomly initialised model of ours (never imported from HF) and return its logits."""
     from megatron.training.arguments import configs_from_dict
     from megatron.training.loading import save_model
-    from megatron.training.model_builder import build_model, causal_attention_mask
+    from moe_variants.builder import build_model, causal_attention_mask
     from megatron.training.parallel import initialize_parallel
 
     configs = configs_from_dict(values)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron.training.config import ModelConfig, ParallelConfig, validate
+from moe_variants.config import ModelConfig, ParallelConfig, validate
 
 
 def _moe(**overrides):

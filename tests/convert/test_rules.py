@@ -114,7 +114,7 @@ def test_group_max_topk_is_deepseek_v2_group_limited_greedy():
     own group-limited top-k (groups ranked by top-2 sums) picks differently on the same scores."""
     import transformers
     from megatron.core.transformer.moe.moe_utils import group_limited_topk
-    from megatron.training.model_features import group_max_topk
+    from moe_variants.features import group_max_topk
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MoEGate
 
     config = transformers.DeepseekV2Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=4,

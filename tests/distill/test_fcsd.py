@@ -37,7 +37,7 @@ def test_kl_equals_direct_computation():
 def _tp_kl(rank, world):
     from megatron.core import parallel_state
 
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.parallel import initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=2), seed=1)
@@ -132,8 +132,8 @@ def _scores_keep_rng(rank, world, data_dir, include_path):
 
     from distill.report import lm_eval_scores, make_lm_eval_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.config import ParallelConfig
-    from megatron.training.model_builder import build_model
+    from moe_variants.config import ParallelConfig
+    from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
     from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
     from tests.helpers import tiny_model_config
@@ -211,7 +211,7 @@ def test_teacher_forward_has_no_trainable_parameters(teacher_ckpt):
     from megatron.training.testing import run_distributed
 
     def fn(rank, world, path):
-        from megatron.training.config import ParallelConfig
+        from moe_variants.config import ParallelConfig
         from megatron.training.loading import load_model
         from megatron.training.parallel import initialize_parallel
 

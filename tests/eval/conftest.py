@@ -29,7 +29,7 @@ def save_tiny(path: str, overrides: dict) -> None:
     Needs an initialised torch.distributed world."""
     from megatron.training.arguments import configs_from_dict
     from megatron.training.loading import save_model
-    from megatron.training.model_builder import build_model
+    from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
     from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 # each importing megatron-core's model code again (most of a rank's start-up time)
 import megatron.training.lm_eval_adapter  # noqa: E402,F401
 import megatron.training.loading  # noqa: E402,F401
-import megatron.training.model_builder  # noqa: E402,F401
+import moe_variants.builder  # noqa: E402,F401
 import moe_variants.bigmac.layer  # noqa: E402,F401
 import moe_variants.farskip  # noqa: E402,F401
 from megatron.training.testing import run_distributed  # noqa: E402
@@ -55,7 +55,7 @@ def _lm(path, **kwargs):
 
 def _logits(lm, tokens):
     """Logits [S, V] of one unpadded sequence (the reference forward)."""
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
 
     t = torch.tensor([tokens])
     with torch.no_grad():

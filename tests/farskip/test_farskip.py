@@ -10,7 +10,7 @@ streams) in a different order, which moves fp32 sums by a few ulps.
 import pytest
 import torch
 
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from moe_variants.farskip import parse_farskip_layers
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
@@ -71,7 +71,7 @@ def test_layer_selection():
 def _split_vs_whole(rank, world):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
     from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
 
     model, _ = build_and_load(tiny_model_config(), ParallelConfig())
@@ -90,7 +90,7 @@ def test_split_attention_is_bit_identical_to_megatron_core():
 
 
 def _backward_order(rank, world, reorder):
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
     from moe_variants.common import comm
 
     comm.BACKWARD_REORDERING = reorder
@@ -131,7 +131,7 @@ def test_backward_reordering_moves_attention_between_launch_and_wait():
 
 
 def _collective_order(rank, world):
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
     from moe_variants.common import comm
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=3, moe_layer_freq=1)

@@ -7,7 +7,7 @@ DDP would; only when it runs changes.
 
 import torch
 
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from moe_variants.common import wgrad
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
@@ -69,7 +69,7 @@ def test_deferred_gradient_accumulates_into_main_grad():
 
 
 def _grads_and_queue(rank, world, defer):
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", farskip_defer_wgrad=defer, num_layers=2,
                             moe_layer_freq=1)

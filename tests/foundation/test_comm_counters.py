@@ -12,13 +12,13 @@ backward.
 import torch
 import torch.distributed as dist
 
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 
 def _count(rank, world):
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
     from megatron.training.training import comm_counters
     from moe_variants.common.comm import CommCounters
 

@@ -13,13 +13,13 @@ losses by 1e-2 or more.
 import pytest
 import torch
 
-from megatron.training.config import ParallelConfig
+from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 
 def _step(rank, world_size, model_cfg, parallel, state, data_index_of_rank):
-    from megatron.training.global_state import gather_global_grads, gather_global_state_dict
+    from moe_variants.global_state import gather_global_grads, gather_global_state_dict
 
     model, pgc = build_and_load(model_cfg, parallel, state)
     tokens, labels = batch(data_index_of_rank(rank))

@@ -12,7 +12,8 @@ import itertools
 import pytest
 import torch
 
-from megatron.training.config import ParallelConfig, TrainingConfig
+from moe_variants.config import ParallelConfig
+from megatron.training.config import TrainingConfig
 from megatron.training.testing import run_distributed
 from tests.helpers import VOCAB, batch, tiny_model_config
 

@@ -36,7 +36,7 @@ class ModelFixture:
 def _save_tiny(rank, world, out):
     from megatron.training.arguments import configs_from_dict
     from megatron.training.loading import save_model
-    from megatron.training.model_builder import build_model
+    from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
     from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
@@ -61,9 +61,9 @@ def write_prompts(path: Path, num: int, seed: int) -> None:
 def _build_profile_apply(rank, world, root):
     """Save the tiny checkpoint, profile the prompts (EP=1), solve Sem-MoE tables for D=2 and apply
     them: one forked rank, so the test process never holds a process group."""
-    from moe_variants.semmoe.apply import apply_placement
+    from tools.semmoe.apply import apply_placement
     from moe_variants.semmoe.methods import place
-    from moe_variants.semmoe.model_run import RunOptions, profile_rank
+    from tools.semmoe.model_run import RunOptions, profile_rank
     from moe_variants.semmoe.profile import save_profile
     from moe_variants.semmoe.tables import save_tables
 
@@ -79,7 +79,7 @@ def tiny_model(tmp_path_factory) -> ModelFixture:
     # megatron-core takes seconds to import: once here, inherited by every forked rank after
     import megatron.core.models.gpt  # noqa: F401
     import megatron.training.loading  # noqa: F401
-    import megatron.training.model_builder  # noqa: F401
+    import moe_variants.builder  # noqa: F401
     import megatron.training.parallel  # noqa: F401
 
     root = tmp_path_factory.mktemp("semmoe_model")

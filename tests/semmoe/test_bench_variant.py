@@ -23,13 +23,13 @@ TINY = dict(
 def _megatron_imported():
     """megatron-core takes seconds to import: once in this process, inherited by the forked ranks."""
     import megatron.core.parallel_state  # noqa: F401
-    import megatron.training.bench.variant_worker  # noqa: F401
-    import moe_variants.semmoe.bench  # noqa: F401
+    import tools.bench.variant_worker  # noqa: F401
+    import tools.semmoe.bench  # noqa: F401
 
 
 def _run_variants(rank, world, out_dir, variants, profile_samples):
-    from megatron.training.bench.schema import WorkerSpec
-    from megatron.training.bench.variant_worker import run
+    from tools.bench.schema import WorkerSpec
+    from tools.bench.variant_worker import run
 
     results = {}
     for v in variants:
@@ -74,7 +74,7 @@ def _schedule_once(rank, world):
 
     from megatron.core import parallel_state
 
-    from moe_variants.semmoe.bench import SemMoEBench
+    from tools.semmoe.bench import SemMoEBench
     from moe_variants.semmoe.scheduling import DPRequestScheduler
     from moe_variants.semmoe.tables import Tables
 
@@ -105,7 +105,7 @@ def _schedule_once(rank, world):
 
 
 def test_bench_cli_accepts_combined_variant_names():
-    from megatron.training.bench.cli import _variants, build_parser
+    from tools.bench.cli import _variants, build_parser
 
     args = build_parser().parse_args(["--variants", "standard,semmoe,semmoe+bigmac,semmoe+farskip"])
     assert _variants(args) == ["standard", "semmoe", "semmoe+bigmac", "semmoe+farskip"]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron.training.testing import run_distributed
-from moe_variants.semmoe.cli import main
+from tools.semmoe.cli import main
 from moe_variants.semmoe.metrics import evaluate
-from moe_variants.semmoe.model_run import pad_assignment
+from tools.semmoe.model_run import pad_assignment
 from moe_variants.semmoe.profile import load_profile
 from moe_variants.semmoe.tables import Tables, load_tables, save_tables
 
@@ -33,7 +33,7 @@ def _tokens(seed=0, batch=2, seq=24, vocab=2048):
 def _profile_layouts(rank, world, ckpt, prompts):
     from megatron.core import parallel_state
 
-    from moe_variants.semmoe.model_run import RunOptions, gather_embedding, profile_rank
+    from tools.semmoe.model_run import RunOptions, gather_embedding, profile_rank
 
     out = {}
     for name, tp, ep in (("ep2", 1, 2), ("tp2_ep2", 2, 2)):
@@ -71,7 +71,7 @@ def test_profile_is_layout_independent_and_extends_by_embedding(tiny_model):
 
 def _embedding(ckpt):
     def fn(rank, world, path):
-        from megatron.training.config import ParallelConfig
+        from moe_variants.config import ParallelConfig
         from megatron.training.loading import load_model
         from megatron.training.parallel import initialize_parallel
 
@@ -86,16 +86,16 @@ def _embedding(ckpt):
 
 
 def _apply(rank, world, ckpt, tables, out):
-    from moe_variants.semmoe.apply import apply_placement
+    from tools.semmoe.apply import apply_placement
 
     return apply_placement(ckpt, tables, out)
 
 
 def _logits_and_ownership(rank, world, original, placed, physical_to_logical, tokens):
-    from megatron.training.config import ParallelConfig
-    from megatron.training.global_state import gather_global_state_dict
+    from moe_variants.config import ParallelConfig
+    from moe_variants.global_state import gather_global_state_dict
     from megatron.training.loading import load_model
-    from megatron.training.model_builder import causal_attention_mask, moe_layers
+    from moe_variants.builder import causal_attention_mask, moe_layers
     from megatron.training.parallel import initialize_parallel
 
     seq = tokens.shape[1]
@@ -161,7 +161,7 @@ def test_applied_checkpoint_computes_the_same_function_at_ep_1_2_4(tiny_model, t
 def _lar_runs(rank, world, fx, contiguous2):
     from megatron.core import parallel_state
 
-    from moe_variants.semmoe.model_run import RunOptions, lar_rank
+    from tools.semmoe.model_run import RunOptions, lar_rank
 
     out = {}
     for name, ckpt, tables, mode in (
@@ -200,12 +200,12 @@ def test_measured_lar_equals_tables_prediction(tiny_model, tmp_path):
 
 
 def _rebatched_logits(rank, world, ckpt, tables_path, tokens):
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.loading import load_model
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import initialize_parallel
 
-    from moe_variants.semmoe.model_run import AttentionTPRebatching, RouteRecorder
+    from tools.semmoe.model_run import AttentionTPRebatching, RouteRecorder
 
     parallel = ParallelConfig(expert_model_parallel_size=2)
     pgc = initialize_parallel(parallel, seed=1)
@@ -325,7 +325,7 @@ def test_all_to_all_with_an_empty_send_buffer():
 
 def test_lar_prediction_uses_the_measured_requests(tiny_model):
     """``lar --limit N --profile P`` compares against the profile's requests with the measured ids."""
-    from moe_variants.semmoe.model_commands import _requests_of
+    from tools.semmoe.model_commands import _requests_of
 
     prof = load_profile(tiny_model.profile_path)
     ids = prof.meta["request_ids"]

@@ -1,11 +1,11 @@
-"""Table files and the ``python -m moe_variants.semmoe`` commands (run in-process; exact checks)."""
+"""Table files and the ``python -m tools.semmoe`` commands (run in-process; exact checks)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from moe_variants.semmoe.cli import COMMANDS, main
+from tools.semmoe.cli import COMMANDS, main
 from moe_variants.semmoe.methods import place
 from moe_variants.semmoe.profile import save_profile, split_profile
 from moe_variants.semmoe.synthetic import SyntheticConfig, synthetic_profile

@@ -183,7 +183,7 @@ def test_unknown_flag_and_yaml_key(tmp_path, capsys):
 def _load_and_score(rank, world, path, ep):
     import torch
 
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
     from tests.helpers import forward_loss

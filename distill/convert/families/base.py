@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from megatron.training.config import ModelConfig, MoEVariant, moe_layer_pattern
+from moe_variants.config import ModelConfig, MoEVariant, moe_layer_pattern
 
 __all__ = ["Family", "get", "refuse", "common_model_fields", "common_hf_fields", "check_exportable",
            "layer_freq", "dense_layers", "optional_int"]

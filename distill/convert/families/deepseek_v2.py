@@ -24,7 +24,7 @@ ignores ``norm_topk_prob`` while DeepSeek's code renormalises, so ``true`` is re
 
 from __future__ import annotations
 
-from megatron.training.config import ModelConfig, RopeType, RouterGroupScore, moe_layer_pattern
+from moe_variants.config import ModelConfig, RopeType, RouterGroupScore, moe_layer_pattern
 
 from distill.convert import rules as R
 from distill.convert.families.base import (

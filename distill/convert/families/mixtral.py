@@ -7,7 +7,7 @@ top-k on the logits followed by a softmax over those k (``moe_router_pre_softmax
 
 from __future__ import annotations
 
-from megatron.training.config import ModelConfig, moe_layer_pattern
+from moe_variants.config import ModelConfig, moe_layer_pattern
 
 from distill.convert import rules as R
 from distill.convert.families.base import (

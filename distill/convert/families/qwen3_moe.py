@@ -9,7 +9,7 @@ Renormalised softmax-top-k equals megatron's top-k on the logits then softmax
 
 from __future__ import annotations
 
-from megatron.training.config import ModelConfig, moe_layer_pattern
+from moe_variants.config import ModelConfig, moe_layer_pattern
 
 from distill.convert import rules as R
 from distill.convert.families.base import (

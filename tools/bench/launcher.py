@@ -38,8 +38,8 @@ class LaunchTimeout(LaunchError):
 
 
 def repo_root() -> str:
-    """The checkout that holds this package (``megatron/training/bench`` -> three levels up)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    """The checkout that holds this package (``tools/bench/launcher.py`` -> two levels up)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:

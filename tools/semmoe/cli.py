@@ -1,4 +1,4 @@
-"""``python -m moe_variants.semmoe <command>``: Sem-MoE offline passes.
+"""``python -m tools.semmoe <command>``: Sem-MoE offline passes.
 
 Commands are registered with :func:`command`; each gets an argparse sub-parser and a ``run(args)``
 returning an exit code. User errors (``ValueError``) print one line and exit with status 2.
@@ -57,8 +57,8 @@ def _positive_int(s: str) -> int:
 
 
 def _configure_solve(p: argparse.ArgumentParser) -> None:
-    from .methods import METHODS
-    from .solver import SolverConfig, TokenTable
+    from moe_variants.semmoe.methods import METHODS
+    from moe_variants.semmoe.solver import SolverConfig, TokenTable
 
     d = SolverConfig()
     p.add_argument("--profile", required=True, help="profile .npz (from `profile`, `synth` or `split`)")
@@ -82,10 +82,10 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
 
 @command("solve", "place experts and build scheduling tables from a profile", _configure_solve)
 def _solve(args: argparse.Namespace) -> int:
-    from .methods import place
-    from .profile import load_profile
-    from .solver import SolverConfig, solve
-    from .tables import save_tables
+    from moe_variants.semmoe.methods import place
+    from moe_variants.semmoe.profile import load_profile
+    from moe_variants.semmoe.solver import SolverConfig, solve
+    from moe_variants.semmoe.tables import save_tables
 
     profile = load_profile(args.profile)
     config = SolverConfig(
@@ -139,10 +139,10 @@ def _configure_evaluate(p: argparse.ArgumentParser) -> None:
 
 @command("evaluate", "LAR, load imbalance and all-to-all bytes of tables on a held-out profile", _configure_evaluate)
 def _evaluate(args: argparse.Namespace) -> int:
-    from ._files import atomic_write
-    from .metrics import evaluate
-    from .profile import load_profile
-    from .tables import load_tables
+    from moe_variants.semmoe._files import atomic_write
+    from moe_variants.semmoe.metrics import evaluate
+    from moe_variants.semmoe.profile import load_profile
+    from moe_variants.semmoe.tables import load_tables
 
     profile = load_profile(args.profile)
     hidden = args.hidden_size or profile.meta.get("hidden_size")
@@ -183,7 +183,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _configure_synth(p: argparse.ArgumentParser) -> None:
-    from .synthetic import SyntheticConfig
+    from moe_variants.semmoe.synthetic import SyntheticConfig
 
     d = SyntheticConfig()
     p.add_argument("--out", required=True, help="profile .npz to write")
@@ -194,8 +194,8 @@ def _configure_synth(p: argparse.ArgumentParser) -> None:
 
 @command("synth", "write a synthetic profile with planted token-expert affinity", _configure_synth)
 def _synth(args: argparse.Namespace) -> int:
-    from .profile import save_profile
-    from .synthetic import SyntheticConfig, synthetic_profile
+    from moe_variants.semmoe.profile import save_profile
+    from moe_variants.semmoe.synthetic import SyntheticConfig, synthetic_profile
 
     cfg = SyntheticConfig(**{k: getattr(args, k) for k in SyntheticConfig().__dict__})
     profile = synthetic_profile(cfg, seed=args.seed)
@@ -217,7 +217,7 @@ def _configure_split(p: argparse.ArgumentParser) -> None:
 
 @command("split", "split a profile's requests into profiling and held-out parts", _configure_split)
 def _split(args: argparse.Namespace) -> int:
-    from .profile import load_profile, save_profile, split_profile
+    from moe_variants.semmoe.profile import load_profile, save_profile, split_profile
 
     a, b = split_profile(load_profile(args.profile), args.fraction, args.seed)
     save_profile(a, args.out)
@@ -230,7 +230,7 @@ def _split(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moe_variants.semmoe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.semmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd in COMMANDS.values():
         cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))

@@ -20,7 +20,7 @@ scheduling that applies is Algorithm 2 (requests -> DP ranks); every training sa
 
 The all-to-all volume then falls by the share of activations that became local; the dispatchers'
 counters measure it. Token re-batching (Algorithm 3) needs attention-TP and is measured by
-``python -m moe_variants.semmoe lar --mode tp`` instead.
+``python -m tools.semmoe lar --mode tp`` instead.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class SemMoEBench:
 
     def _profile(self, model):
         from .model_run import RouteRecorder, gather_embedding
-        from .profile import extend_vocabulary, profile_from_traces
+        from moe_variants.semmoe.profile import extend_vocabulary, profile_from_traces
 
         mbs = self.configs.training.micro_batch_size
         mine = list(self.profile_indices)[self.rank :: self.world]
@@ -119,9 +119,9 @@ class SemMoEBench:
 
     def place(self, model) -> None:
         """Profile, solve and permute (collective; the ``before_wrap`` hook)."""
-        from .metrics import evaluate
-        from .methods import place
-        from .placement import permute_model_experts
+        from moe_variants.semmoe.metrics import evaluate
+        from moe_variants.semmoe.methods import place
+        from moe_variants.semmoe.placement import permute_model_experts
 
         t0 = time.perf_counter()
         profile = self._profile(model)
@@ -137,7 +137,7 @@ class SemMoEBench:
         self.tables, info = payload[0]
         t2 = time.perf_counter()
         permute_model_experts(model, self.pg_collection, self.tables.physical_to_logical())
-        from .scheduling import DPRequestScheduler
+        from moe_variants.semmoe.scheduling import DPRequestScheduler
 
         self.scheduler = DPRequestScheduler(self.tables)
         self.info = dict(info, profile_s=t1 - t0, solve_s=t2 - t1, permute_s=time.perf_counter() - t2,
@@ -175,7 +175,7 @@ class SemMoEBench:
 
 
 def _forward(model, tokens: torch.Tensor):
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
 
     seq = tokens.shape[1]
     positions = torch.arange(seq)[None].expand_as(tokens)

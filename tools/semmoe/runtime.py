@@ -15,18 +15,15 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-__all__ = ["in_torchrun", "single_process_group", "run_under_torchrun", "repo_root", "ARGV_ENV", "rank_argv"]
+from tools.bench.launcher import repo_root
+
+__all__ = ["in_torchrun", "single_process_group", "run_under_torchrun", "ARGV_ENV", "rank_argv"]
 
 # The command line travels to the ranks in this variable, not as torchrun script arguments:
 # torchrun's own parser classifies every ``--option`` after the module name and rejects ours
 # when they abbreviate one of its flags (``--nproc`` vs ``--nproc-per-node``).
 ARGV_ENV = "SEMMOE_ARGV"
-
-
-def repo_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
 
 
 def in_torchrun() -> bool:
@@ -64,7 +61,7 @@ def rank_argv() -> list[str] | None:
 
 
 def run_under_torchrun(nproc: int, argv: list[str], env: dict | None = None) -> int:
-    """Start ``torchrun --nproc_per_node=nproc -m moe_variants.semmoe`` with ``argv`` and wait.
+    """Start ``torchrun --nproc_per_node=nproc -m tools.semmoe`` with ``argv`` and wait.
 
     Rank output streams through; when the ranks fail, the first ``error:`` line a rank printed is
     repeated last (one line), so a user error inside the ranks still reads as one line.
@@ -76,7 +73,7 @@ def run_under_torchrun(nproc: int, argv: list[str], env: dict | None = None) -> 
     full_env.update(env or {})
     full_env[ARGV_ENV] = json.dumps([str(a) for a in argv])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "moe_variants.semmoe"]  # fmt: skip
+           "-m", "tools.semmoe"]  # fmt: skip
     proc = subprocess.run(cmd, env=full_env, stderr=subprocess.PIPE, text=True)
     if proc.returncode == 0:
         if proc.stderr:

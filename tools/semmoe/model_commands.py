@@ -1,4 +1,4 @@
-"""Model-side subcommands of ``python -m moe_variants.semmoe`` (registered on import by ``cli``).
+"""Model-side subcommands of ``python -m tools.semmoe`` (registered on import by ``cli``).
 
 * ``profile``  run a checkpoint over prompts (any TP/EP, torchrun) -> profile .npz
 * ``apply``    permute a checkpoint's experts and router rows by tables -> placed checkpoint
@@ -74,7 +74,7 @@ def _check_output_file(out: str) -> None:
 def _check_run_inputs(args: argparse.Namespace, nproc: int):
     """Prompts readable, checkpoint present, layout valid for ``nproc`` ranks; returns the manifest."""
     from megatron.training.arguments import configs_from_dict
-    from megatron.training.config import validate
+    from moe_variants.config import validate
 
     from .apply import _checkpoint
     from .model_run import read_prompts
@@ -113,7 +113,7 @@ def _configure_profile(p: argparse.ArgumentParser) -> None:
 def _profile(args: argparse.Namespace) -> int:
     _quiet()
     from .model_run import profile_rank
-    from .profile import save_profile
+    from moe_variants.semmoe.profile import save_profile
     from .runtime import in_torchrun, run_under_torchrun, single_process_group
 
     opts = _run_options(args)
@@ -188,11 +188,11 @@ def _lar_table(rows: list[dict]) -> None:
 @command("lar", "measure the local activation rate of a placed checkpoint in a real forward", _configure_lar)
 def _lar(args: argparse.Namespace) -> int:
     _quiet()
-    from ._files import atomic_write
+    from moe_variants.semmoe._files import atomic_write
     from .apply import check_tables_match_checkpoint
     from .model_run import lar_rank
     from .runtime import in_torchrun, run_under_torchrun, single_process_group
-    from .tables import load_tables
+    from moe_variants.semmoe.tables import load_tables
 
     tables = load_tables(args.tables)
     args.expert_model_parallel_size = tables.num_devices
@@ -208,7 +208,7 @@ def _lar(args: argparse.Namespace) -> int:
     _, manifest = _check_run_inputs(args, tables.num_devices)
     check_tables_match_checkpoint(tables, manifest, args.tables, args.load)
     if args.profile:
-        from .profile import load_profile
+        from moe_variants.semmoe.profile import load_profile
 
         load_profile(args.profile)
     if tables.num_devices > 1:
@@ -238,8 +238,8 @@ def _requests_of(profile, request_ids: list, path: str):
 def _report_lar(args, tables, result: dict, atomic_write) -> None:
     rows = [("measured", result)]
     if args.profile:
-        from .metrics import evaluate
-        from .profile import load_profile
+        from moe_variants.semmoe.metrics import evaluate
+        from moe_variants.semmoe.profile import load_profile
 
         held = _requests_of(load_profile(args.profile), result["request_ids"], args.profile)
         predicted = evaluate(tables, held, args.mode, result.get("hidden_size"), 2, 0).to_dict()

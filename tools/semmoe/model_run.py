@@ -143,7 +143,7 @@ class RouteRecorder:
     """
 
     def __init__(self, model):
-        from megatron.training.model_builder import moe_layers
+        from moe_variants.builder import moe_layers
 
         self.layers = moe_layers(model)
         if not self.layers:
@@ -254,7 +254,7 @@ class LocalActivationCounter:
 
 def _forward(model, tokens: torch.Tensor):
     """Logits of a GPTModel for right-padded ``tokens`` [B, S] (explicit causal mask)."""
-    from megatron.training.model_builder import causal_attention_mask
+    from moe_variants.builder import causal_attention_mask
 
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=tokens.device)[None].expand_as(tokens)
@@ -297,7 +297,7 @@ class RunOptions:
     seed: int = 1234
 
     def parallel(self):
-        from megatron.training.config import ParallelConfig
+        from moe_variants.config import ParallelConfig
 
         return ParallelConfig(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
@@ -323,7 +323,7 @@ def profile_rank(opts: RunOptions):
     """Run on every rank; returns the :class:`Profile` on global rank 0 and None elsewhere."""
     from megatron.core import parallel_state
 
-    from .profile import extend_vocabulary, profile_from_traces
+    from moe_variants.semmoe.profile import extend_vocabulary, profile_from_traces
 
     model, configs, tokenizer, manifest, pgc = _load(opts)
     tp = opts.tensor_model_parallel_size
@@ -413,7 +413,7 @@ class AttentionTPRebatching:
     """
 
     def __init__(self, model, tables, group, recorder: RouteRecorder):
-        from megatron.training.model_builder import moe_layers
+        from moe_variants.builder import moe_layers
 
         self.layers = moe_layers(model)
         self.tables = tables
@@ -442,7 +442,7 @@ class AttentionTPRebatching:
         return False
 
     def _assignment(self, layer: int) -> torch.Tensor:
-        from .scheduling import align_to_ranks, predict_token_devices
+        from moe_variants.semmoe.scheduling import align_to_ranks, predict_token_devices
 
         t, n, w = self.tables, self.token_ids.numel(), self.world
         if not t.has_schedule:
@@ -460,7 +460,7 @@ class AttentionTPRebatching:
         return pad_assignment(align_to_ranks(pred, conf, w), w)
 
     def _moe_forward(self, layer, original, hidden_states, intermediate_tensors=None, padding_mask=None):
-        from .scheduling import (
+        from moe_variants.semmoe.scheduling import (
             rebatch_permutation, routed_devices, shuffle_local, shuffled_all_gather, shuffled_reduce_scatter,
         )  # fmt: skip
 
@@ -495,7 +495,7 @@ class AttentionTPRebatching:
 
 
 def _comm_totals(model) -> tuple[int, int]:
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
 
     dispatch = combine = 0
     for m in moe_layers(model):
@@ -506,7 +506,7 @@ def _comm_totals(model) -> tuple[int, int]:
 
 
 def _reset_comm(model) -> None:
-    from megatron.training.model_builder import moe_layers
+    from moe_variants.builder import moe_layers
 
     for m in moe_layers(model):
         m.token_dispatcher.comm.reset()
@@ -522,8 +522,8 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     must agree.
     """
     from .apply import check_tables_match_checkpoint
-    from .scheduling import schedule_requests
-    from .tables import load_tables
+    from moe_variants.semmoe.scheduling import schedule_requests
+    from moe_variants.semmoe.tables import load_tables
 
     tables = load_tables(tables_path)
     model, configs, tokenizer, manifest, pgc = _load(opts)

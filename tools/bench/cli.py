@@ -41,8 +41,8 @@ __all__ = ["build_parser", "main", "WORKERS", "worker_module_for"]
 log = logging.getLogger("bench_ep")
 
 SYNTHETIC = "synthetic"
-MODEL_WORKER = "megatron.training.bench.variant_worker"
-WORKERS = {SYNTHETIC: "megatron.training.bench.synthetic_worker"}
+MODEL_WORKER = "tools.bench.variant_worker"
+WORKERS = {SYNTHETIC: "tools.bench.synthetic_worker"}
 OUTPUT_SCHEMA = "bench_ep/1"
 # model-size flags passed through to the model worker as config overrides (flag -> field)
 MODEL_FLAGS = (

@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-from .tables import EXPERT_MAP_FILE, TABLES_FILE, Tables, load_tables
+from moe_variants.semmoe.tables import EXPERT_MAP_FILE, TABLES_FILE, Tables, load_tables
 
 __all__ = [
     "PLACEMENT_SECTION",
@@ -79,7 +79,7 @@ def checkpoint_placement(manifest: dict) -> Optional[dict]:
 def _moe_shape(manifest: dict, path: str) -> tuple[int, int]:
     """(MoE layers, experts) of a checkpoint's model config."""
     from megatron.training.arguments import configs_from_dict
-    from megatron.training.config import moe_layer_pattern
+    from moe_variants.config import moe_layer_pattern
 
     try:
         cfg = configs_from_dict(dict(manifest["configs"].get("model", {}))).model
@@ -105,7 +105,7 @@ def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: s
     if applied.shape != expected.shape or not np.array_equal(applied, expected):
         raise ValueError(
             f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
-            "apply them first (python -m moe_variants.semmoe apply)"
+            "apply them first (python -m tools.semmoe apply)"
         )
 
 
@@ -157,11 +157,11 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
 
     from megatron.training.arguments import configs_from_dict, configs_to_dict
     from megatron.training.checkpointing import layout_of, save_checkpoint
-    from megatron.training.config import ParallelConfig
+    from moe_variants.config import ParallelConfig
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
 
-    from .placement import compose_maps, permute_model_experts
+    from moe_variants.semmoe.placement import compose_maps, permute_model_experts
     from .runtime import single_process_group
 
     ckpt, manifest, tables = validate_apply(load, tables_path, out)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import compat
-from megatron.training.config import (
+from moe_variants.config import (
     ModelConfig,
     MoEVariant,
     ParallelConfig,
@@ -186,7 +186,7 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron.training.model_features import MLADotProductAttention
+    from moe_variants.features import MLADotProductAttention
 
     attn = spec.submodules.self_attention
     if te or not isinstance(attn, ModuleSpec):
@@ -216,13 +216,13 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
 
     from moe_variants.common.moe_layer import ProjectRouter
 
-    from megatron.training.model_features import GroupMaxRouter
+    from moe_variants.features import GroupMaxRouter
 
     router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron.training.norms import TorchNorm
+    from moe_variants.norms import TorchNorm
 
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=model.normalization, pp_rank=pp_rank
@@ -230,7 +230,7 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
     moe_cls = _moe_layer_class(model)
 
     def norm(module):
-        # sequence parallelism with torch norms (apex absent): see megatron/training/norms.py
+        # sequence parallelism with torch norms (apex absent): see moe_variants/norms.py
         return TorchNorm if module is WrappedTorchNorm else module
 
     layer_specs = []

@@ -1,6 +1,6 @@
 """The EP benchmark's model worker: the project's real training step for one MoE variant.
 
-``python -m megatron.training.bench.variant_worker SPEC.json`` (started once per rank by
+``python -m tools.bench.variant_worker SPEC.json`` (started once per rank by
 ``scripts/bench_ep.py``). It builds the model with the same builder and trains it with the same
 ``train_step`` as ``pretrain_gpt`` (megatron-core DDP, optimizer, schedule) on the embedded corpus
 (identical batches for every variant: same seed, same data order), and records per measured step
@@ -9,7 +9,7 @@ the timings and the all-to-all counters that the dispatchers themselves keep.
 Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` combines them
 (``bigmac+farskip``). ``semmoe`` changes no config: it places the experts of the freshly built model
 by a Sem-MoE profile of validation-split samples and re-schedules every step's samples over the
-ranks (``moe_variants/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
+ranks (``tools/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ VARIANTS = {
     "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
     "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
     "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
-    "semmoe": {},  # placement + request scheduling, see moe_variants/semmoe/bench.py
+    "semmoe": {},  # placement + request scheduling, see tools/semmoe/bench.py
 }
 
 
@@ -105,7 +105,7 @@ def run(spec: WorkerSpec) -> RankResult:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron.training.config import validate
+    from moe_variants.config import validate
     from megatron.training.parallel import initialize_parallel
     from megatron.training.pretrain_gpt import build_data, resolve_tokenizer
     from megatron.training.training import setup_model_and_optimizer, train_step
@@ -124,7 +124,7 @@ def run(spec: WorkerSpec) -> RankResult:
     global_batch = c.training.resolved_global_batch_size(dp_size)
     semmoe = None
     if "semmoe" in spec.variant.split("+"):
-        from moe_variants.semmoe.bench import from_worker
+        from tools.semmoe.bench import from_worker
 
         semmoe = from_worker(c, tokenizer, pgc, spec.options)
     chunks, optimizer, scheduler = setup_model_and_optimizer(
