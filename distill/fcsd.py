@@ -32,8 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megatron import compat
+from distill.losses import student_ce
+from megatron.training.parallel import destroy_parallel
+from moe_variants.common.cli import run_cli
+from distill.scoring import heldout_kl, lm_eval_scores, make_lm_eval_spec
+from moe_variants.farskip.config import FarSkipConfig
 
-__all__ = ["FCSDConfig", "KDLoss", "main", "run_fcsd", "heldout_kl"]
+__all__ = ["FCSDConfig", "KDLoss", "main", "run_fcsd"]
 
 
 class KDLoss(str, enum.Enum):
@@ -110,20 +115,12 @@ class _HiddenCapture:
         return out
 
 
-def _student_ce(logits_bsv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.vocab_parallel_cross_entropy(
-        logits_bsv.transpose(0, 1).contiguous().float(), labels.transpose(0, 1).contiguous()
-    ).transpose(0, 1)
-
-
 def make_forward_step_factory(teacher, cfg: FCSDConfig):
     """The loop's ``forward_step_func`` for distillation (teacher forward, then student)."""
     from distill.losses import hidden_state_l2, kl_divergence, masked_token_mean
     from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import device
-    from megatron.training.training import _to_device
+    from megatron.training.training import to_device
 
     def factory(timer):
         import time
@@ -132,7 +129,7 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
 
         def forward_step(data_iterator, model):
             start = time.perf_counter()
-            batch = _to_device(next(data_iterator), device())
+            batch = to_device(next(data_iterator), device())
             tokens, positions = batch["tokens"], batch["position_ids"]
             mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
             student = model.module if hasattr(model, "module") else model
@@ -147,7 +144,7 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
 
             def loss_func(student_logits):
                 loss_mask = batch["loss_mask"]
-                ce = masked_token_mean(_student_ce(student_logits, batch["labels"]), loss_mask)
+                ce = masked_token_mean(student_ce(student_logits, batch["labels"]), loss_mask)
                 report = {"lm_loss": ce.detach().clone()}
                 if cfg.kd_loss == KDLoss.sft:
                     return ce, report
@@ -167,49 +164,6 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
         return forward_step
 
     return factory
-
-
-@torch.no_grad()
-def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int, pg_collection) -> dict:
-    """Mean per-token KL(teacher || student) and the student's perplexity on fixed windows
-    [N, S+1]; windows are dealt to data-parallel ranks with dummy batches for lockstep."""
-    import math
-
-    from distill.losses import kl_divergence
-    from moe_variants.builder import causal_attention_mask
-    from megatron.training.parallel import device
-
-    dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
-    mine = windows[dp_rank::dp_size]
-    count = torch.tensor([math.ceil(len(mine) / micro_batch_size)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pg_collection.dp)
-    seq = windows.shape[1] - 1
-    totals = torch.zeros(3, dtype=torch.float64)  # kl sum, nll sum, tokens
-    was_training = student.training
-    student.eval()
-    try:
-        for i in range(int(count.item())):
-            chunk = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
-            weight = 1.0
-            if len(chunk) == 0:  # dummy forward so every rank runs the same collectives
-                chunk, weight = windows[:1], 0.0
-            chunk = chunk.to(device())
-            tokens, labels = chunk[:, :-1], chunk[:, 1:]
-            positions = torch.arange(seq, device=tokens.device)[None].expand_as(tokens)
-            mask = causal_attention_mask(seq, device=tokens.device)
-            s_logits = student(tokens, positions, mask)
-            t_logits = teacher(tokens, positions, mask)
-            n = tokens.numel()
-            totals[0] += weight * float(kl_divergence(s_logits, t_logits)) * n
-            totals[1] += weight * float(_student_ce(s_logits, labels).sum())
-            totals[2] += weight * n
-    finally:
-        student.train(was_training)
-    if torch.cuda.is_available():
-        totals = totals.cuda()
-    dist.all_reduce(totals, group=pg_collection.dp)
-    kl, nll = float(totals[0] / totals[2]), float(totals[1] / totals[2])
-    return {"heldout_kl": kl, "heldout_loss": nll, "heldout_ppl": math.exp(min(nll, 50.0))}
 
 
 def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
@@ -265,7 +219,6 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
             result = heldout_kl(student, state["teacher"], state["windows"],
                                 micro_batch_size=c.training.micro_batch_size, pg_collection=state["pgc"])
         if lm_eval_spec is not None:
-            from distill.report import lm_eval_scores
 
             was_training = student.training
             student.eval()
@@ -312,7 +265,6 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
 
 def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
     """The lm-eval early-stopping proxy, checked before any model loads (one-line errors)."""
-    from distill.report import make_lm_eval_spec
 
     if not fcsd.proxy_task:
         raise ValueError("--proxy lm-eval needs --proxy-task TASK (e.g. local_arc_easy)")
@@ -367,12 +319,11 @@ def _checkpoint_model_defaults(argv) -> dict:
     if load is None:
         raise ValueError("FCSD needs --load CKPT (the pretrained model to convert)")
     configs, manifest, _ = checkpoint_configs(load)
-    defaults = {f.name: getattr(configs.model, f.name) for f in dataclasses.fields(configs.model)}
+    defaults = configs.model.flat()
     data = manifest["configs"].get("data", {})
     for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "data_path", "split"):
         if data.get(key) is not None:
             defaults[key] = data[key]
-    defaults = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in defaults.items()}
     return defaults
 
 
@@ -382,25 +333,17 @@ def main(argv=None) -> int:
     from megatron.training.checkpointing import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        try:
-            defaults = _checkpoint_model_defaults(argv)
-            configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults)
-        except SystemExit as e:
-            return int(e.code or 0)
-        if configs.model.farskip == "none" and configs.extra["fcsd"].kd_loss != KDLoss.sft:
+
+    def body():
+        defaults = _checkpoint_model_defaults(argv)
+        configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults)
+        if FarSkipConfig.of(configs.model).farskip.empty and configs.extra["fcsd"].kd_loss != KDLoss.sft:
             raise ValueError("--farskip none: nothing to convert (choose all, first:N, last:N or A-B)")
         summary = run_fcsd(configs, configs.extra["fcsd"])
         if dist.get_rank() == 0:
             print("fcsd: summary " + json.dumps({k: summary.get(k) for k in ("before", "best", "iteration", "early_stop")}), flush=True)
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"fcsd: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+
+    return run_cli("fcsd", body, user_errors=(ValueError, CheckpointError, FileNotFoundError), cleanup=destroy_parallel)
 
 
 if __name__ == "__main__":

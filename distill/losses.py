@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
 __all__ = ["vocab_parallel_log_softmax", "kl_divergence", "hidden_state_l2", "masked_token_mean"]
 
@@ -92,3 +93,10 @@ def hidden_state_l2(student: list, teacher: list, mask: Optional[torch.Tensor] =
         m = None if mask is None or mask.shape != per_token.shape else mask
         terms.append(masked_token_mean(per_token, m))
     return torch.stack(terms).mean()
+
+
+def student_ce(logits_bsv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [b, s] of vocabulary-parallel logits [b, s, V/TP]."""
+    return tensor_parallel.vocab_parallel_cross_entropy(
+        logits_bsv.transpose(0, 1).contiguous().float(), labels.transpose(0, 1).contiguous()
+    ).transpose(0, 1)

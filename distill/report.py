@@ -27,18 +27,22 @@ written atomically; a markdown table is printed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import sys
-import tempfile
 from typing import Optional
 
 import numpy as np
 import torch
 
-__all__ = ["unigram_perplexity", "score_rows", "lm_eval_scores", "main_metric", "format_table", "main"]
+from megatron.training.parallel import single_process_group
+from moe_variants.common.cli import run_cli
+from moe_variants.common.files import write_json
+from distill.scoring import LMEvalSpec, heldout_kl, lm_eval_scores, main_metric, make_lm_eval_spec
+from moe_variants.farskip.config import FarSkipConfig
+
+__all__ = ["unigram_perplexity", "score_rows", "format_table", "main"]
 
 
 def unigram_perplexity(train_counts: np.ndarray, heldout_labels: np.ndarray) -> dict:
@@ -73,81 +77,6 @@ def _parse_student(spec: str) -> tuple[str, str]:
     return label, path
 
 
-# the metric a task's column shows, first one present wins
-MAIN_METRICS = ("acc_norm,none", "acc,none", "word_perplexity,none", "perplexity,none", "exact_match,none")
-
-
-def main_metric(task_results: dict) -> tuple[Optional[str], Optional[float]]:
-    """(name, value) of a task's headline metric in lm-eval's results dict."""
-    for key in MAIN_METRICS:
-        if key in task_results:
-            return key.split(",")[0], float(task_results[key])
-    return None, None
-
-
-@dataclasses.dataclass
-class LMEvalSpec:
-    """lm-eval tasks to run on every model of the report."""
-
-    tasks: list
-    manager: object  # lm_eval.tasks.TaskManager
-    limit: Optional[float] = None
-    batch_size: int = 8
-    seed: int = 1234
-    higher_is_better: dict = dataclasses.field(default_factory=dict)  # {task: {metric: bool}}
-
-    def default_metric(self, task: str) -> Optional[str]:
-        """The task's headline metric (as ``main_metric`` picks it), from its config."""
-        names = self.higher_is_better.get(task, {})
-        return next((k.split(",")[0] for k in MAIN_METRICS if k.split(",")[0] in names), None)
-
-
-def lm_eval_scores(model, tokenizer, seq_length: int, pg_collection, spec: LMEvalSpec) -> dict:
-    """{task: {metric: value}} of one loaded model (lm-eval's numeric metrics, stderr included),
-    on every rank. Collective: every rank of the model's layout calls it. The caller's random
-    states (python, numpy, torch) are restored afterwards: lm-eval reseeds them all, which would
-    otherwise reset the training run's RNG at every evaluation."""
-    import logging
-    import random
-
-    import lm_eval
-    import torch.distributed as dist
-
-    from megatron.training.lm_eval_adapter import MegatronCheckpointLM
-
-    lm = MegatronCheckpointLM(model, tokenizer, max_length=seq_length, pg_collection=pg_collection,
-                              batch_size=spec.batch_size)
-    limit = None if spec.limit is None else (int(spec.limit) if spec.limit >= 1 else spec.limit)
-    quiet = dist.is_initialized() and dist.get_rank() != 0
-    log = logging.getLogger("lm_eval")
-    level = log.level
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            if quiet:
-                log.setLevel(logging.ERROR)
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=list(spec.tasks), limit=limit, task_manager=spec.manager, log_samples=False,
-                bootstrap_iters=0, random_seed=spec.seed, numpy_random_seed=spec.seed,
-                torch_random_seed=spec.seed, fewshot_random_seed=spec.seed,
-            )
-    finally:
-        log.setLevel(level)
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-    scores = None
-    if results:
-        scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-                  for task, metrics in results["results"].items()}
-    # lm-eval returns results on local rank 0 only; every rank needs them (early stopping agrees)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, scores)
-        scores = next(s for s in every if s is not None)
-    return scores
-
-
 @torch.no_grad()
 def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
                max_windows: Optional[int], micro_batch_size: int,
@@ -155,7 +84,6 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
     """Held-out rows for the teacher, the untrained conversions and the students (one rank)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from distill.fcsd import heldout_kl
     from moe_variants.config import ParallelConfig
     from megatron.training.data import build_heldout_windows
     from megatron.training.loading import load_model
@@ -176,7 +104,7 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
             out["lm_eval"] = lm_eval_scores(model, tokenizer, configs.model.seq_length, pgc, lm_eval_spec)
         return out
 
-    rows = [row("teacher", teacher, configs.model.farskip)]
+    rows = [row("teacher", teacher, str(FarSkipConfig.of(configs.model).farskip))]
     for spec in untrained:
         model, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides={"farskip": spec})
         rows.append(row(f"untrained, farskip {spec}", model, spec))
@@ -186,7 +114,7 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
         if student_configs.model.seq_length != configs.model.seq_length:
             raise ValueError(f"--student {label}: seq_length {student_configs.model.seq_length} "
                              f"differs from the teacher's {configs.model.seq_length}")
-        rows.append(row(label, model, student_configs.model.farskip))
+        rows.append(row(label, model, str(FarSkipConfig.of(student_configs.model).farskip)))
         del model
     teacher_ppl = rows[0]["ppl"]
     for r in rows:
@@ -236,71 +164,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_lm_eval_spec(tasks: list[str], *, include_path: Optional[str], data_dir: Optional[str],
-                      limit: Optional[float], batch_size: int, flags: dict) -> LMEvalSpec:
-    """An ``LMEvalSpec`` checked before any model loads; one-line errors name the caller's
-    ``flags`` (keys ``tasks``, ``include_path``, ``data_dir``, ``limit``)."""
-    import argparse
-
-    from megatron.training.evaluate_lm import INSTALL_HINT, _task_manager, load_tasks
-
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ValueError(INSTALL_HINT) from None
-    for key, path in (("include_path", include_path), ("data_dir", data_dir)):
-        if path is not None and not os.path.isdir(path):
-            raise ValueError(f"{flags[key]} {path}: no such directory")
-    if limit is not None and limit <= 0:
-        raise ValueError(f"{flags['limit']} must be > 0, got {limit:g}")
-    manager = _task_manager(argparse.Namespace(include_path=include_path, data_dir=data_dir), tasks)
-    unknown = [t for t in tasks if t not in set(manager.all_tasks)]
-    if unknown:
-        hint = "" if include_path else f" (the offline local_* tasks need {flags['include_path']} examples/lm_eval_tasks)"
-        raise ValueError(f"{flags['tasks']}: unknown task {unknown[0]!r}{hint}")
-    # build the tasks now: a missing data file fails before any model loads
-    loaded = load_tasks(manager, tasks, flag=f"{flags['tasks']} {','.join(tasks)}")
-    higher = {name: dict(task.higher_is_better() or {}) for name, task in loaded.items()}
-    return LMEvalSpec(list(tasks), manager, limit, batch_size, higher_is_better=higher)
-
-
 def _lm_eval_spec(args) -> Optional[LMEvalSpec]:
     if args.lm_eval_tasks is None:
         return None
-    from megatron.training.evaluate_lm import _task_list
+    from megatron.training.evaluate_lm import task_list
 
     return make_lm_eval_spec(
-        _task_list(args.lm_eval_tasks), include_path=args.include_path, data_dir=args.data_dir,
+        task_list(args.lm_eval_tasks), include_path=args.include_path, data_dir=args.data_dir,
         limit=args.lm_eval_limit, batch_size=args.lm_eval_batch_size,
         flags={"tasks": "--lm-eval-tasks", "include_path": "--include-path", "data_dir": "--data-dir",
                "limit": "--lm-eval-limit"})
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist
-
     from megatron import compat
 
     compat.quiet_warnings()
-    args = build_parser().parse_args(argv)
-    try:
+
+    def body():
+        args = build_parser().parse_args(argv)
         if not os.path.exists(args.teacher):
             raise ValueError(f"--teacher {args.teacher}: no such checkpoint")
         if not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text}: no such file")
         students = [_parse_student(s) for s in args.student]
         spec = _lm_eval_spec(args)
-        with tempfile.TemporaryDirectory(prefix="fcsd-report-") as tmp:
-            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-            try:
-                rows, (windows, tokenizer) = score_rows(
-                    args.teacher, args.text, untrained=args.untrained, students=students,
-                    max_windows=args.max_windows, micro_batch_size=args.micro_batch_size, lm_eval_spec=spec)
-            finally:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
-                dist.destroy_process_group()
+        with single_process_group():
+            rows, (windows, tokenizer) = score_rows(
+                args.teacher, args.text, untrained=args.untrained, students=students,
+                max_windows=args.max_windows, micro_batch_size=args.micro_batch_size, lm_eval_spec=spec)
         if args.unigram_data:
             counts = _token_counts(args.unigram_data, tokenizer.vocab_size)
             uni = unigram_perplexity(counts, windows[:, 1:].numpy())
@@ -311,15 +203,11 @@ def main(argv=None) -> int:
         if spec is not None:
             payload["lm_eval"] = {"tasks": spec.tasks, "limit": args.lm_eval_limit, "include_path": args.include_path,
                                   "data_dir": args.data_dir, "higher_is_better": spec.higher_is_better}
-        from tools.bench.schema import write_json_atomic
+        write_json(args.out, payload)
+        print(json.dumps(payload))
+        print(format_table(rows))
 
-        write_json_atomic(args.out, payload)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(payload))
-    print(format_table(rows))
-    return 0
+    return run_cli("distill.report", body, user_errors=(ValueError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Build a megatron-core ``GPTModel`` with the project's MoE layers from a ``ModelConfig``.
 
 The spec comes from megatron-core's own ``get_gpt_decoder_block_spec`` (local or Transformer
-Engine modules, dense-first patterns from ``moe_layer_freq``); the builder then swaps in the
-variant's MoE layer class and the project router. FarSkip connectivity is applied to the built
-model by ``moe_variants.farskip`` because it changes the forward, not the parameters.
+Engine modules, dense-first patterns from ``moe_layer_freq``); the builder swaps in the project's
+MoE layer and router, then lets every enabled variant (``moe_variants.registry``) change each MoE
+layer's spec and, once built, the model. It names no variant.
 """
 
 from __future__ import annotations
@@ -15,16 +15,22 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron import compat
-from moe_variants.config import (
-    ModelConfig,
-    MoEVariant,
-    ParallelConfig,
-    RouterGroupScore,
-    TransformerImpl,
-    moe_layer_pattern,
-    validate,
-)
+from megatron import compat  # first: its import quiets megatron-core's import-time notices
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from moe_variants import registry
+from moe_variants.common.moe_layer import ProjectMoELayer, ProjectRouter
+from moe_variants.config import ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl, validate
+from moe_variants.features import GroupMaxRouter, MLADotProductAttention
+from moe_variants.norms import TorchNorm
 
 __all__ = [
     "build_model",
@@ -32,7 +38,6 @@ __all__ = [
     "use_transformer_engine",
     "padded_vocab_size",
     "causal_attention_mask",
-    "moe_layers",
 ]
 
 
@@ -73,8 +78,6 @@ def padded_vocab_size(vocab_size: int, model: ModelConfig, parallel: ParallelCon
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     """The megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for our configs."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
     validate(model, parallel)
     te = use_transformer_engine(model)
     dtype = torch.bfloat16 if model.bf16 else torch.float32
@@ -162,16 +165,6 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     return TransformerConfig(**kwargs)
 
 
-def _moe_layer_class(model: ModelConfig):
-    if model.moe_variant == MoEVariant.bigmac:
-        from moe_variants.bigmac.layer import BigMacMoELayer
-
-        return BigMacMoELayer
-    from moe_variants.common.moe_layer import ProjectMoELayer
-
-    return ProjectMoELayer
-
-
 # Local MLA layers keep q/kv norms as modules; Transformer Engine fuses them into the up-projections.
 # Checkpoints use the fused names either way (as megatron-core's local GPT spec does for its norms).
 _LOCAL_MLA_KEYS_MAP = {
@@ -183,11 +176,6 @@ _LOCAL_MLA_KEYS_MAP = {
 def _local_attention(spec, model: ModelConfig, te: bool, norm):
     """Local-module attention fixes: q/k/kv norms that support sequence parallelism (``norm``), and
     for MLA a core attention that takes MLA's k/v channels (``model_features.py``)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from moe_variants.features import MLADotProductAttention
-
     attn = spec.submodules.self_attention
     if te or not isinstance(attn, ModuleSpec):
         return spec
@@ -210,24 +198,11 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
 
 
 def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from moe_variants.common.moe_layer import ProjectRouter
-
-    from moe_variants.features import GroupMaxRouter
-
     router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
-
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from moe_variants.norms import TorchNorm
-
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=model.normalization, pp_rank=pp_rank
     )
-    moe_cls = _moe_layer_class(model)
+    variants = registry.enabled(model)
 
     def norm(module):
         # sequence parallelism with torch norms (apex absent): see moe_variants/norms.py
@@ -243,18 +218,14 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
         spec = _local_attention(spec, model, te, norm)
         mlp = spec.submodules.mlp
         if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
-            params = {**mlp.params, "pg_collection": pg_collection}
-            if model.moe_variant == MoEVariant.bigmac:
-                params.update(
-                    latent_size=model.resolved_latent_size(),
-                    expert_ffn_hidden_size=model.resolved_bigmac_ffn(),
-                )
             mlp = ModuleSpec(
-                module=moe_cls,
-                params=params,
+                module=ProjectMoELayer,
+                params={**mlp.params, "pg_collection": pg_collection},
                 submodules=dataclasses.replace(mlp.submodules, router=router),
                 metainfo=mlp.metainfo,
             )
+            for variant in variants:
+                mlp = variant.moe_layer_spec(mlp, model)
             spec = ModuleSpec(
                 module=spec.module,
                 params=spec.params,
@@ -279,10 +250,6 @@ def build_model(
     ``vocab_size`` is the tokenizer's (padded here); it overrides ``model.vocab_size``.
     Call ``megatron.training.parallel.initialize_parallel`` first.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     compat.apply()
     vocab = vocab_size if vocab_size is not None else model.vocab_size
     if vocab is None:
@@ -311,10 +278,8 @@ def build_model(
         rotary_base=model.rotary_base,
         pg_collection=pg_collection,
     )
-    if model.farskip != "none":
-        from moe_variants.farskip import apply_farskip
-
-        apply_farskip(gpt, model)
+    for variant in registry.enabled(model):
+        variant.apply(gpt, model)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
@@ -327,10 +292,3 @@ def causal_attention_mask(seq_length: int, device=None) -> torch.Tensor:
     (``transformer/utils.py:35``).
     """
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
-
-
-def moe_layers(module: torch.nn.Module):
-    """All MoE layers (``MoELayer`` instances) in a model, in order."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    return [m for m in module.modules() if isinstance(m, MoELayer)]

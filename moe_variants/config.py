@@ -9,7 +9,52 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import typing
 from typing import Optional, Union
+
+
+@functools.lru_cache(maxsize=None)
+def _enum_fields(cls) -> tuple:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is Union and len(args) == 1:
+            hint = args[0]
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            out.append((f.name, hint))
+    return tuple(out)
+
+
+def plain(value):
+    """A config value as YAML/JSON stores it: enum members by value, typed values (e.g. FarSkip's
+    layer selection) by their ``to_config()``."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(value, "to_config"):
+        return value.to_config()
+    return value
+
+
+def plain_fields(obj, skip: tuple = ()) -> dict:
+    """``{field: plain value}`` of a config dataclass."""
+    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name not in skip}
+
+
+def coerce_enums(obj) -> None:
+    """Turn the plain values of a config dataclass's enum-typed fields into members (YAML and flags
+    give strings); ``ValueError`` naming the flag and its choices otherwise. Every config uses this."""
+    for name, enum_type in _enum_fields(type(obj)):
+        value = getattr(obj, name)
+        if value is None or isinstance(value, enum_type):
+            continue
+        try:
+            setattr(obj, name, enum_type(value))
+        except ValueError:
+            choices = ", ".join(m.value for m in enum_type)
+            raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
 
 
 class DispatcherType(str, enum.Enum):
@@ -28,14 +73,6 @@ class TransformerImpl(str, enum.Enum):
     auto = "auto"
 
 
-class MoEVariant(str, enum.Enum):
-    """``standard``: megatron-core's fine-grained MoE. ``bigmac``: DCCA (BigMac), the all-to-all at
-    ``bigmac_ratio x hidden`` between a shared down- and up-projection."""
-
-    standard = "standard"
-    bigmac = "bigmac"
-
-
 class RopeType(str, enum.Enum):
     """Rotary embedding of multi-latent attention: plain ``rope``, or ``yarn`` (DeepSeek-V2's
     context extension: rescaled frequencies and a softmax scale of ``mscale(mscale_all_dim)^2``)."""
@@ -51,24 +88,6 @@ class RouterGroupScore(str, enum.Enum):
 
     topk_sum = "topk-sum"
     max = "max"
-
-
-class FarSkipMode(str, enum.Enum):
-    """Which sub-block of a FarSkip layer reads an earlier activation. ``full``: attention reads
-    the stream without the last routed-expert output and the MoE reads the pre-attention residual
-    (the paper). ``attn-only``: only attention skips. ``mlp-only``: only the MoE skips."""
-
-    full = "full"
-    attn_only = "attn-only"
-    mlp_only = "mlp-only"
-
-
-class FarSkipImpl(str, enum.Enum):
-    """``simple``: FarSkip connectivity with blocking collectives (reference, fine-tuning).
-    ``overlapped``: the same math with dispatch/combine overlapping attention and the next layer."""
-
-    simple = "simple"
-    overlapped = "overlapped"
 
 
 @dataclasses.dataclass
@@ -133,61 +152,80 @@ class ModelConfig:
     moe_expert_capacity_factor: Optional[float] = None
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"
-    # variants
-    moe_variant: MoEVariant = MoEVariant.standard
-    bigmac_ratio: Optional[float] = None
-    moe_latent_size: Optional[int] = None
-    bigmac_ffn_hidden_size: Optional[int] = None  # expert F; default (moe_ffn_hidden_size) / r
-    farskip: str = "none"  # none | all | first:N | last:N | A-B (0-based layer indices, inclusive)
-    farskip_impl: FarSkipImpl = FarSkipImpl.simple
-    farskip_mode: FarSkipMode = FarSkipMode.full
-    # overlapped FarSkip: the local experts' and the output layer's weight gradients run while a
-    # later gradient all-to-all flies (moe_variants/common/wgrad.py); --no-farskip-defer-wgrad
-    # computes them in place
-    farskip_defer_wgrad: bool = True
+    # variants (moe_variants/registry.py): which MoE layer class (``standard`` or a variant's, e.g.
+    # ``bigmac``), and each registered variant's config section by name; the sections' fields are
+    # flags of their own (``--bigmac-ratio``, ``--farskip``, ...), not fields of this class
+    moe_variant: str = "standard"
+    variants: dict = dataclasses.field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self):
-        for name, enum_type in (
-            ("moe_token_dispatcher_type", DispatcherType),
-            ("transformer_impl", TransformerImpl),
-            ("moe_variant", MoEVariant),
-            ("farskip_impl", FarSkipImpl),
-            ("farskip_mode", FarSkipMode),
-            ("rope_type", RopeType),
-            ("moe_router_group_score", RouterGroupScore),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, enum_type):
-                try:
-                    setattr(self, name, enum_type(value))
-                except ValueError:
-                    choices = ", ".join(m.value for m in enum_type)
-                    flag = "--" + name.replace("_", "-")
-                    raise ValueError(f"{flag} {value!r} is not one of: {choices}") from None
+        coerce_enums(self)
+        from moe_variants import registry
+
+        choices = registry.moe_layer_choices()
+        if self.moe_variant not in choices:
+            raise ValueError(f"--moe-variant {self.moe_variant!r} is not one of: {', '.join(choices)}")
+        sections = registry.config_sections()
+        for name, section in self.variants.items():
+            if name not in sections or not isinstance(section, sections[name]):
+                raise ValueError(f"ModelConfig.variants[{name!r}] is not the {name} variant's config section")
 
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 
-    def resolved_latent_size(self) -> Optional[int]:
-        """BigMac's low dimension r x h (None for the standard variant)."""
-        if self.moe_variant != MoEVariant.bigmac:
-            return None
-        if self.moe_latent_size is not None:
-            return self.moe_latent_size
-        return int(round(self.bigmac_ratio * self.hidden_size))
+    @classmethod
+    def from_flat(cls, values: dict) -> "ModelConfig":
+        """A ``ModelConfig`` from one flat dict of flag values, the variants' fields included (e.g.
+        ``{"num_layers": 2, "farskip": "all"}``): each key goes to the section that owns it."""
+        from moe_variants import registry
 
-    def resolved_bigmac_ffn(self) -> Optional[int]:
-        """BigMac's expert intermediate size F: set, or the parameter-matching f / r."""
-        if self.moe_variant != MoEVariant.bigmac:
-            return None
-        if self.bigmac_ffn_hidden_size is not None:
-            return self.bigmac_ffn_hidden_size
-        f = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
-        ratio = self.resolved_latent_size() / self.hidden_size
-        import math
+        own = {f.name for f in dataclasses.fields(cls)} - {"variants"}
+        sections = registry.config_sections()
+        owner = {f.name: name for name, sec in sections.items() for f in dataclasses.fields(sec)}
+        core, per_section = {}, {name: {} for name in sections}
+        for key, value in values.items():
+            if key in own:
+                core[key] = value
+            elif key in owner:
+                per_section[owner[key]][key] = value
+            else:
+                raise ValueError(f"unknown option: --{key.replace('_', '-')}")
+        try:
+            built = {name: sections[name](**kw) for name, kw in per_section.items() if kw}
+        except TypeError as e:
+            raise ValueError(f"bad value in variant options: {e}") from None
+        return cls(**core, variants=built)
 
-        return int(math.ceil(f / ratio))
+    @classmethod
+    def from_dump(cls, configs: dict) -> "ModelConfig":
+        """The ``ModelConfig`` of a stored config dump (``{section: {field: value}}``, as checkpoint
+        manifests keep it): the ``model`` section plus the variants' sections. Dumps written before
+        the variants had sections keep their fields in ``model``; both read the same."""
+        from moe_variants import registry
+
+        values = dict(configs.get("model", {}))
+        for name in registry.config_sections():
+            values.update(configs.get(name, {}))
+        return cls.from_flat(values)
+
+    def flat(self) -> dict:
+        """One flat ``{flag field: plain value}`` of the model and its variants' sections (the inverse
+        of ``from_flat``)."""
+        out = {}
+        for section in self.dump().values():
+            out.update(section)
+        return out
+
+    def dump(self) -> dict:
+        """``{section: {field: value}}`` of the model and its variants' sections (JSON-serialisable;
+        every registered variant's section is written, with its defaults when the model has none)."""
+        from moe_variants import registry
+
+        out = {"model": plain_fields(self, skip=("variants",))}
+        for name, cls in registry.config_sections().items():
+            out[name] = plain_fields(self.variants.get(name) or cls())
+        return out
 
 
 @dataclasses.dataclass
@@ -277,30 +315,16 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
         _validate_router_groups(model)
         if model.moe_pad_expert_input_to_capacity and model.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        if model.moe_variant == MoEVariant.bigmac:
-            if model.moe_latent_size is None and model.bigmac_ratio is None:
-                raise ValueError("--moe-variant bigmac needs --bigmac-ratio (or --moe-latent-size)")
-            if model.bigmac_ratio is not None and not 0 < model.bigmac_ratio <= 1:
-                raise ValueError(f"--bigmac-ratio must be in (0, 1], got {model.bigmac_ratio}")
-            latent = model.resolved_latent_size()
-            if latent < 1 or latent > model.hidden_size:
-                raise ValueError(
-                    f"--moe-latent-size {latent} must be between 1 and --hidden-size {model.hidden_size}"
-                )
     else:
         if ep != 1:
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
-        if model.moe_variant != MoEVariant.standard:
-            raise ValueError(f"--moe-variant {model.moe_variant.value} needs --num-experts")
+        if model.moe_variant != "standard":
+            raise ValueError(f"--moe-variant {model.moe_variant} needs --num-experts")
     if model.rope_type == RopeType.yarn:
         if not model.multi_latent_attention:
             raise ValueError("--rope-type yarn needs --multi-latent-attention")
         if model.rotary_scaling_factor <= 0:
             raise ValueError(f"--rotary-scaling-factor must be > 0, got {model.rotary_scaling_factor}")
-    if model.farskip != "none":
-        from moe_variants.farskip.connectivity import parse_farskip_layers
-
-        parse_farskip_layers(model.farskip, model.num_layers)
     if ep > 1 and etp > 1 and model.moe_token_dispatcher_type == DispatcherType.alltoall:
         # the dispatcher's uneven all-gather over expert-TP (mappings.py:149-150) is not
         # supported by gloo; NCCL handles it
@@ -311,6 +335,10 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
                 "--expert-tensor-parallel-size > 1 with --expert-model-parallel-size > 1 needs NCCL "
                 "(gloo cannot all-gather uneven sizes); use --expert-tensor-parallel-size 1 on CPU"
             )
+    from moe_variants import registry
+
+    for variant in registry.enabled(model):
+        variant.validate(model, parallel)
     if world_size is not None:
         if world_size % (tp * pp):
             raise ValueError(

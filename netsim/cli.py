@@ -18,51 +18,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+
+from moe_variants.common.cli import Subcommands, float_list, int_list, positive_float, positive_int
 
 __all__ = ["main", "COMMANDS"]
 
-COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
-
-
-def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
-    def deco(run):
-        if name in COMMANDS:
-            raise ValueError(f"command {name!r} registered twice")
-        COMMANDS[name] = (help, configure, run)
-        return run
-
-    return deco
-
-
-def _pos_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return v
-
-
-def _pos_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s}")
-    return v
-
-
-def _floats(s: str) -> list[float]:
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+COMMANDS = Subcommands("python -m netsim", __doc__.split("\n\n")[0])
+command = COMMANDS.add
 
 
 def _topology_arg(p: argparse.ArgumentParser, default: str = "scale-up", choices: Optional[list] = None) -> None:
@@ -105,10 +70,10 @@ def _network(args, bandwidth_gbps: Optional[float] = None):
 
 def _network_args(p: argparse.ArgumentParser, bandwidth: Optional[float] = 450.0) -> None:
     _topology_arg(p)
-    p.add_argument("--num-xpus", type=_pos_int, default=64)
-    p.add_argument("--bandwidth-gbps", type=_pos_float, default=bandwidth,
+    p.add_argument("--num-xpus", type=positive_int, default=64)
+    p.add_argument("--bandwidth-gbps", type=positive_float, default=bandwidth,
                    help="per-XPU bandwidth, GB/s one direction (scale-out: the NIC; default %(default)s)")  # fmt: skip
-    p.add_argument("--dims", type=_ints, help="torus / full-mesh dimensions, e.g. 4,4,4 (default: most cubic)")
+    p.add_argument("--dims", type=int_list, help="torus / full-mesh dimensions, e.g. 4,4,4 (default: most cubic)")
     _constants_args(p)
 
 
@@ -118,8 +83,8 @@ def _network_args(p: argparse.ArgumentParser, bandwidth: Optional[float] = 450.0
 def _configure_collectives(p):
     _network_args(p)
     p.add_argument("--op", default="all_to_all", choices=["all_to_all", "all_reduce"])
-    p.add_argument("--ranks", type=_pos_int, help="group size (default: all XPUs)")
-    p.add_argument("--bytes", type=_floats, default=[2.0**k for k in range(10, 31, 2)],
+    p.add_argument("--ranks", type=positive_int, help="group size (default: all XPUs)")
+    p.add_argument("--bytes", type=float_list, default=[2.0**k for k in range(10, 31, 2)],
                    help="message sizes in bytes (per-rank input), comma-separated")  # fmt: skip
 
 
@@ -151,12 +116,12 @@ def _configure_fit(p):
     p.add_argument("--csv", action="append", default=[], metavar="FILE", help="op,ranks,bytes,seconds CSV (repeatable)")
     p.add_argument("--nccl", action="append", default=[], metavar="FILE", help="nccl-tests output (repeatable)")
     p.add_argument("--op", choices=["all_to_all", "all_reduce"], help="collective of --nccl files whose log does not say")
-    p.add_argument("--ranks", type=_pos_int, help="rank count of --nccl files whose log does not say")
+    p.add_argument("--ranks", type=positive_int, help="rank count of --nccl files whose log does not say")
     p.add_argument("--topology", default="switch", choices=[t.value for t in FIT_TOPOLOGIES],
                    help="network the ranks sit on (default: a flat non-blocking switch)")  # fmt: skip
     p.add_argument("--algorithm", default="auto",
                    help="'auto' (fastest per row), or op=name pairs, e.g. all_to_all=p2p,all_reduce=ring")  # fmt: skip
-    p.add_argument("--bandwidth-gbps", type=_pos_float,
+    p.add_argument("--bandwidth-gbps", type=positive_float,
                    help="nominal per-rank bandwidth, GB/s (default: the CSV's sidecar JSON link, else fit s/byte)")  # fmt: skip
     p.add_argument("--burst", default="0", help="bytes per call a token-bucket shaper lets through before its rate "
                    "applies ('auto' to fit it; default 0, the paper's model)")  # fmt: skip
@@ -183,7 +148,7 @@ def _parse_algorithm(s: str) -> dict:
 
 @command("fit", "fit alpha-beta constants to measured collectives", _configure_fit)
 def _fit(args) -> int:
-    from ._files import write_json
+    from moe_variants.common.files import write_json
     from .fit import fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
 
     if not args.csv and not args.nccl:
@@ -263,15 +228,15 @@ def _configure_synth(p):
     p.add_argument("--topology", default="switch", choices=[t.value for t in FIT_TOPOLOGIES])
     p.add_argument("--tier", default="intra", choices=["intra", "inter"], help="which Table 1 column to use")
     p.add_argument("--constants", metavar="JSON", help="constants to use instead of --tier")
-    p.add_argument("--bandwidth-gbps", type=_pos_float, default=450.0)
-    p.add_argument("--ranks", type=_ints, default=[4, 8, 16, 32])
+    p.add_argument("--bandwidth-gbps", type=positive_float, default=450.0)
+    p.add_argument("--ranks", type=int_list, default=[4, 8, 16, 32])
     p.add_argument("--noise", type=float, default=0.03, help="log-normal relative noise (default 0.03)")
     p.add_argument("--seed", type=int, default=0)
 
 
 @command("synth-collectives", "write synthetic measurements from known constants", _configure_synth)
 def _synth(args) -> int:
-    from ._files import write_text
+    from moe_variants.common.files import write_text
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA
     from .fit import synthetic_measurements
 
@@ -338,7 +303,7 @@ def _serving_args(p):
     g.add_argument("--table", metavar="JSON", help="compute table (default: shipped H100 roofline estimate)")
     g.add_argument("--gpu", default="h100", choices=["h100", "blackwell", "rubin"],
                    help="project the table and memory to this generation (Table 5)")  # fmt: skip
-    g.add_argument("--num-draft", type=_pos_int, default=d.num_draft, help="speculative decoding: drafted tokens")
+    g.add_argument("--num-draft", type=positive_int, default=d.num_draft, help="speculative decoding: drafted tokens")
     g.add_argument("--pass-rate", type=float, default=d.pass_rate, help="speculative decoding: average pass rate")
     g.add_argument("--draft-cost", default=d.draft_cost.value, choices=[c.value for c in DraftCost])
     g.add_argument("--mem-usable-fraction", type=float, default=0.9)
@@ -360,8 +325,8 @@ def _serving_cfg(args):
 
 def _configure_serve(p):
     _network_args(p)
-    p.add_argument("--tpot-ms", type=_pos_float, default=40.0, help="TPOT SLO in ms")
-    p.add_argument("--context", type=_pos_int, default=512, help="average context length (input + output)")
+    p.add_argument("--tpot-ms", type=positive_float, default=40.0, help="TPOT SLO in ms")
+    p.add_argument("--context", type=positive_int, default=512, help="average context length (input + output)")
     p.add_argument("--optimization", default="dbo+sd", choices=["noopt", "dbo", "dbo+sd"])
     _serving_args(p)
     _variant_args(p)
@@ -397,7 +362,7 @@ def _serve(args) -> int:
         print(f"{c.tp:>3} {c.ep:>4} {best['batch'][i]:>12.0f} {best['tpot'][i] * 1e3:>8.2f} {best['technique'][i]:>9} "
               f"{thr:>10.1f} {thr / cost:>10.1f}")  # fmt: skip
     b = cluster_cost(net, cc)
-    print(f"max batch by memory per TP group: " + ", ".join(f"tp{c.tp}/ep{c.ep}: {res.max_batch[Technique.NONE][i]:.0f}"
+    print("max batch by memory per TP group: " + ", ".join(f"tp{c.tp}/ep{c.ep}: {res.max_batch[Technique.NONE][i]:.0f}"
                                                               for i, c in enumerate(cases)))  # fmt: skip
     print(f"network CapEx share {b.network_capex / b.total_capex * 100:.1f}%")
     return 0
@@ -441,7 +406,7 @@ def _configure_sweep(p):
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quick", action="store_true", help="64 XPUs only, fewer bandwidths, no generations")
     p.add_argument("--no-generations", action="store_true", help="skip the Blackwell / Rubin projection")
-    p.add_argument("--sizes", type=_ints, help="cluster sizes (default 64,256)")
+    p.add_argument("--sizes", type=int_list, help="cluster sizes (default 64,256)")
     _serving_args(p)
     _variant_args(p, defaults=True)
     _constants_args(p)
@@ -449,7 +414,7 @@ def _configure_sweep(p):
 
 @command("sweep", "full design-space sweep: JSON, PNG plots, summary table", _configure_sweep)
 def _sweep(args) -> int:
-    from ._files import write_json, write_text
+    from moe_variants.common.files import write_json, write_text
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA, Topology
     from .cost import CostConfig
     from .sweep import SweepConfig, default_variants, run_sweep, summary_table
@@ -500,18 +465,8 @@ def replace_ns(ns: argparse.Namespace, **kw) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m netsim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, (help, configure, _) in COMMANDS.items():
-        configure(sub.add_parser(name, help=help, description=help))
-    return p
+    return COMMANDS.parser()
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command][2](args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return COMMANDS.main(sys.argv[1:] if argv is None else argv)

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import numpy as np
 from scipy.interpolate import RegularGridInterpolator
 
-from ._files import write_json
+from moe_variants.common.files import write_json
 from .model import DEEPSEEK_V3, KIND_AXES, LayerKind, ModelShape, Roof, kernel_work
 
 __all__ = [
@@ -133,7 +133,7 @@ def roofline_seconds(flops, nbytes, roof: Roof, gpu: GpuSpec, eff: RooflineEffic
     return np.maximum(np.asarray(flops) / f, np.asarray(nbytes) / b) + num_kernels * eff.kernel_overhead_s
 
 
-def _geom(lo: int, hi: int, per_octave: int = 2) -> tuple[float, ...]:
+def geometry(lo: int, hi: int, per_octave: int = 2) -> tuple[float, ...]:
     """Integers from lo to hi, ``per_octave`` roughly geometric steps per doubling."""
     vals = {lo, hi}
     k = 0
@@ -147,9 +147,9 @@ def _geom(lo: int, hi: int, per_octave: int = 2) -> tuple[float, ...]:
 
 
 DEFAULT_GRID: dict[str, tuple[float, ...]] = {
-    "tokens": _geom(1, 65536),
-    "routed_tokens": _geom(1, 1 << 19),
-    "requests": _geom(1, 8192),
+    "tokens": geometry(1, 65536),
+    "routed_tokens": geometry(1, 1 << 19),
+    "requests": geometry(1, 8192),
     "ctx": (128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0),
     "q_len": (1.0, 2.0, 3.0, 4.0, 6.0, 8.0),
     "tp": (1.0, 2.0, 4.0, 8.0),
@@ -159,7 +159,7 @@ DEFAULT_GRID: dict[str, tuple[float, ...]] = {
 
 
 @dataclass
-class _KindTable:
+class KindTable:
     axes: tuple[str, ...]
     grid: tuple[np.ndarray, ...]
     seconds: np.ndarray
@@ -180,7 +180,7 @@ class ProfileTable:
 
     provenance: dict
     model: ModelShape
-    kinds: dict[LayerKind, _KindTable]
+    kinds: dict[LayerKind, KindTable]
 
     def seconds(self, kind: LayerKind | str, **axes) -> np.ndarray:
         kind = LayerKind(kind)
@@ -228,7 +228,7 @@ class ProfileTable:
                 arr = {k: np.asarray(e[k], dtype=float).reshape(shape) for k in ("seconds", "flops", "bytes")}
                 if tuple(e["axes"]) != KIND_AXES[kind]:
                     raise ValueError(f"{name}: axes {e['axes']} != {list(KIND_AXES[kind])}")
-                kinds[kind] = _KindTable(tuple(e["axes"]), grid, arr["seconds"], arr["flops"], arr["bytes"])
+                kinds[kind] = KindTable(tuple(e["axes"]), grid, arr["seconds"], arr["flops"], arr["bytes"])
             return cls(dict(d["provenance"]), model, kinds)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: malformed compute table ({e})") from None
@@ -274,7 +274,7 @@ def roofline_table(
         flops, nbytes, nk, roof = kernel_work(kind, model, **dict(zip(axes, mesh)))
         flops, nbytes = np.broadcast_to(flops, mesh[0].shape), np.broadcast_to(nbytes, mesh[0].shape)
         secs = roofline_seconds(flops, nbytes, roof, gpu, eff, nk)
-        kinds[kind] = _KindTable(axes, g, secs, np.array(flops, dtype=float), np.array(nbytes, dtype=float))
+        kinds[kind] = KindTable(axes, g, secs, np.array(flops, dtype=float), np.array(nbytes, dtype=float))
     prov = {
         "method": "roofline-estimate",
         "gpu": gpu.name,

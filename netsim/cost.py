@@ -21,7 +21,6 @@ our assumptions otherwise; results are reported normalised (:func:`normalized_co
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np

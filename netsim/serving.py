@@ -33,14 +33,14 @@ Shapes: arrays ``[C, B]`` are cases x batch grid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Sequence
 
 import numpy as np
 
 from .collectives import Collective, Network, algorithms
-from .compute import ProfileTable, _geom, default_table
+from .compute import ProfileTable, geometry, default_table
 from .model import DEEPSEEK_V3, LayerKind, ModelShape
 from .schedule import COMM, COMPUTE, greedy_schedule
 
@@ -154,7 +154,7 @@ class ServingConfig:
     mem_usable_fraction: float = 0.9  # the rest: activations, CUDA graphs, fragmentation
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     ep_sizes: Optional[tuple[int, ...]] = None  # None: every power of two that fits memory
-    batch_grid: tuple[float, ...] = field(default_factory=lambda: _geom(1, 16384, 4))
+    batch_grid: tuple[float, ...] = field(default_factory=lambda: geometry(1, 16384, 4))
     spec: SpecDecode = SpecDecode()
 
     def __post_init__(self):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from .collectives import DGX_H100_INTER, DGX_H100_INTRA, GB, AlphaBeta, Network, Topology
 from .compute import ProfileTable, default_table, generation_spec, project_table
-from .cost import CostConfig, cluster_cost, normalized_cost_per_xpu
+from .cost import CostConfig, normalized_cost_per_xpu
 from .serving import (
     BASELINE,
     Optimization,

@@ -26,12 +26,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from moe_variants.common.cli import float_list  # noqa: E402
+
 
 def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    values = float_list(text)
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return values
@@ -149,9 +148,9 @@ def main(argv=None) -> int:
                "stage1_batch_tokens": stage1, "stage2_lr": stage2,
                "choice": {"batch_tokens": best["batch_tokens"], "global_batch_size": best["global_batch_size"],
                           "lr": best["lr"]}}
-    from tools.bench.schema import write_json_atomic
+    from moe_variants.common.files import write_json
 
-    write_json_atomic(os.path.join(args.root, "sweep.json"), payload)
+    write_json(os.path.join(args.root, "sweep.json"), payload)
     print(json.dumps(payload["choice"]))
     print("| stage | batch tokens | lr | train loss (last %d logs) |" % args.select_window)
     print("|---|---:|---:|---:|")

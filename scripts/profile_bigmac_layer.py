@@ -195,20 +195,22 @@ def main(argv=None) -> int:
     gemms = None
     if args.gemm_rows > 0:
         from megatron.training.arguments import configs_from_dict, load_yaml
+        from moe_variants.bigmac.config import BigMacConfig
 
         values = load_yaml(args.config)
         m = configs_from_dict({**values, "moe_variant": "bigmac"}).model
-        gemms = gemm_table(args.gemm_rows, m.hidden_size, m.moe_ffn_hidden_size, m.resolved_latent_size(),
-                           m.resolved_bigmac_ffn())
+        bigmac = BigMacConfig.of(m)
+        gemms = gemm_table(args.gemm_rows, m.hidden_size, m.moe_ffn_hidden_size, bigmac.latent_size(m.hidden_size),
+                           bigmac.expert_ffn(m))
         print(f"\none expert's GEMMs at N = {args.gemm_rows} rows (single thread):")
         for k, r in gemms.items():
             print(f"  {k:<40}{r['us']:>9.1f} us{r['gflops']:>8.1f} GFLOP/s")
         for name in ("standard", "bigmac"):
             print(f"  {name} sum {sum(r['us'] for k, r in gemms.items() if k.startswith(name)):.1f} us")
     if args.json:
-        from tools.bench.schema import write_json_atomic
+        from moe_variants.common.files import write_json
 
-        write_json_atomic(args.json, {"command": sys.argv, "config": args.config, "repeats": args.repeats,
+        write_json(args.json, {"command": sys.argv, "config": args.config, "repeats": args.repeats,
                                       "results": res, "ratios_bigmac_over_standard": ratios,
                                       "gemms": gemms})
         print(f"wrote {args.json}")

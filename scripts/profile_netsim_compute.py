@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from netsim.compute import (  # noqa: E402
     DEFAULT_GRID,
     ProfileTable,
-    _KindTable,
+    KindTable,
     default_table,
     generation_spec,
     kind_grid,
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         mesh = np.meshgrid(*g, indexing="ij")
         flops, nbytes, _, _ = kernel_work(kind, m, **dict(zip(axes, mesh)))
-        tables[kind] = _KindTable(axes, g, secs, np.broadcast_to(flops, shape).astype(float),
+        tables[kind] = KindTable(axes, g, secs, np.broadcast_to(flops, shape).astype(float),
                                   np.broadcast_to(nbytes, shape).astype(float))  # fmt: skip
         print(f"{kind.value}: {secs.size} points, {secs.min() * 1e6:.1f} .. {secs.max() * 1e6:.1f} us "
               f"({time.perf_counter() - t_start:.0f}s)", flush=True)  # fmt: skip

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.bench.schema import write_json_atomic  # noqa: E402
+from moe_variants.common.files import write_json  # noqa: E402
 from moe_variants.common.comm import BusyTime  # noqa: E402
 
 
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         return 2
     print(format_summary(summary))
     if args.json:
-        write_json_atomic(args.json, summary)
+        write_json(args.json, summary)
     return 0
 
 

@@ -10,7 +10,8 @@ VOCAB = 96
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
-    """A 2-layer MoE small enough for multi-process CPU tests (a few ms per step)."""
+    """A 2-layer MoE small enough for multi-process CPU tests (a few ms per step); ``overrides`` are
+    flat flag values, the variants' included (``farskip="all"``)."""
     cfg = dict(
         num_layers=2,
         hidden_size=32,
@@ -24,7 +25,7 @@ def tiny_model_config(**overrides) -> ModelConfig:
         transformer_impl="local",
     )
     cfg.update(overrides)
-    return ModelConfig(**cfg)
+    return ModelConfig.from_flat(cfg)
 
 
 def batch(index: int, batch_size: int = 2, seq_length: int = 16, vocab: int = VOCAB):

@@ -51,8 +51,9 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from distill.convert.hf_mcore import export_hf, import_hf
     from megatron.training.checkpointing import CheckpointError
+    from moe_variants.common.cli import run_cli
 
-    try:
+    def body():
         if args.source == "hf":
             if not args.hf_dir:
                 parser.error("--from hf needs --hf-dir")
@@ -63,11 +64,9 @@ def main(argv=None) -> int:
             if not args.load:
                 parser.error("--from mcore needs --load")
             out = export_hf(args.load, args.out, family_name=args.family)
-    except (ValueError, CheckpointError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(f"wrote {out}", flush=True)
-    return 0
+        print(f"wrote {out}", flush=True)
+
+    return run_cli(parser.prog, body, user_errors=(ValueError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -15,17 +15,16 @@ directory renamed into place, and an existing output is never touched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
 import sys
-import tempfile
 from typing import Optional
 
 import torch
 
+from megatron.training.parallel import single_process_group
 from distill.convert import families
 from distill.convert.hf_io import TOKENIZER_FILES, check_new_output, open_weights, read_config, write_hf_dir
 from distill.convert.rules import hf_shapes
@@ -65,28 +64,6 @@ def vocab_multiple(vocab_size: int, tensor_parallel: int) -> int:
     while multiple > 1 and vocab_size % (multiple * tensor_parallel):
         multiple //= 2
     return multiple
-
-
-@contextlib.contextmanager
-def single_process_group():
-    """A one-rank gloo group (unless one exists); conversions are single-process."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise ValueError("conversion runs in one process: run python -m distill.convert without torchrun")
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="convert-pg-") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 def _check_tensors(where: str, rules, our_shapes: dict, available: dict, vocab_size: int, ignored) -> None:
@@ -178,7 +155,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
     config_dict = configs_to_dict(configs)
     config_dict["tokenizer"] = tokenizer_info
     config_dict[HF_SOURCE] = {"model_type": family.model_type, "hf_config": hf}
-    with single_process_group():
+    with single_process_group(only="python -m distill.convert"):
         build_layout = ParallelConfig()
         pgc = initialize_parallel(build_layout, seed=0)
         model = build_model(configs.model, build_layout, vocab_size=vocab, pg_collection=pgc)
@@ -242,7 +219,7 @@ def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
     family = families.by_name(family_name or source.get("model_type") or _infer_family(configs.model))
     vocab = int(manifest["configs"].get("tokenizer", {}).get("vocab_size") or configs.model.vocab_size)
     hf_fields = family.hf_config(configs.model, vocab)  # refuses what the family cannot express
-    with single_process_group():
+    with single_process_group(only="python -m distill.convert"):
         pgc = initialize_parallel(ParallelConfig(), seed=0)
         model, _, _, _ = load_model(ckpt, parallel=ParallelConfig(), pg_collection=pgc)
         state = gather_global_state_dict(model, pgc)

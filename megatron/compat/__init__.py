@@ -41,11 +41,16 @@ _QUIET = [
 
 
 def quiet_warnings() -> None:
-    """Silence the upstream notices above (call before importing megatron.core)."""
+    """Silence the upstream notices above (idempotent). Importing this package calls it, so a
+    module that imports ``megatron.compat`` before ``megatron.core`` never shows them; it only
+    installs warning filters (no patching happens on import)."""
     import warnings
 
     for pattern in _QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+
+
+quiet_warnings()
 
 
 @dataclasses.dataclass(frozen=True)

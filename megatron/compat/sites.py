@@ -48,3 +48,34 @@ DIST_OPT_LOAD_SITES = [
     ("optimizer/distrib_optimizer.py", 642, "assert len(steps) == 1"),
     ("optimizer/distrib_optimizer.py", 1137, "def _init_optimizer_states_with_dummy_values(self):"),
 ]
+
+# Upstream code the project's own subclasses copy, override or work around outside this package.
+# A change at any of these lines means the copy or override must be re-checked against upstream.
+UPSTREAM_COUPLING_SITES = [
+    # moe_variants/common/dispatcher.py overrides this private method (host split sizes on CPU)
+    ("transformer/moe/token_dispatcher.py", 862, "def _maybe_dtoh_and_synchronize("),
+    # moe_variants/farskip/block.py copies TransformerBlock.forward (tests/farskip/test_block_copy.py
+    # checks it is bit-identical to upstream with no FarSkip layer)
+    ("transformer/transformer_block.py", 621, "def forward("),
+    ("transformer/transformer_block.py", 765, "hidden_states, context = layer("),
+    # moe_variants/farskip/attention.py splits Attention.forward's training path into stages
+    ("transformer/attention.py", 875, "def forward("),
+    ("transformer/attention.py", 981, "qkv_output = self.get_query_key_value_tensors("),
+    ("transformer/attention.py", 1097, "query = apply_rotary_pos_emb("),
+    ("transformer/attention.py", 1110, "key = apply_rotary_pos_emb("),
+    ("transformer/attention.py", 1208, "output, bias = self.linear_proj(core_attn_out)"),
+    # megatron/training/data.py swaps BlendedDataset for a subclass that skips the cache in a single
+    # process: upstream calls torch.distributed.get_rank() on a cache miss
+    ("datasets/blended_dataset.py", 153, "torch.distributed.get_rank() == 0"),
+    ("datasets/blended_megatron_dataset_builder.py", 491, "def build_generic_dataset("),
+    # the backward reordering (moe_variants/common/comm.py) uses this upstream helper
+    ("transformer/moe/shared_experts.py", 281, "def set_tensor_grad_fn_sequence_sr(tensor, value):"),
+]
+
+# Private torch APIs: megatron/compat/autograd.py wraps the first two; the last is what
+# megatron-core's set_tensor_grad_fn_sequence_sr calls on a tensor's autograd node ("<grad_fn>").
+TORCH_PRIVATE_APIS = [
+    "torch._C._current_graph_task_id",
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    "<grad_fn>._set_sequence_nr",
+]

@@ -1,8 +1,10 @@
 """Command line and YAML for the torchrun entry points, with Megatron-LM's flag names.
 
 Every field of the config dataclasses is a flag (``moe_router_topk`` -> ``--moe-router-topk``) and a
-YAML key (either spelling). Precedence: dataclass defaults < ``--config FILE.yaml`` < flags. An
-unknown flag or YAML key is an error that names it. Booleans take ``--flag`` / ``--no-flag``.
+YAML key (either spelling): the core sections below, every registered variant's section
+(``moe_variants.registry``: ``--bigmac-ratio``, ``--farskip``, ...) and an entry point's extra
+sections. Precedence: dataclass defaults < ``--config FILE.yaml`` < flags. An unknown flag or YAML
+key is an error that names it. Booleans take ``--flag`` / ``--no-flag``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-from moe_variants.config import ModelConfig, ParallelConfig
 from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
+from moe_variants import registry
+from moe_variants.config import ModelConfig, ParallelConfig, plain_fields
 
-__all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict"]
+__all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict", "option_names"]
 
 SECTIONS = {
     "model": ModelConfig,
@@ -64,6 +67,15 @@ def _parse_layer_freq(text: str):
     raise argparse.ArgumentTypeError(f"expected an int or a list like [0,1,1], got {text!r}")
 
 
+def _all_sections(extra_sections: Optional[dict] = None) -> dict:
+    """Core sections, the registered variants' sections, then the entry point's own."""
+    return {**SECTIONS, **registry.config_sections(), **(extra_sections or {})}
+
+
+def _cli_fields(cls) -> list:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
 def _add_field(group, field: dataclasses.Field, hint) -> None:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -80,6 +92,8 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
         group.add_argument(flag, dest=field.name, type=_parse_layer_freq)
     elif hint in (int, float, str):
         group.add_argument(flag, dest=field.name, type=hint)
+    elif isinstance(hint, type) and hasattr(hint, "parse"):  # a typed value parsed from its text
+        group.add_argument(flag, dest=field.name, type=str)
     else:
         raise TypeError(f"no CLI mapping for {field.name}: {hint}")
 
@@ -88,18 +102,23 @@ def build_parser(prog: str, extra_sections: Optional[dict] = None) -> argparse.A
     """Parser with every config field as a flag; values absent from the command line stay unset."""
     parser = OneLineParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", dest="config", help="YAML file with the same keys as the flags")
-    for name, cls in {**SECTIONS, **(extra_sections or {})}.items():
+    for name, cls in _all_sections(extra_sections).items():
         group = parser.add_argument_group(name)
         hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
+        for field in _cli_fields(cls):
             _add_field(group, field, hints[field.name])
     return parser
+
+
+def option_names(extra_sections: Optional[dict] = None) -> set:
+    """Every config field name (the flags without ``--``) of the core and variant sections."""
+    return set(_field_owner(_all_sections(extra_sections)))
 
 
 def _field_owner(sections: dict) -> dict:
     owner = {}
     for name, cls in sections.items():
-        for field in dataclasses.fields(cls):
+        for field in _cli_fields(cls):
             assert field.name not in owner, f"{field.name} defined in two config sections"
             owner[field.name] = name
     return owner
@@ -127,7 +146,7 @@ def parse_configs(
 ) -> Configs:
     """Parse flags (+ optional YAML) into the config dataclasses. Raises ``ValueError`` (or exits 2
     on a malformed command line) naming the bad option."""
-    sections = {**SECTIONS, **(extra_sections or {})}
+    sections = _all_sections(extra_sections)
     parser = build_parser(prog, extra_sections)
     flags = vars(parser.parse_args(list(sys.argv[1:] if argv is None else argv)))
     config_path = flags.pop("config", None)
@@ -140,39 +159,40 @@ def parse_configs(
             raise ValueError(f"--config {config_path}: unknown option(s): {', '.join(unknown)}")
         values.update(from_yaml)
     values.update(flags)
-    return configs_from_dict(values, sections)
+    return configs_from_dict(values, extra_sections)
 
 
-def configs_from_dict(values: dict, sections: Optional[dict] = None) -> Configs:
-    """Build the dataclasses from one flat dict of field values (validated by their constructors)."""
-    sections = sections or SECTIONS
+def configs_from_dict(values: dict, extra_sections: Optional[dict] = None) -> Configs:
+    """Build the dataclasses from one flat dict of field values (validated by their constructors);
+    the variants' sections become ``model.variants``."""
+    sections = _all_sections(extra_sections)
     owner = _field_owner(sections)
     per_section: dict[str, dict[str, Any]] = {name: {} for name in sections}
     for key, value in values.items():
         if key not in owner:
             raise ValueError(f"unknown option: {_flag(key)}")
         per_section[owner[key]][key] = value
+    variant_sections = registry.config_sections()
     built = {}
     for name, cls in sections.items():
         try:
             built[name] = cls(**per_section[name])
         except TypeError as e:
             raise ValueError(f"bad value in {name} options: {e}") from None
-    return Configs(**{k: built.pop(k) for k in SECTIONS}, extra=built)
-
-
-def _plain(value):
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
+    variants = {name: built.pop(name) for name in variant_sections}
+    model = dataclasses.replace(built.pop("model"), variants=variants)
+    return Configs(model=model, **{k: built.pop(k) for k in SECTIONS if k != "model"}, extra=built)
 
 
 def configs_to_dict(configs: Configs) -> dict:
-    """JSON-serialisable ``{section: {field: value}}`` (stored in checkpoints and printed)."""
+    """JSON-serialisable ``{section: {field: value}}`` (stored in checkpoints and printed): the core
+    sections, each variant's section, then the entry point's extra sections."""
     out = {}
     for name in SECTIONS:
-        obj = getattr(configs, name)
-        out[name] = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if name == "model":
+            out.update(configs.model.dump())
+        else:
+            out[name] = plain_fields(getattr(configs, name))
     for name, obj in configs.extra.items():
-        out[name] = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out[name] = plain_fields(obj)
     return out

@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from typing import Optional
 
+from moe_variants.config import coerce_enums
+
 
 class LRDecayStyle(str, enum.Enum):
     constant = "constant"
@@ -43,12 +45,7 @@ class TrainingConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        if not isinstance(self.lr_decay_style, LRDecayStyle):
-            try:
-                self.lr_decay_style = LRDecayStyle(self.lr_decay_style)
-            except ValueError:
-                choices = ", ".join(m.value for m in LRDecayStyle)
-                raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not one of: {choices}") from None
+        coerce_enums(self)
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import math
 import os
-import re
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np

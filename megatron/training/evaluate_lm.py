@@ -28,9 +28,13 @@ import datetime
 import logging
 import os
 import sys
-import tempfile
 import time
 from typing import Optional
+
+from moe_variants import registry
+from megatron.training.checkpointing import CheckpointError
+from moe_variants.common.cli import run_cli
+from moe_variants.common.files import refuse_existing, write_json
 
 __all__ = ["build_parser", "main", "check_inputs", "load_tasks", "write_json_atomic"]
 
@@ -60,22 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--semmoe-tables", metavar="DIR", default=None,
-                   help="Sem-MoE tables (python -m tools.semmoe solve) of the checkpoint's placement "
-                        "(apply; contiguous tables for an unplaced checkpoint): assign requests to data-parallel "
-                        "ranks by Algorithm 2 (EP = world = the tables' devices, TP = 1)")
+    registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables
     return p
 
 
 def write_json_atomic(path: str, payload: dict, *, overwrite: bool = False) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    """Write the results JSON atomically; refuse an existing file unless ``overwrite``."""
     from lm_eval.utils import handle_non_serializable
 
-    from tools.bench.schema import write_json_atomic as write_atomic
-
-    if os.path.exists(path) and not overwrite:
-        raise ValueError(f"--output {path} exists (pass --overwrite to replace it)")
-    write_atomic(path, payload, default=handle_non_serializable)
+    refuse_existing(path, "--output", overwrite)
+    write_json(path, payload, default=handle_non_serializable)
 
 
 class _DropCustomDatasetNotice(logging.Filter):
@@ -89,14 +87,14 @@ class _DropCustomDatasetNotice(logging.Filter):
 logging.getLogger("lm_eval.api.task").addFilter(_DropCustomDatasetNotice())
 
 
-def _task_list(spec: str) -> list[str]:
+def task_list(spec: str) -> list[str]:
     tasks = [t.strip() for t in spec.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks: no task names given")
     return tasks
 
 
-def _task_manager(args, tasks: list[str]):
+def task_manager(args, tasks: list[str]):
     """lm-eval's TaskManager with ``data_dir`` in every task's metadata. Indexing lm-eval's own
     ~15k task configs takes seconds to a minute, so when every requested task is in
     ``--include-path`` only that directory is indexed."""
@@ -139,19 +137,17 @@ def check_inputs(args) -> "object":
         raise ValueError(f"--limit must be > 0, got {args.limit:g}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.semmoe_tables is not None:
-        if not os.path.isdir(args.semmoe_tables):
-            raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
-        from megatron.training.checkpointing import read_manifest
+    from megatron.training.checkpointing import read_manifest
 
-        # before any rank loads the model: the world is torchrun's (1 for a plain python -m)
-        manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
-        _semmoe_scheduler(args, manifest, int(os.environ.get("WORLD_SIZE", "1")))
+    # a variant's request scheduler checks its inputs before any rank loads the model: the world is
+    # torchrun's (1 for a plain python -m)
+    manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+    registry.request_scheduler(args, manifest, int(os.environ.get("WORLD_SIZE", "1")))
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
 
-    tasks = _task_list(args.tasks)
-    manager = _task_manager(args, tasks)
+    tasks = task_list(args.tasks)
+    manager = task_manager(args, tasks)
     known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
@@ -187,28 +183,15 @@ def _init_distributed(stack) -> None:
     """torchrun's environment, or a world of one gloo rank for a plain ``python -m``."""
     import torch.distributed as dist
 
-    from megatron.training.parallel import default_backend
+    from megatron.training.parallel import default_backend, destroy_parallel, single_process_group
 
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=30))
+        stack.callback(destroy_parallel)
     else:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="evaluate-lm-"))
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    stack.callback(_teardown)
-
-
-def _teardown() -> None:
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        stack.enter_context(single_process_group())
 
 
 def evaluate(args, manager) -> dict:
@@ -229,7 +212,7 @@ def evaluate(args, manager) -> dict:
         start = time.perf_counter()
         ckpt = find_latest_checkpoint(args.load)
         manifest = read_manifest(ckpt, verify=False)
-        scheduler = _semmoe_scheduler(args, manifest, dist.get_world_size()) if args.semmoe_tables else None
+        scheduler = registry.request_scheduler(args, manifest, dist.get_world_size())
         lm = MegatronCheckpointLM.from_checkpoint(
             args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed,
@@ -241,7 +224,7 @@ def evaluate(args, manager) -> dict:
         counter, no_lar = lar_counter(lm)
         with counter if counter is not None else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=_task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
+                model=lm, tasks=task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
                 task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
                 random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
                 fewshot_random_seed=args.seed,
@@ -249,7 +232,7 @@ def evaluate(args, manager) -> dict:
         done = time.perf_counter()
         # lm-eval returns the results on local rank 0 only (its rule for TP launchers)
         results = results or {}
-        moe = _moe_traffic(lm, scheduler is not None)
+        moe = _moe_traffic(lm, scheduler)
         if counter is not None:
             moe.update(counter.summary())
         else:
@@ -272,8 +255,8 @@ def evaluate(args, manager) -> dict:
             "evaluate_s": round(done - loaded, 3),
         }
         payload["moe"] = moe
-        if args.semmoe_tables:
-            payload["moe"]["semmoe_tables"] = os.path.abspath(args.semmoe_tables)
+        if scheduler is not None:
+            payload["moe"].update(scheduler.report())
         status = [None]
         if rank == 0:
             try:
@@ -297,37 +280,8 @@ def evaluate(args, manager) -> dict:
     return payload
 
 
-def _semmoe_scheduler(args, manifest: dict, world: int):
-    """Algorithm 2 over the data-parallel ranks from ``--semmoe-tables``; one-line errors when the
-    tables do not fit the checkpoint (MoE layers x experts, placement) or the layout."""
-    from tools.semmoe.apply import _moe_shape, check_tables_match_checkpoint
-    from moe_variants.semmoe.scheduling import request_scheduler
-    from moe_variants.semmoe.tables import load_tables
-
-    flag = f"--semmoe-tables {args.semmoe_tables}"
-    try:
-        tables = load_tables(args.semmoe_tables)
-    except ValueError as err:
-        raise ValueError(f"{flag}: {str(err).splitlines()[0]}") from None
-    layers, experts = _moe_shape(manifest, args.load)
-    if (tables.num_layers, tables.num_experts) != (layers, experts):
-        raise ValueError(f"{flag}: tables for {tables.num_layers} MoE layers x {tables.num_experts} experts, "
-                         f"the model of --load has {layers} x {experts}")
-    d = tables.num_devices
-    if args.tensor_model_parallel_size != 1 or args.expert_model_parallel_size != d or world != d:
-        raise ValueError(f"--semmoe-tables are for {d} devices: run with {d} ranks, "
-                         f"--expert-model-parallel-size {d} and --tensor-model-parallel-size 1 "
-                         f"(got {world} ranks, EP {args.expert_model_parallel_size}, "
-                         f"TP {args.tensor_model_parallel_size})")
-    check_tables_match_checkpoint(tables, manifest, args.semmoe_tables, args.load, flag="--semmoe-tables")
-    if not tables.has_schedule:
-        raise ValueError(f"{flag}: tables of method {tables.method!r} carry no token table to schedule requests "
-                         "with (solve with --method semmoe)")
-    return request_scheduler(tables)
-
-
 def lar_counter(lm):
-    """(Sem-MoE's ``LocalActivationCounter`` installed as ``lm``'s forward observer, None) or
+    """(a ``LocalActivationCounter`` installed as ``lm``'s forward observer, None) or
     (None, why the local activation rate cannot be counted): it needs TP = 1 (a token lives on
     one rank), a dropless MoE and routers that report their routing."""
     import torch.distributed as dist
@@ -336,7 +290,7 @@ def lar_counter(lm):
         return None, "TP > 1 (sequence-parallel tokens live on several ranks)"
     if getattr(lm.model.config, "moe_expert_capacity_factor", None) is not None:
         return None, "the MoE drops tokens (moe_expert_capacity_factor)"
-    from tools.semmoe.model_run import LocalActivationCounter
+    from moe_variants.common.routing import LocalActivationCounter
 
     ep = lm.pg_collection.ep
     try:
@@ -354,7 +308,7 @@ def _reset_dispatch_counters(model) -> None:
         counters.reset()
 
 
-def _moe_traffic(lm, scheduled: bool) -> dict:
+def _moe_traffic(lm, scheduler) -> dict:
     """All-to-all bytes this evaluation sent to other ranks (summed over ranks) and the requests
     each data-parallel rank ran (collective: every rank calls it)."""
     import torch
@@ -367,7 +321,7 @@ def _moe_traffic(lm, scheduled: bool) -> dict:
     t = torch.tensor([totals["bytes_dispatch"], totals["bytes_combine"]], dtype=torch.float64)
     dist.all_reduce(t)
     out = {"dispatch_bytes_off_rank": int(t[0]), "combine_bytes_off_rank": int(t[1]),
-           "request_scheduling": "semmoe-algorithm-2" if scheduled else "round-robin",
+           "request_scheduling": scheduler.name if scheduler is not None else "round-robin",
            "requests_per_rank": list(lm._ranks.assigned)}
     return out
 
@@ -376,14 +330,12 @@ def main(argv=None) -> int:
     from megatron import compat
 
     compat.quiet_warnings()
-    args = build_parser().parse_args(argv)
-    try:
-        manager = check_inputs(args)
-        evaluate(args, manager)
-    except ValueError as err:
-        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return 2
-    return 0
+
+    def body():
+        args = build_parser().parse_args(argv)
+        evaluate(args, check_inputs(args))
+
+    return run_cli("evaluate_lm", body, user_errors=(ValueError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,21 @@ TP/EP/PP layout, and load its weights; write weights-only checkpoints.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
-__all__ = ["checkpoint_configs", "load_tokenizer", "load_model", "save_model"]
+__all__ = ["find_checkpoint", "checkpoint_configs", "load_tokenizer", "load_model", "save_model"]
+
+
+def find_checkpoint(path: str):
+    """(checkpoint dir, manifest) of the newest complete checkpoint under ``path`` (a save dir or
+    one ``iter_`` dir); ``CheckpointError`` naming ``--load`` when there is none."""
+    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
+
+    ckpt = find_latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"--load {path}: no complete checkpoint found")
+    return ckpt, read_manifest(ckpt, verify=False)
 
 
 def checkpoint_configs(path: str, overrides: Optional[dict] = None):
@@ -18,22 +28,16 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
     ``overrides`` replaces config fields (e.g. ``{"farskip": "all"}`` to load a model with another
     connectivity, or parallel sizes).
     """
-    from megatron.training.arguments import configs_from_dict
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
+    from megatron.training.arguments import configs_from_dict, option_names
 
-    ckpt = find_latest_checkpoint(path)
-    if ckpt is None:
-        raise CheckpointError(f"--load {path}: no complete checkpoint found")
-    manifest = read_manifest(ckpt, verify=False)
+    ckpt, manifest = find_checkpoint(path)
     values = {}
     for section, fields in manifest["configs"].items():
         if section == "tokenizer":
             continue
         values.update(fields)
     values.update(overrides or {})
-    from megatron.training.arguments import SECTIONS
-
-    known = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    known = option_names()
     return configs_from_dict({k: v for k, v in values.items() if k in known}), manifest, ckpt
 
 
@@ -63,7 +67,6 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
     Call ``megatron.training.parallel.initialize_parallel(parallel)`` first; ``parallel`` defaults
     to the checkpoint's. Returns ``(model, configs, tokenizer, manifest)``; the model is in eval mode.
     """
-    import torch.distributed as dist
 
     from megatron.training.checkpointing import load_checkpoint
     from moe_variants.builder import build_model

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from megatron import compat
 from moe_variants.config import ParallelConfig
 
-__all__ = ["initialize_parallel", "default_backend", "set_seed", "device"]
+__all__ = ["initialize_parallel", "default_backend", "set_seed", "device", "single_process_group", "destroy_parallel"]
 
 
 def default_backend() -> str:
@@ -76,3 +78,31 @@ def initialize_parallel(
     # megatron-LM offsets the seed per pipeline stage so stages do not initialise identically
     set_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron-core's model-parallel groups and the default process group (if any)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_group(*, only: Optional[str] = None):
+    """A world of one gloo rank on a private file store, for tools that run in one process; torn down
+    (with megatron-core's groups) on exit. An existing group (a test harness, torchrun) is used as it
+    is; ``only`` names the tool for the one-line error when that group has more than one rank."""
+    if dist.is_initialized():
+        if only is not None and dist.get_world_size() != 1:
+            raise ValueError(f"{only} runs in one process: run it without torchrun")
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="pg-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            destroy_parallel()

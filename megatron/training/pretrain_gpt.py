@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron import compat
+from megatron.training.parallel import destroy_parallel
+from moe_variants.common.cli import run_cli
 from megatron.training.arguments import Configs, configs_to_dict, parse_configs
 
 logger = logging.getLogger("megatron.training")
@@ -193,7 +195,7 @@ def run_pretraining(
     from megatron.training.metrics import MetricsWriter, format_step_line, peak_rss_mb
     from megatron.training.parallel import initialize_parallel
     from megatron.training.training import (
-        _Timer,
+        Timer,
         evaluate,
         evaluate_windows,
         lm_forward_step,
@@ -301,7 +303,7 @@ def run_pretraining(
     interrupted = False
     summary_stop = None
     while iteration < c.training.train_iters:
-        timer = _Timer()
+        timer = Timer()
         m = train_step(
             chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
             num_microbatches=num_micro, pg_collection=pgc, forward_step_func=timer_factory(timer),
@@ -361,21 +363,10 @@ def main(argv=None, prog: str = "pretrain_gpt") -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megatron.training.checkpointing import CheckpointError
 
-    try:
-        try:
-            configs = parse_configs(argv, prog=prog)
-        except SystemExit as e:  # argparse already printed its one-line message (or --help)
-            return int(e.code or 0)
-        run_pretraining(configs, prog=prog)
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    def body():
+        run_pretraining(parse_configs(argv, prog=prog), prog=prog)
+
+    return run_cli(prog, body, user_errors=(ValueError, CheckpointError, FileNotFoundError), cleanup=destroy_parallel)
 
 
 if __name__ == "__main__":

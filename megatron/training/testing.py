@@ -22,6 +22,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from megatron.training.parallel import destroy_parallel
+
 __all__ = ["run_distributed", "requires_gpu", "has_cuda", "DistributedTestError"]
 
 
@@ -52,7 +54,7 @@ def _worker(rank, world_size, backend, init_file, fn, args, kwargs, results, num
         try:
             out = fn(rank, world_size, *args, **kwargs)
         finally:
-            _teardown()
+            destroy_parallel()
             _stop_children()
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from argparse
@@ -66,19 +68,6 @@ def _stop_children():
         child.terminate()
     for child in mp.active_children():
         child.join(timeout=5)
-
-
-def _teardown():
-    import torch.distributed as dist
-
-    try:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-    except Exception:
-        pass
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run_distributed(

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from moe_variants.config import ModelConfig, ParallelConfig
 from megatron.training.config import TrainingConfig
-from moe_variants.builder import build_model, causal_attention_mask, moe_layers
+from moe_variants.builder import build_model, causal_attention_mask
+from moe_variants.common.moe_layer import moe_layers
 
 __all__ = [
     "StepMetrics",
@@ -143,18 +144,18 @@ def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _to_device(batch: dict, device) -> dict:
+def to_device(batch: dict, device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-class _Timer:
+class Timer:
     """Accumulates the forward time spent inside a schedule call (per micro-batch)."""
 
     def __init__(self):
         self.forward_s = 0.0
 
 
-def lm_forward_step(timer: Optional[_Timer] = None, loss_fn: Optional[Callable] = None):
+def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] = None):
     """A megatron-core ``forward_step_func`` for next-token prediction.
 
     ``loss_fn(per_token_loss, batch, model) -> (loss, report_dict)`` can replace the default
@@ -164,7 +165,7 @@ def lm_forward_step(timer: Optional[_Timer] = None, loss_fn: Optional[Callable] 
 
     def forward_step(data_iterator, model):
         start = time.perf_counter()
-        batch = _to_device(next(data_iterator), device())
+        batch = to_device(next(data_iterator), device())
         tokens = batch["tokens"]
         seq = tokens.shape[1]
         output = model(
@@ -232,7 +233,7 @@ def train_step(
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     for counters in comm_counters(model_chunks):
         counters.reset()
-    timer = _Timer()
+    timer = Timer()
     step_fn = forward_step_func or lm_forward_step(timer)
     start = time.perf_counter()
     for chunk in model_chunks:

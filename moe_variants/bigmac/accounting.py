@@ -14,9 +14,9 @@ Two levels, both pure functions:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
-from moe_variants.config import ModelConfig, MoEVariant, moe_layer_pattern
+from moe_variants.bigmac.config import BigMacConfig
+from moe_variants.config import ModelConfig, moe_layer_pattern
 
 __all__ = ["paper_table3", "ModelAccounting", "model_accounting", "a2a_bytes_uniform"]
 
@@ -81,11 +81,11 @@ def model_accounting(m: ModelConfig, vocab_size: int) -> ModelAccounting:
     attn_params, attn_flops = _attention_params(m)
     dense_ffn = m.ffn_hidden_size or 4 * h
     expert_ffn = m.moe_ffn_hidden_size or dense_ffn
-    bigmac = m.moe_variant == MoEVariant.bigmac
-    latent = m.resolved_latent_size() if bigmac else None
+    bigmac = m.moe_variant == "bigmac"
+    latent = BigMacConfig.of(m).latent_size(h) if bigmac else None
     dim = latent if bigmac else h
     if bigmac:
-        expert_ffn = m.resolved_bigmac_ffn()
+        expert_ffn = BigMacConfig.of(m).expert_ffn(m)
     parts = {"embedding": vocab_size * h, "output_layer": 0 if not m.untie_embeddings_and_output_weights else vocab_size * h,
              "attention": 0, "norms": h, "dense_mlp": 0, "router": 0, "experts": 0, "shared_experts": 0,
              "latent_proj": 0}

@@ -22,7 +22,6 @@ Shape legend: T tokens, H hidden, L latent (r*H), F expert intermediate, N route
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +140,3 @@ class BigMacMoELayer(ProjectMoELayer):
             output = output + shared_expert_output
         return output
 
-
-def bigmac_expert_ffn(baseline_expert_ffn: int, ratio: float) -> int:
-    """F that keeps expert parameters equal to the fine-grained baseline: F = f / r (paper)."""
-    return int(math.ceil(baseline_expert_ffn / ratio))

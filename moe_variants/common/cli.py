@@ -1,4 +1,6 @@
-"""The error skeleton every command line shares: a user error is one line, never a traceback.
+"""What every command line shares: the error skeleton, argparse value types, subcommands.
+
+A user error is one line, never a traceback.
 
 ``run_cli(prog, body)`` runs ``body()``; argparse's own exits (``--help``, a malformed flag, which
 argparse already reported in one line) return their code; an exception in ``user_errors`` prints
@@ -8,11 +10,22 @@ returns 2; ``cleanup`` runs in every case. Standard library only, so torch-free 
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
 from typing import Callable, Optional
 
-__all__ = ["run_cli", "one_line"]
+__all__ = [
+    "run_cli",
+    "one_line",
+    "positive_int",
+    "nonneg_int",
+    "positive_float",
+    "float_list",
+    "int_list",
+    "Subcommands",
+]
 
 
 def one_line(err: BaseException) -> str:
@@ -40,3 +53,102 @@ def run_cli(
     finally:
         if cleanup is not None:
             cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# argparse value types (the one set every command line uses)
+# ---------------------------------------------------------------------------------------------
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def float_list(text: str) -> list[float]:
+    """Comma-separated numbers (``1,2.5,4``)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers (``1,2,4``)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# subcommands (``prog <command> ...``)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], Optional[int]]
+
+
+class Subcommands:
+    """A registry of subcommands: ``@commands.add(name, help, configure)`` registers ``run(args)``;
+    ``main(argv)`` parses and runs one through :func:`run_cli`."""
+
+    def __init__(self, prog: str, description: str = ""):
+        self.prog = prog
+        self.description = description
+        self.commands: dict[str, Command] = {}
+
+    def add(self, name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
+        def deco(run):
+            if name in self.commands:
+                raise ValueError(f"command {name!r} registered twice")
+            self.commands[name] = Command(name, help, configure, run)
+            return run
+
+        return deco
+
+    def parser(self) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=self.prog, description=self.description,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = parser.add_subparsers(dest="command", required=True)
+        for cmd in self.commands.values():
+            cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
+        return parser
+
+    def main(self, argv: list, *, user_errors: tuple = (ValueError,),
+             prepare: Optional[Callable[[argparse.Namespace], None]] = None) -> int:
+        def body():
+            args = self.parser().parse_args(argv)
+            if prepare is not None:
+                prepare(args)
+            return self.commands[args.command].run(args)
+
+        return run_cli(self.prog, body, user_errors=user_errors)

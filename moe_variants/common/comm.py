@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.shared_experts import set_tensor_grad_fn_sequence_sr
 
 from moe_variants.common import wgrad
 
@@ -364,8 +365,8 @@ BACKWARD_REORDERING = True  # tests switch it off to show the reordering is what
 
 def set_backward_priority(tensor: torch.Tensor, sequence_nr: int) -> None:
     """Reorder the backward: give ``tensor``'s producer node the sequence number ``sequence_nr``."""
-    if BACKWARD_REORDERING and tensor.grad_fn is not None:
-        tensor.grad_fn._set_sequence_nr(sequence_nr)
+    if BACKWARD_REORDERING:
+        set_tensor_grad_fn_sequence_sr(tensor, sequence_nr)
 
 
 def wait_backward_hook(handles: dict):

@@ -18,7 +18,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from moe_variants.common.dispatcher import build_token_dispatcher
 
-__all__ = ["ProjectMoELayer", "ProjectRouter"]
+__all__ = ["ProjectMoELayer", "ProjectRouter", "moe_layers"]
 
 # RoutingObserver(layer_number, routing_map [T, E] bool, probs [T, E]) -> None
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -70,3 +70,8 @@ class ProjectMoELayer(MoELayer):
     @property
     def comm_counters(self):
         return self.token_dispatcher.comm
+
+
+def moe_layers(module: torch.nn.Module) -> list:
+    """All MoE layers (``MoELayer`` instances) in a model, in order."""
+    return [m for m in module.modules() if isinstance(m, MoELayer)]

@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.compat.autograd import current_graph_task_id, queue_engine_callback
+
 from megatron.compat.linear import wrap_local_linear
 
 __all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "is_deferred", "pending", "run_while"]
@@ -42,10 +44,10 @@ def pending() -> int:
 
 def _push(task: Callable[[], None]) -> None:
     global _GRAPH_TASK
-    current = torch._C._current_graph_task_id()
+    current = current_graph_task_id()
     if current != _GRAPH_TASK:  # the first of this backward pass: make sure it ends with a flush
         _QUEUE.clear()  # left by a backward that raised before its end: not this pass's gradients
-        torch.autograd.Variable._execution_engine.queue_callback(flush)
+        queue_engine_callback(flush)
         _GRAPH_TASK = current
     _QUEUE.append(task)
 

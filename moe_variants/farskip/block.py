@@ -16,11 +16,11 @@ from contextlib import nullcontext
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from moe_variants.config import FarSkipImpl, FarSkipMode, ModelConfig
 from moe_variants.common.wgrad import defer_expert_wgrad, defer_wgrad
-from moe_variants.farskip.connectivity import FarSkipState, parse_farskip_layers
+from moe_variants.farskip.config import FarSkipConfig, FarSkipMode
+from moe_variants.farskip.connectivity import FarSkipState
 from moe_variants.farskip.layer import FarSkipTransformerLayer
 
 __all__ = ["FarSkipTransformerBlock", "apply_farskip", "check_farskip_supported"]
@@ -40,28 +40,37 @@ class FarSkipTransformerBlock(TransformerBlock):
                 rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
                 packed_seq_params=None, sequence_len_offset=None, padding_mask=None, *,
                 inference_params=None, dynamic_inference_decode_only=None):
+        """``TransformerBlock.forward`` (``transformer_block.py:621-800``, without recompute, FP8/FP4
+        and CPU offloading, which ``check_farskip_supported`` refuses) threading a ``FarSkipState``
+        through the FarSkip layers. With no FarSkip layer it is bit-identical to the upstream
+        forward (tests/farskip/test_block_copy.py)."""
         inference_context = inference_context or inference_params
         if context is not None or packed_seq_params is not None or attention_bias is not None:
             raise ValueError("FarSkip layers support neither cross-attention, packed sequences "
                              "nor an attention bias")
+        if isinstance(hidden_states, WrappedTensor):  # inference hands the embedding over wrapped
+            hidden_states = hidden_states.unwrap()
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
+        rotary = dict(rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                      rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin)
         with rng:
             state = FarSkipState.single(hidden_states)
             for layer in self.layers:
                 if isinstance(layer, FarSkipTransformerLayer):
                     state = layer.farskip_forward(
-                        state, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                        overlapped=self.farskip_overlapped, mode=self.farskip_mode,
-                        inference_context=inference_context,
+                        state, attention_mask=attention_mask, overlapped=self.farskip_overlapped,
+                        mode=self.farskip_mode, inference_context=inference_context,
+                        sequence_len_offset=sequence_len_offset, **rotary,
                     )
                 else:
                     hidden, _ = layer(
                         hidden_states=state.full_stream(), attention_mask=attention_mask,
-                        rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
-                        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask,
+                        context=None, context_mask=None, attention_bias=None,
+                        inference_context=inference_context, packed_seq_params=None,
+                        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, **rotary,
                     )
                     state = FarSkipState.single(hidden)
                 if self.layer_output_sink is not None:
@@ -75,8 +84,9 @@ class FarSkipTransformerBlock(TransformerBlock):
         return hidden_states
 
 
-def check_farskip_supported(config, model: ModelConfig, farskip_layers, pipeline_size: int) -> None:
-    """Refuse combinations FarSkip cannot run correctly, with a one-line ``ValueError``."""
+def check_farskip_supported(config, farskip_layers, pipeline_size: int, num_layers: int) -> None:
+    """Refuse what FarSkip cannot run correctly on this megatron-core ``TransformerConfig``, with a
+    one-line ``ValueError`` (settings of our own configs are checked by the variant's ``validate``)."""
     if config.recompute_granularity is not None:
         raise ValueError("--farskip cannot be combined with activation recompute: re-running a "
                          "layer's forward would issue its collectives twice")
@@ -88,12 +98,11 @@ def check_farskip_supported(config, model: ModelConfig, farskip_layers, pipeline
                          "both schedule the same dispatch/combine phases")
     if config.fp8 or getattr(config, "fp4", None):
         raise ValueError("--farskip is not implemented with FP8/FP4 training")
-    if (model.farskip_impl == FarSkipImpl.overlapped and model.is_moe
-            and model.moe_token_dispatcher_type.value != "alltoall"):
-        raise ValueError("--farskip-impl overlapped needs --moe-token-dispatcher-type alltoall")
+    if config.cpu_offloading:
+        raise ValueError("--farskip cannot be combined with activation CPU offloading")
     if pipeline_size > 1:
-        per_stage = model.num_layers // pipeline_size
-        for first in range(per_stage, model.num_layers, per_stage):
+        per_stage = num_layers // pipeline_size
+        for first in range(per_stage, num_layers, per_stage):
             if first in farskip_layers and first - 1 in farskip_layers:
                 raise ValueError(
                     f"--farskip: layer {first} starts a pipeline stage but its predecessor is a "
@@ -102,25 +111,25 @@ def check_farskip_supported(config, model: ModelConfig, farskip_layers, pipeline
                 )
 
 
-def apply_farskip(gpt, model: ModelConfig):
-    """Switch a built ``GPTModel``'s selected layers (``model.farskip``) to FarSkip connectivity."""
-    selected = parse_farskip_layers(model.farskip, model.num_layers)
+def apply_farskip(gpt, cfg: FarSkipConfig, num_layers: int):
+    """Switch a built ``GPTModel``'s selected layers (``cfg.farskip``) to FarSkip connectivity."""
+    selected = cfg.layers(num_layers)
     if not selected:
         return gpt
     block = gpt.decoder
-    check_farskip_supported(block.config, model, selected, block.config.pipeline_model_parallel_size)
+    check_farskip_supported(block.config, selected, block.config.pipeline_model_parallel_size, num_layers)
     if type(block) is not TransformerBlock:
         raise ValueError(f"--farskip needs megatron-core's TransformerBlock, got {type(block).__name__}")
     block.__class__ = FarSkipTransformerBlock
-    block.farskip_overlapped = model.farskip_impl == FarSkipImpl.overlapped
-    block.farskip_mode = model.farskip_mode
+    block.farskip_overlapped = cfg.overlapped
+    block.farskip_mode = cfg.farskip_mode
     for layer in block.layers:
         if layer.layer_number - 1 in selected:
             if type(layer) is not TransformerLayer:
                 raise ValueError(f"--farskip needs megatron-core's TransformerLayer, got {type(layer).__name__}")
             layer.__class__ = FarSkipTransformerLayer
-            if block.farskip_overlapped and model.farskip_defer_wgrad and layer.is_moe_layer:
+            if block.farskip_overlapped and cfg.farskip_defer_wgrad and layer.is_moe_layer:
                 defer_expert_wgrad(layer.mlp)
-    if block.farskip_overlapped and model.farskip_defer_wgrad:
+    if block.farskip_overlapped and cfg.farskip_defer_wgrad:
         defer_wgrad(getattr(gpt, "output_layer", None))  # only the last pipeline stage has one
     return gpt

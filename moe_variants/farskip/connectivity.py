@@ -10,35 +10,11 @@ attention reads A_k and its MoE reads o_k... one layer earlier: mlp-in_{k+1} = o
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["parse_farskip_layers", "FarSkipState", "PendingRouted"]
-
-
-def parse_farskip_layers(spec: str, num_layers: int) -> frozenset[int]:
-    """0-based layer indices selected by ``--farskip`` (``none``, ``all``, ``first:N``,
-    ``last:N``, ``A-B`` inclusive). Raises ``ValueError`` naming the flag."""
-    spec = (spec or "none").strip()
-    if spec == "none":
-        return frozenset()
-    if spec == "all":
-        return frozenset(range(num_layers))
-    match = re.fullmatch(r"(first|last):(\d+)", spec)
-    if match:
-        n = int(match.group(2))
-        if not 0 < n <= num_layers:
-            raise ValueError(f"--farskip {spec}: N must be between 1 and --num-layers {num_layers}")
-        return frozenset(range(n)) if match.group(1) == "first" else frozenset(range(num_layers - n, num_layers))
-    match = re.fullmatch(r"(\d+)-(\d+)", spec)
-    if match:
-        a, b = int(match.group(1)), int(match.group(2))
-        if not 0 <= a <= b < num_layers:
-            raise ValueError(f"--farskip {spec}: need 0 <= A <= B < --num-layers {num_layers}")
-        return frozenset(range(a, b + 1))
-    raise ValueError(f"--farskip {spec!r}: expected none, all, first:N, last:N or A-B")
+__all__ = ["FarSkipState", "PendingRouted"]
 
 
 @dataclasses.dataclass

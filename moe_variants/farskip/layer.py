@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from moe_variants.config import FarSkipMode
 from moe_variants.common.comm import set_backward_priority
 from moe_variants.farskip.attention import (
     attention_out,
@@ -44,6 +43,7 @@ from moe_variants.farskip.attention import (
     can_split,
     core_attention_rows,
 )
+from moe_variants.farskip.config import FarSkipMode
 from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
 
 __all__ = ["FarSkipTransformerLayer"]
@@ -126,14 +126,20 @@ class FarSkipTransformerLayer(TransformerLayer):
         overlapped: bool,
         mode: FarSkipMode = FarSkipMode.full,
         inference_context=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        sequence_len_offset=None,
     ) -> FarSkipState:
         """One FarSkip layer; returns the state for the next layer (see the module docstring).
 
-        With an ``inference_context`` (KV-cached generation) attention runs whole through
-        megatron-core's own ``Attention.forward`` and the collectives block.
+        With an ``inference_context`` (KV-cached generation), or precomputed rotary cos/sin (fused
+        or flash-decode RoPE), attention runs whole through megatron-core's own
+        ``Attention.forward`` and the collectives block.
         """
         attn = self.self_attention
-        split = can_split(attn) and inference_context is None
+        precomputed_rope = any(t is not None for t in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin))
+        split = can_split(attn) and inference_context is None and not precomputed_rope
         overlapped = overlapped and inference_context is None
         attn_reads_a = mode in (FarSkipMode.full, FarSkipMode.attn_only)
         moe_reads_pre = mode in (FarSkipMode.full, FarSkipMode.mlp_only)
@@ -169,7 +175,9 @@ class FarSkipTransformerLayer(TransformerLayer):
             else:
                 attn_out = attn(
                     self.input_layernorm(attn_in), attention_mask=attention_mask,
-                    rotary_pos_emb=rotary_pos_emb, inference_context=inference_context,
+                    rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
+                    inference_context=inference_context, sequence_len_offset=sequence_len_offset,
                 )
             residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                 attn_out, full_prev, self.hidden_dropout

@@ -11,7 +11,8 @@ EP = D, rank d then owns exactly the experts the tables put on device d; loaded 
 same file is split contiguously again (no local shuffle at load time).
 
 Pure functions on dicts of tensors, plus :func:`permute_model_experts`, the in-place edge used by
-the checkpoint pass (``apply.py``) and the benchmark variant (``bench.py``).
+the checkpoint pass and the benchmark variant (``tools/semmoe``), and the placement record a placed
+checkpoint's manifest carries (``checkpoint_placement``; tables must match it to schedule requests).
 
 Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``H`` hidden.
 """
@@ -19,10 +20,13 @@ Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``H`` hidden.
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+
+from moe_variants.config import ModelConfig, moe_layer_pattern
+from moe_variants.semmoe.tables import Tables
 
 __all__ = [
     "moe_layer_prefixes",
@@ -30,7 +34,14 @@ __all__ = [
     "compose_maps",
     "permute_model_experts",
     "ROUTER_PER_EXPERT",
+    "PLACEMENT_SECTION",
+    "checkpoint_placement",
+    "check_tables_match_checkpoint",
+    "moe_shape",
 ]
+
+# the section of a checkpoint manifest's configs that records an applied placement
+PLACEMENT_SECTION = "semmoe"
 
 _EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.local_experts\.(?P<index>\d+)\.(?P<rest>.+)$")
 _GROUPED = re.compile(r"^(?P<prefix>.+)\.experts\.(weight1|weight2)$")
@@ -141,3 +152,38 @@ def permute_model_experts(model, pg_collection, physical_to_logical: np.ndarray)
     with torch.no_grad():
         for name in buffers:
             model.get_buffer(name).copy_(placed[name])
+
+
+def checkpoint_placement(manifest: dict) -> Optional[dict]:
+    """The ``semmoe`` placement record of a checkpoint's manifest, or None if it is unplaced."""
+    return manifest.get("configs", {}).get(PLACEMENT_SECTION)
+
+
+def moe_shape(manifest: dict, path: str) -> tuple[int, int]:
+    """(MoE layers, experts) of a checkpoint's model config."""
+    try:
+        cfg = ModelConfig.from_dump(manifest["configs"])
+        pattern = moe_layer_pattern(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
+    if not cfg.num_experts:
+        raise ValueError(f"{path}: the model has no experts (not an MoE checkpoint)")
+    return int(sum(pattern)), int(cfg.num_experts)
+
+
+def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: str, ckpt_path: str,
+                                  flag: str = "--tables") -> None:
+    """Raise unless ``tables`` are the placement the checkpoint carries (contiguous tables match
+    an unplaced checkpoint): the token tables only predict the right devices for that placement.
+    ``flag`` names the tables' option in the message."""
+    placement = checkpoint_placement(manifest)
+    expected = tables.physical_to_logical()
+    if placement is None:
+        applied = np.tile(np.arange(tables.num_experts), (tables.num_layers, 1))
+    else:
+        applied = np.asarray(placement["semmoe_tables_map"], dtype=np.int64)
+    if applied.shape != expected.shape or not np.array_equal(applied, expected):
+        raise ValueError(
+            f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
+            "apply them first (python -m tools.semmoe apply)"
+        )

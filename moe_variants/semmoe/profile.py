@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 import scipy.sparse as sp
 
-from ._files import load_npz, save_npz
+from moe_variants.semmoe.npz import load_npz, save_npz
 
 __all__ = [
     "Profile",

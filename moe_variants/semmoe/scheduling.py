@@ -17,7 +17,9 @@ The pure functions take explicit tensors; the collectives take an explicit proce
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import os
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from .tables import Tables
 
 __all__ = [
+    "RequestScheduler",
     "request_device_scores",
     "choose_dp_rank",
     "DPRequestScheduler",
@@ -100,16 +103,30 @@ def schedule_requests(requests: Sequence[np.ndarray], tables: Tables) -> np.ndar
     return np.array([sched.assign(r) for r in requests], dtype=np.int64)
 
 
-def request_scheduler(tables: Tables):
-    """Algorithm 2 as a batch scheduler for an evaluation harness: ``f(token_lists) -> [R] ranks``
-    (``megatron.training.lm_eval_adapter.MegatronCheckpointLM(request_scheduler=...)``)."""
-    if not tables.has_schedule:
-        raise ValueError(f"tables of method {tables.method!r} carry no token table to schedule requests with")
+@dataclasses.dataclass
+class RequestScheduler:
+    """Algorithm 2 as a batch scheduler for an inference application: ``self(token_lists) -> [R]
+    ranks`` (``megatron.training.lm_eval_adapter.MegatronCheckpointLM(request_scheduler=...)``).
+    ``name`` and ``report()`` describe it in the application's results."""
 
-    def schedule(token_lists: Sequence[Sequence[int]]) -> np.ndarray:
-        return schedule_requests([np.asarray(t, dtype=np.int64) for t in token_lists], tables)
+    tables: Tables
+    source: Optional[str] = None  # the tables' directory
+    name: str = "semmoe-algorithm-2"
 
-    return schedule
+    def __post_init__(self):
+        if not self.tables.has_schedule:
+            raise ValueError(f"tables of method {self.tables.method!r} carry no token table to schedule requests with")
+
+    def __call__(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        return schedule_requests([np.asarray(t, dtype=np.int64) for t in token_lists], self.tables)
+
+    def report(self) -> dict:
+        return {"semmoe_tables": os.path.abspath(self.source)} if self.source else {}
+
+
+def request_scheduler(tables: Tables, source: Optional[str] = None) -> RequestScheduler:
+    """Algorithm 2 over ``tables`` (from the directory ``source``) as a request scheduler."""
+    return RequestScheduler(tables, source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ._files import atomic_write, load_npz, save_npz
+from moe_variants.common.files import atomic_write
+from moe_variants.semmoe.npz import load_npz, save_npz
 
 __all__ = ["Tables", "save_tables", "load_tables", "TABLES_FILE", "EXPERT_MAP_FILE"]
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tools.bench.collectives import aggregate_rows, default_sizes, repeats_for
-from tools.bench.launcher import repo_root
+from tools import repo_root
 from tools.bench.schema import STEP_FIELDS, RankResult
 from tools.bench.synthetic_worker import even_splits
 

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from tools.bench import netns
-from tools.bench.launcher import launch, repo_root
+from tools import repo_root
+from tools.bench.launcher import launch
 from tools.bench.schema import RankResult, WorkerSpec
 
 ok, why = netns.netns_available() if os.geteuid() == 0 else (False, "not root")

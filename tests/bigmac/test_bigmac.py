@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from moe_variants.bigmac.config import BigMacConfig
 from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
 from moe_variants.bigmac.accounting import a2a_bytes_uniform, model_accounting, paper_table3
@@ -42,7 +43,7 @@ def test_accounting_matches_built_model(variant):
         base = model_accounting(tiny_model_config(moe_layer_freq=[0, 1]), vocab)
         # parameter-matched experts (F = f / r): only the two projections are added
         assert acc.params_by_part["experts"] == base.params_by_part["experts"]
-        assert acc.params - base.params == 2 * cfg.hidden_size * cfg.resolved_latent_size()
+        assert acc.params - base.params == 2 * cfg.hidden_size * BigMacConfig.of(cfg).latent_size(cfg.hidden_size)
         bytes_bm = a2a_bytes_uniform(acc, tokens=1024, top_k=2, ep=4)["total"]
         bytes_fg = a2a_bytes_uniform(base, tokens=1024, top_k=2, ep=4)["total"]
         assert bytes_bm / bytes_fg == pytest.approx(0.25)
@@ -98,11 +99,11 @@ def _ours_vs_upstream(rank, world):
     sub = copy.copy(get_gpt_layer_local_spec(num_experts=cfg.num_experts).submodules.mlp.submodules)
     sub.router = ProjectRouter
     ours = BigMacMoELayer(config, sub, layer_number=1, pg_collection=pgc,
-                          latent_size=cfg.resolved_latent_size(),
-                          expert_ffn_hidden_size=cfg.resolved_bigmac_ffn())
+                          latent_size=BigMacConfig.of(cfg).latent_size(cfg.hidden_size),
+                          expert_ffn_hidden_size=BigMacConfig.of(cfg).expert_ffn(cfg))
     latent_config = copy.deepcopy(config)
-    latent_config.moe_latent_size = cfg.resolved_latent_size()
-    latent_config.moe_ffn_hidden_size = cfg.resolved_bigmac_ffn()
+    latent_config.moe_latent_size = BigMacConfig.of(cfg).latent_size(cfg.hidden_size)
+    latent_config.moe_ffn_hidden_size = BigMacConfig.of(cfg).expert_ffn(cfg)
     upstream.HAVE_TE, upstream.TELinear = True, _PlainTELinear  # this process only
     theirs = upstream.MoELayer(latent_config, get_gpt_layer_local_spec(num_experts=cfg.num_experts).submodules.mlp.submodules,
                                layer_number=1, pg_collection=pgc)
@@ -152,7 +153,7 @@ def _latent_vs_sequential(rank, world, bias):
     cfg = tiny_model_config(moe_variant="bigmac", bigmac_ratio=0.25)
     pgc = initialize_parallel(ParallelConfig(), seed=3)
     config = copy.deepcopy(transformer_config(cfg, ParallelConfig()))
-    config.moe_latent_size, config.moe_ffn_hidden_size = cfg.resolved_latent_size(), cfg.resolved_bigmac_ffn()
+    config.moe_latent_size, config.moe_ffn_hidden_size = BigMacConfig.of(cfg).latent_size(cfg.hidden_size), BigMacConfig.of(cfg).expert_ffn(cfg)
     config.add_bias_linear = bias
     sub = get_gpt_layer_local_spec(num_experts=cfg.num_experts).submodules.mlp.submodules.experts.submodules
     num_experts = cfg.num_experts

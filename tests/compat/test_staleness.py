@@ -28,7 +28,8 @@ def test_version_is_the_checked_one():
 
 
 @pytest.mark.parametrize(
-    "path,line,text", sites.CPU_DEVICE_SITES + sites.TE_GENERAL_GEMM_SITES + sites.DIST_OPT_LOAD_SITES,
+    "path,line,text",
+    sites.CPU_DEVICE_SITES + sites.TE_GENERAL_GEMM_SITES + sites.DIST_OPT_LOAD_SITES + sites.UPSTREAM_COUPLING_SITES,
     ids=lambda v: str(v) if not isinstance(v, str) or "/" in v else None,
 )
 def test_upstream_site_unchanged(path, line, text):
@@ -38,6 +39,22 @@ def test_upstream_site_unchanged(path, line, text):
         f"megatron/core/{path}:{line} no longer reads {text!r}; the adaptation that works around "
         f"it may be stale"
     )
+
+
+@pytest.mark.parametrize("path", sites.TORCH_PRIVATE_APIS)
+def test_torch_private_api_exists(path):
+    """The private torch APIs the project uses (through megatron/compat/autograd.py) still exist."""
+    head, _, attr = path.rpartition(".")
+    if head == "<grad_fn>":
+        obj = (torch.ones(1, requires_grad=True) * 2).grad_fn
+    else:
+        import importlib
+
+        parts = head.split(".")
+        obj = importlib.import_module(parts[0])
+        for part in parts[1:]:
+            obj = getattr(obj, part)
+    assert hasattr(obj, attr), f"torch {torch.__version__} no longer has {path}; re-check megatron/compat/autograd.py"
 
 
 def test_te_general_gemm_still_undefined_without_te():

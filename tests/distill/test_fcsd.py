@@ -1,7 +1,6 @@
 """FCSD: the losses equal direct computations (also with the vocabulary split over TP=2), the
 early-stopping logic, and the distillation job keeps its teacher frozen."""
 
-import math
 
 import pytest
 import torch
@@ -106,7 +105,7 @@ def test_early_stopping_higher_is_better():
 def test_lm_eval_proxy_metric_and_direction():
     """The proxy's metric and direction come from the task's ``higher_is_better``."""
     from distill.fcsd import FCSDConfig, _lm_eval_proxy_metric
-    from distill.report import LMEvalSpec
+    from distill.scoring import LMEvalSpec
 
     spec = LMEvalSpec(["arc", "wiki", "gen"], manager=None, higher_is_better={
         "arc": {"acc": True, "acc_norm": True}, "wiki": {"word_perplexity": False, "bits_per_byte": False},
@@ -130,7 +129,7 @@ def _scores_keep_rng(rank, world, data_dir, include_path):
 
     import numpy as np
 
-    from distill.report import lm_eval_scores, make_lm_eval_spec
+    from distill.scoring import lm_eval_scores, make_lm_eval_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from moe_variants.config import ParallelConfig
     from moe_variants.builder import build_model

@@ -90,7 +90,7 @@ def test_bad_input_is_one_line_error_and_writes_nothing(case, ckpt_dir, tmp_path
         monkeypatch.setitem(sys.modules, "lm_eval", None)  # makes `import lm_eval` raise ImportError
     code, err = _run_main(_args(ckpt, out, **tasks), capsys)
     assert code == 2
-    assert err.startswith("error: ") and expect in err, err
+    assert err.startswith("evaluate_lm: error: ") and expect in err, err
     if case == "output_exists":
         assert out.read_text() == "keep me"
     else:

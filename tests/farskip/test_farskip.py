@@ -12,7 +12,7 @@ import torch
 
 from moe_variants.config import ParallelConfig
 from megatron.training.testing import run_distributed
-from moe_variants.farskip import parse_farskip_layers
+from moe_variants.farskip.config import LayerSelection
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 
@@ -58,18 +58,17 @@ def test_farskip_changes_the_function_but_not_the_parameters():
 
 
 def test_layer_selection():
-    assert parse_farskip_layers("none", 4) == frozenset()
-    assert parse_farskip_layers("all", 4) == {0, 1, 2, 3}
-    assert parse_farskip_layers("first:2", 4) == {0, 1}
-    assert parse_farskip_layers("last:1", 4) == {3}
-    assert parse_farskip_layers("1-2", 4) == {1, 2}
+    assert LayerSelection.parse("none").indices(4) == frozenset()
+    assert LayerSelection.parse("all").indices(4) == {0, 1, 2, 3}
+    assert LayerSelection.parse("first:2").indices(4) == {0, 1}
+    assert LayerSelection.parse("last:1").indices(4) == {3}
+    assert LayerSelection.parse("1-2").indices(4) == {1, 2}
     for bad in ("last:5", "3-1", "half", "first:0"):
         with pytest.raises(ValueError, match="--farskip"):
-            parse_farskip_layers(bad, 4)
+            LayerSelection.parse(bad).indices(4)
 
 
 def _split_vs_whole(rank, world):
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from moe_variants.builder import causal_attention_mask
     from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
@@ -90,7 +89,7 @@ def test_split_attention_is_bit_identical_to_megatron_core():
 
 
 def _backward_order(rank, world, reorder):
-    from moe_variants.builder import moe_layers
+    from moe_variants.common.moe_layer import moe_layers
     from moe_variants.common import comm
 
     comm.BACKWARD_REORDERING = reorder
@@ -131,7 +130,7 @@ def test_backward_reordering_moves_attention_between_launch_and_wait():
 
 
 def _collective_order(rank, world):
-    from moe_variants.builder import moe_layers
+    from moe_variants.common.moe_layer import moe_layers
     from moe_variants.common import comm
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=3, moe_layer_freq=1)

@@ -69,7 +69,7 @@ def test_deferred_gradient_accumulates_into_main_grad():
 
 
 def _grads_and_queue(rank, world, defer):
-    from moe_variants.builder import moe_layers
+    from moe_variants.common.moe_layer import moe_layers
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", farskip_defer_wgrad=defer, num_layers=2,
                             moe_layer_freq=1)

@@ -18,7 +18,7 @@ from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 
 def _count(rank, world):
-    from moe_variants.builder import moe_layers
+    from moe_variants.common.moe_layer import moe_layers
     from megatron.training.training import comm_counters
     from moe_variants.common.comm import CommCounters
 

@@ -63,7 +63,7 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     bad.write_text("op,ranks,bytes\n")
     assert main(["fit", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "missing CSV column" in err
+    assert err.startswith("python -m netsim: error: ") and err.count("\n") == 1 and "missing CSV column" in err
     assert main(["fit"]) == 2
     assert main(["serve", "--lar", "1.5"]) == 2
     assert main(["fit", "--csv", str(bad), "--algorithm", "ring"]) == 2

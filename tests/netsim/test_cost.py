@@ -1,6 +1,5 @@
 """Cluster cost: totals add up, hand-computed breakdowns, switch/link counting, the adjustment factor."""
 
-import math
 
 import pytest
 

@@ -64,7 +64,7 @@ def test_algorithm_2_assigns_requests_and_keeps_scores(tiny_model):
 
 def test_tables_must_fit_the_layout_and_the_checkpoint(tiny_model):
     from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
-    from megatron.training.evaluate_lm import _semmoe_scheduler
+    from moe_variants import registry
 
     def args(ep=2, tp=1, load=tiny_model.placed2):
         return argparse.Namespace(semmoe_tables=tiny_model.tables2, tensor_model_parallel_size=tp,
@@ -73,11 +73,11 @@ def test_tables_must_fit_the_layout_and_the_checkpoint(tiny_model):
     def manifest(path):
         return read_manifest(find_latest_checkpoint(path), verify=False)
 
-    assert _semmoe_scheduler(args(), manifest(tiny_model.placed2), 2) is not None
+    assert registry.request_scheduler(args(), manifest(tiny_model.placed2), 2) is not None
     with pytest.raises(ValueError, match="are for 2 devices"):
-        _semmoe_scheduler(args(ep=1), manifest(tiny_model.placed2), 1)
+        registry.request_scheduler(args(ep=1), manifest(tiny_model.placed2), 1)
     with pytest.raises(ValueError, match="not the placement"):  # tables of another placement
-        _semmoe_scheduler(args(load=tiny_model.ckpt), manifest(tiny_model.ckpt), 2)
+        registry.request_scheduler(args(load=tiny_model.ckpt), manifest(tiny_model.ckpt), 2)
 
 
 # ------------------------------------------------------------------ local activation rate in lm-eval
@@ -116,7 +116,7 @@ def _lar_run(rank, world, ckpt, tables_path, prompts, continuation):
         if not tables_path:  # generation forwards (KV-cache prefill and one-token steps) are counted too
             gen = lm.generate_until([Instance("generate_until", {}, (c, {"until": ["zzz"], "max_gen_toks": n}), i)
                                      for i, (c, n) in enumerate(zip(contexts[:3], [2, 5, 3]))])
-    moe = _moe_traffic(lm, scheduler is not None)
+    moe = _moe_traffic(lm, inner if tables_path else None)
     moe.update(counter.summary())
     return {"scores": [s for s, _ in scores], "gen": gen, "moe": moe, "tokens": seen.get("tokens"),
             "continuation": lm.tok_encode(continuation), "lengths": [len(lm.tok_encode(c)) for c in contexts]}
@@ -199,5 +199,5 @@ def test_mismatched_tables_are_a_one_line_error(case, tiny_model, tmp_path, caps
     expect = {"layers": "tables for 1 MoE layers x 8 experts, the model of --load has 2 x 8",
               "devices": "are for 2 devices: run with 2 ranks", "placement": "are not the placement of --load",
               "no_schedule": "carry no token table"}[case]
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: --semmoe-tables") and expect in err[0], err
+    assert code == 2 and len(err) == 1 and err[0].startswith("evaluate_lm: error: --semmoe-tables") and expect in err[0], err
     assert not out.exists()

@@ -33,7 +33,7 @@ def _tokens(seed=0, batch=2, seq=24, vocab=2048):
 def _profile_layouts(rank, world, ckpt, prompts):
     from megatron.core import parallel_state
 
-    from tools.semmoe.model_run import RunOptions, gather_embedding, profile_rank
+    from tools.semmoe.model_run import RunOptions, profile_rank
 
     out = {}
     for name, tp, ep in (("ep2", 1, 2), ("tp2_ep2", 2, 2)):
@@ -95,7 +95,8 @@ def _logits_and_ownership(rank, world, original, placed, physical_to_logical, to
     from moe_variants.config import ParallelConfig
     from moe_variants.global_state import gather_global_state_dict
     from megatron.training.loading import load_model
-    from moe_variants.builder import causal_attention_mask, moe_layers
+    from moe_variants.builder import causal_attention_mask
+    from moe_variants.common.moe_layer import moe_layers
     from megatron.training.parallel import initialize_parallel
 
     seq = tokens.shape[1]
@@ -252,7 +253,7 @@ def test_pad_assignment_fills_free_slots_lowest_rank_first():
 
 def _one_line_error(capsys, rc, *fragments):
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert rc == 2 and err.startswith("python -m tools.semmoe: error: ") and err.count("\n") == 1, err
     for f in fragments:
         assert f in err, err
 

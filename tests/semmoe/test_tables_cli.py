@@ -69,11 +69,11 @@ def test_cli_solve_and_evaluate(tmp_path, capsys):
 def test_cli_errors_are_one_line(tmp_path, capsys):
     rc = main(["solve", "--profile", str(tmp_path / "nope.npz"), "--ep", "2", "--out", str(tmp_path / "t")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert rc == 2 and err.startswith("python -m tools.semmoe: error: ") and err.count("\n") == 1
     save_profile(synthetic_profile(CFG, seed=0), tmp_path / "p.npz")
     rc = main(["solve", "--profile", str(tmp_path / "p.npz"), "--ep", "3", "--out", str(tmp_path / "t")])
     assert rc == 2 and "--ep 3" in capsys.readouterr().err
 
 
 def test_commands_are_registered():
-    assert {"solve", "evaluate", "synth", "split"} <= set(COMMANDS)
+    assert {"solve", "evaluate", "synth", "split"} <= set(COMMANDS.commands)

@@ -33,8 +33,11 @@ from . import netns
 from .aggregate import format_table, ratios_vs, uncontended_comm_fraction, variant_stats
 from .collectives import OPS, default_sizes, run_calibration, write_csv
 from .launcher import LaunchError, launch
-from .schema import RankResult, SyntheticOptions, WorkerSpec, write_json_atomic
+from .schema import RankResult, SyntheticOptions, WorkerSpec
+from moe_variants.common.cli import int_list, nonneg_int, positive_int
+from moe_variants.common.files import write_json
 from .tune import find_rate
+from .variant_worker import variant_overrides
 
 __all__ = ["build_parser", "main", "WORKERS", "worker_module_for"]
 
@@ -57,31 +60,10 @@ def worker_module_for(variant: str) -> str:
     return WORKERS.get(variant, MODEL_WORKER)
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s}")
-    return v
-
-
-def _int_list(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench_ep.py", description=__doc__.splitlines()[0])
     g = ap.add_argument_group("network")
-    g.add_argument("--ranks", type=_positive_int, default=2, help="number of ranks (1-4; default 2)")
+    g.add_argument("--ranks", type=positive_int, default=2, help="number of ranks (1-4; default 2)")
     g.add_argument("--link-gbit", type=float, default=1.0, help="per-rank link rate, each direction")
     g.add_argument("--link-latency-ms", type=float, default=0.0,
                    help="one-way rank-to-rank latency (needs the netem qdisc)")
@@ -90,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("benchmark")
     g.add_argument("--variants", default="standard",
                    help="comma-separated: standard, bigmac, ... (model worker) or synthetic")
-    g.add_argument("--warmup", type=_nonneg_int, default=2)
-    g.add_argument("--steps", type=_positive_int, default=10)
+    g.add_argument("--warmup", type=nonneg_int, default=2)
+    g.add_argument("--steps", type=positive_int, default=10)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     g.add_argument("--exact-rss", action="store_true",
                    help="serve allocations of 1 MiB and more by mmap in the ranks (glibc "
                         "MALLOC_MMAP_THRESHOLD_), so peak RSS tracks live tensors instead of heap "
@@ -103,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first pick the link rate giving the probe variant this all-to-all share")
     g.add_argument("--probe-variant", help="variant the rate search measures (default: standard "
                    "if requested, else the first)")
-    g.add_argument("--probe-steps", type=_positive_int, default=3)
-    g.add_argument("--probe-warmup", type=_nonneg_int, default=1)
-    g.add_argument("--max-probes", type=_positive_int, default=8)
+    g.add_argument("--probe-steps", type=positive_int, default=3)
+    g.add_argument("--probe-warmup", type=nonneg_int, default=1)
+    g.add_argument("--max-probes", type=positive_int, default=8)
     g.add_argument("--fraction-tol", type=float, default=0.02, help="stop the rate search within this")
     g.add_argument("--timeout-s", type=float, default=1800.0,
                    help="wall-clock limit of the whole command (every launch is killed past it)")
@@ -118,19 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(flag, type=typ)
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config override (VALUE parsed as JSON when possible)")
-    g.add_argument("--semmoe-profile-samples", type=_positive_int, default=256,
+    g.add_argument("--semmoe-profile-samples", type=positive_int, default=256,
                    help="variant semmoe: validation-split samples to profile the fresh model's routing on "
                    "before placing its experts")
     g = ap.add_argument_group("synthetic worker (--variants synthetic)")
     for f in dataclasses.fields(SyntheticOptions):
-        g.add_argument(f"--synthetic-{f.name}", type=_positive_int, default=f.default)
+        g.add_argument(f"--synthetic-{f.name}", type=positive_int, default=f.default)
     g = ap.add_argument_group("calibration")
     g.add_argument("--collectives", action="store_true", help="time gloo collectives, write a CSV")
     g.add_argument("--csv", metavar="PATH", help="calibration CSV (sidecar JSON: same name, .json)")
-    g.add_argument("--calibration-ranks", type=_int_list, default=[2, 4])
-    g.add_argument("--sizes", type=_int_list, help="message sizes in bytes (default 4 KiB..64 MiB, x2)")
+    g.add_argument("--calibration-ranks", type=int_list, default=[2, 4])
+    g.add_argument("--sizes", type=int_list, help="message sizes in bytes (default 4 KiB..64 MiB, x2)")
     g.add_argument("--ops", default=",".join(OPS))
-    g.add_argument("--repeats", type=_positive_int, default=10,
+    g.add_argument("--repeats", type=positive_int, default=10,
                    help="timed calls per size (x 1 MiB/size below 1 MiB, at most 10x)")
     g.add_argument("--cleanup-stale", action="store_true",
                    help="only remove namespaces left by crashed runs, then exit")
@@ -168,6 +150,8 @@ def _variants(args) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"--variants lists a variant twice: {args.variants}")
     for v in names:
+        if v != SYNTHETIC:
+            variant_overrides(v)  # an unknown preset fails here, before any launch
         module = worker_module_for(v)
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"--variants {v}: worker module {module} is not available in this checkout")
@@ -294,7 +278,7 @@ def _benchmark(args, argv, work_dir, budget) -> int:
           " (UNSHAPED loopback)") + f"; ratios vs {baseline}")  # fmt: skip
     print(format_table(stats, ratios))
     if args.json:
-        write_json_atomic(args.json, {
+        write_json(args.json, {
             "schema": OUTPUT_SCHEMA,
             "command": argv,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -337,7 +321,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
     )  # fmt: skip
     write_csv(args.csv, rows)
     sidecar = os.path.splitext(args.csv)[0] + ".json"
-    write_json_atomic(sidecar, {
+    write_json(sidecar, {
         "schema": "bench_ep_collectives/1",
         "command": argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -362,7 +346,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
 
 def _script_path() -> str:
     """How the running script is best named in a record: relative to the repository if inside it."""
-    from .launcher import repo_root
+    from tools import repo_root
 
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     root = repo_root()

@@ -36,7 +36,8 @@ import sys
 import time
 from typing import Sequence
 
-from .schema import WorkerSpec, write_json_atomic
+from .schema import WorkerSpec
+from moe_variants.common.files import write_json
 
 __all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
-    write_json_atomic(spec.result_path(rank), {"rank": rank, "world_size": world, "rows": rows})
+    write_json(spec.result_path(rank), {"rank": rank, "world_size": world, "rows": rows})
     return 0
 
 

@@ -20,9 +20,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from tools import repo_root
+
 from .schema import WorkerSpec
 
-__all__ = ["LaunchError", "LaunchTimeout", "launch", "repo_root", "free_port"]
+__all__ = ["LaunchError", "LaunchTimeout", "launch", "free_port"]
 
 _KILL_GRACE_S = 3.0
 _FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others may take to exit on their own
@@ -35,11 +37,6 @@ class LaunchError(RuntimeError):
 
 class LaunchTimeout(LaunchError):
     """The launch outlived its wall-clock limit; every rank was killed."""
-
-
-def repo_root() -> str:
-    """The checkout that holds this package (``tools/bench/launcher.py`` -> two levels up)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:

@@ -31,8 +31,9 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
-from typing import Any, Optional
+from typing import Optional
+
+from moe_variants.common.files import write_json
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -40,7 +41,6 @@ __all__ = [
     "SyntheticOptions",
     "WorkerSpec",
     "RankResult",
-    "write_json_atomic",
     "peak_rss_mb",
 ]
 
@@ -56,26 +56,6 @@ STEP_FIELDS = (
     "a2a_bytes_combine",
     "tokens",
 )
-
-
-def write_json_atomic(path: str, obj: Any, default=None) -> None:
-    """Write ``obj`` as JSON to a temporary file next to ``path`` and rename it into place
-    (``default`` as in ``json.dump``, for values JSON cannot encode)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False, default=default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def peak_rss_mb() -> float:
@@ -146,7 +126,7 @@ class WorkerSpec:
         return dataclasses.asdict(self)
 
     def write(self, path: str) -> None:
-        write_json_atomic(path, self.to_dict())
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerSpec":
@@ -210,7 +190,7 @@ class RankResult:
 
     def write(self, path: str) -> None:
         self.validate()
-        write_json_atomic(path, self.to_dict())
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> "RankResult":

@@ -19,33 +19,24 @@ import sys
 import time
 
 from megatron import compat
+from moe_variants import registry
 
-from .schema import RankResult, WorkerSpec, peak_rss_mb, write_json_atomic
+from .schema import RankResult, WorkerSpec, peak_rss_mb
+from moe_variants.common.files import write_json
 from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
 
-__all__ = ["VARIANTS", "variant_overrides", "main"]
+__all__ = ["RUNTIME_VARIANTS", "variant_overrides", "main"]
 
-# name -> ModelConfig overrides. BigMac keeps the config's --bigmac-ratio (default 0.25).
-VARIANTS = {
-    "standard": {"moe_variant": "standard", "farskip": "none"},
-    "bigmac": {"moe_variant": "bigmac"},
-    "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
-    "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
-    "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
-    "semmoe": {},  # placement + request scheduling, see tools/semmoe/bench.py
-}
+# bench variants that change no config: the harness sets them up at run time. ``semmoe`` places the
+# freshly built model's experts by a Sem-MoE profile and re-schedules every step's samples over the
+# ranks (tools/semmoe/bench.py), so it combines with any preset (``semmoe+bigmac``).
+RUNTIME_VARIANTS = ("semmoe",)
 
 
 def variant_overrides(variant: str) -> dict:
-    """Config overrides of a (possibly ``+``-combined) variant name; ValueError if unknown."""
-    out: dict = {}
-    for part in variant.split("+"):
-        if part not in VARIANTS:
-            raise ValueError(f"--variants: unknown variant {part!r} (known: {', '.join(VARIANTS)}, synthetic)")
-        out.update(VARIANTS[part])
-    if out.get("moe_variant") == "bigmac":
-        out.setdefault("bigmac_ratio", 0.25)
-    return out
+    """Config overrides of a (possibly ``+``-combined) variant name: the registered variants'
+    benchmark presets (``moe_variants.registry``); ValueError names an unknown part."""
+    return registry.preset_overrides(variant, extra=RUNTIME_VARIANTS)
 
 
 def _configs(spec: WorkerSpec, world: int):
@@ -55,10 +46,7 @@ def _configs(spec: WorkerSpec, world: int):
     values.update(spec.overrides)
     values.setdefault("expert_model_parallel_size", world)
     values.setdefault("transformer_impl", "local")
-    for key, value in variant_overrides(spec.variant).items():
-        if key == "bigmac_ratio" and (values.get("bigmac_ratio") or values.get("moe_latent_size")):
-            continue
-        values[key] = value
+    values.update(variant_overrides(spec.variant))
     values["seed"] = spec.seed
     values["train_iters"] = spec.warmup + spec.steps
     return configs_from_dict(values)
@@ -98,7 +86,7 @@ def _write_trace(timeline, start, end, chunks, trace_dir, variant, rank) -> None
     out.add(f"{variant} step", "step", start, end)
     trace = out.to_chrome_trace(pid=rank)
     os.makedirs(trace_dir, exist_ok=True)
-    write_json_atomic(os.path.join(trace_dir, f"trace_{variant}_rank{rank}.json"), trace)
+    write_json(os.path.join(trace_dir, f"trace_{variant}_rank{rank}.json"), trace)
 
 
 def run(spec: WorkerSpec) -> RankResult:

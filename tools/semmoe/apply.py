@@ -29,23 +29,24 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
+from megatron.training.loading import find_checkpoint
+from moe_variants.semmoe.placement import (
+    PLACEMENT_SECTION,
+    checkpoint_placement,
+    moe_shape,
+)
 from moe_variants.semmoe.tables import EXPERT_MAP_FILE, TABLES_FILE, Tables, load_tables
 
 __all__ = [
-    "PLACEMENT_SECTION",
     "TABLES_SUBDIR",
-    "checkpoint_placement",
-    "check_tables_match_checkpoint",
     "load_checkpoint_tables",
     "validate_apply",
     "apply_placement",
 ]
 
-PLACEMENT_SECTION = "semmoe"
 TABLES_SUBDIR = "semmoe_tables"
 PLACEMENT_FILE = "placement.json"
 
@@ -58,61 +59,10 @@ def _sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _checkpoint(path: str):
-    """(checkpoint dir, manifest) of ``path`` (a save dir or an iter dir); one-line ValueError."""
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
-
-    try:
-        ckpt = find_latest_checkpoint(path)
-        if ckpt is None:
-            raise CheckpointError(f"--load {path}: no complete checkpoint found")
-        return ckpt, read_manifest(ckpt, verify=False)
-    except CheckpointError as e:
-        raise ValueError(str(e).splitlines()[0]) from None
-
-
-def checkpoint_placement(manifest: dict) -> Optional[dict]:
-    """The ``semmoe`` placement record of a checkpoint's manifest, or None if it is unplaced."""
-    return manifest.get("configs", {}).get(PLACEMENT_SECTION)
-
-
-def _moe_shape(manifest: dict, path: str) -> tuple[int, int]:
-    """(MoE layers, experts) of a checkpoint's model config."""
-    from megatron.training.arguments import configs_from_dict
-    from moe_variants.config import moe_layer_pattern
-
-    try:
-        cfg = configs_from_dict(dict(manifest["configs"].get("model", {}))).model
-        pattern = moe_layer_pattern(cfg)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
-    if not cfg.num_experts:
-        raise ValueError(f"{path}: the model has no experts (not an MoE checkpoint)")
-    return int(sum(pattern)), int(cfg.num_experts)
-
-
-def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: str, ckpt_path: str,
-                                  flag: str = "--tables") -> None:
-    """Raise unless ``tables`` are the placement the checkpoint carries (contiguous tables match
-    an unplaced checkpoint): the token tables only predict the right devices for that placement.
-    ``flag`` names the tables' option in the message."""
-    placement = checkpoint_placement(manifest)
-    expected = tables.physical_to_logical()
-    if placement is None:
-        applied = np.tile(np.arange(tables.num_experts), (tables.num_layers, 1))
-    else:
-        applied = np.asarray(placement["semmoe_tables_map"], dtype=np.int64)
-    if applied.shape != expected.shape or not np.array_equal(applied, expected):
-        raise ValueError(
-            f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
-            "apply them first (python -m tools.semmoe apply)"
-        )
-
-
 def load_checkpoint_tables(path: str) -> tuple[Tables, dict]:
     """(tables, placement record) stored with a placed checkpoint; one-line ValueError if the
     checkpoint is unplaced or its tables were changed."""
-    ckpt, manifest = _checkpoint(path)
+    ckpt, manifest = find_checkpoint(path)
     placement = checkpoint_placement(manifest)
     if placement is None:
         raise ValueError(f"{path}: not a Sem-MoE placed checkpoint (no '{PLACEMENT_SECTION}' record; run apply)")
@@ -129,9 +79,9 @@ def validate_apply(load: str, tables_path: str, out: str) -> tuple[str, dict, Ta
         raise ValueError(f"--out {out}: exists; refusing to overwrite (choose a new path)")
     if not out_path.parent.is_dir():
         raise ValueError(f"--out {out}: parent directory {out_path.parent} does not exist")
-    ckpt, manifest = _checkpoint(load)
+    ckpt, manifest = find_checkpoint(load)
     tables = load_tables(tables_path)
-    layers, experts = _moe_shape(manifest, load)
+    layers, experts = moe_shape(manifest, load)
     if tables.expert2device.shape != (layers, experts):
         raise ValueError(
             f"--tables {tables_path} are for {tables.num_layers} MoE layers x {tables.num_experts} experts, "
@@ -162,7 +112,7 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
     from megatron.training.parallel import initialize_parallel
 
     from moe_variants.semmoe.placement import compose_maps, permute_model_experts
-    from .runtime import single_process_group
+    from megatron.training.parallel import single_process_group
 
     ckpt, manifest, tables = validate_apply(load, tables_path, out)
     p2l = tables.physical_to_logical()

@@ -1,7 +1,7 @@
 """``python -m tools.semmoe <command>``: Sem-MoE offline passes.
 
-Commands are registered with :func:`command`; each gets an argparse sub-parser and a ``run(args)``
-returning an exit code. User errors (``ValueError``) print one line and exit with status 2.
+Commands are registered in ``commands.COMMANDS``; each gets an argparse sub-parser and a
+``run(args)`` returning an exit code. User errors print one line and exit with status 2.
 
 * ``solve``     profile -> tables for one placement method and EP size
 * ``evaluate``  tables (one or more) x held-out profile -> LAR / imbalance / bytes table + JSON
@@ -13,44 +13,18 @@ returning an exit code. User errors (``ValueError``) print one line and exit wit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-__all__ = ["command", "COMMANDS", "main"]
+from megatron.training.checkpointing import CheckpointError
+from moe_variants.common.cli import positive_int
+from moe_variants.common.files import write_json
 
+from . import model_commands  # noqa: F401  (registers profile, apply, lar)
+from .commands import COMMANDS, command
 
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
-    """Register ``run(args) -> int`` as subcommand ``name``; ``configure`` adds its arguments."""
-
-    def deco(run: Callable[[argparse.Namespace], int]):
-        if name in COMMANDS:
-            raise ValueError(f"command {name!r} registered twice")
-        COMMANDS[name] = Command(name, help, configure, run)
-        return run
-
-    return deco
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return v
+__all__ = ["main"]
 
 
 # ------------------------------------------------------------------------------------------ solve
@@ -62,18 +36,18 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
 
     d = SolverConfig()
     p.add_argument("--profile", required=True, help="profile .npz (from `profile`, `synth` or `split`)")
-    p.add_argument("--ep", type=_positive_int, required=True, help="expert-parallel size D (must divide the experts)")
+    p.add_argument("--ep", type=positive_int, required=True, help="expert-parallel size D (must divide the experts)")
     p.add_argument("--method", default="semmoe", choices=sorted(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="tables directory to write")
     p.add_argument("--verbose", action="store_true", help="print per-layer objective terms (semmoe)")
     g = p.add_argument_group("Algorithm 1 (semmoe, milp)")
-    g.add_argument("--n-steps", type=_positive_int, default=d.n_steps)
+    g.add_argument("--n-steps", type=positive_int, default=d.n_steps)
     g.add_argument("--ft-steps", type=int, default=d.ft_steps)
     for name in ("alpha_e", "beta_e", "gamma_e", "alpha_r", "beta_r", "theta", "expert_balance", "balance_slack"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    g.add_argument("--patience", type=_positive_int, default=d.patience)
-    g.add_argument("--lookback", type=_positive_int, default=d.lookback)
+    g.add_argument("--patience", type=positive_int, default=d.patience)
+    g.add_argument("--lookback", type=positive_int, default=d.lookback)
     g.add_argument("--token-table", choices=[t.value for t in TokenTable], default=d.token_table.value)
     g.add_argument(
         "--polish", action=argparse.BooleanOptionalAction, default=d.polish, help="token-level descent (mass table)"
@@ -126,8 +100,8 @@ def _configure_evaluate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", nargs="+", required=True, help="one or more tables directories")
     p.add_argument("--profile", required=True, help="held-out profile .npz")
     p.add_argument("--mode", choices=["dp", "tp", "both"], default="both", help="attention deployment mode")
-    p.add_argument("--hidden-size", type=_positive_int, default=None, help="default: the profile's meta hidden_size")
-    p.add_argument("--bytes-per-element", type=_positive_int, default=2, help="activation element size (bf16: 2)")
+    p.add_argument("--hidden-size", type=positive_int, default=None, help="default: the profile's meta hidden_size")
+    p.add_argument("--bytes-per-element", type=positive_int, default=2, help="activation element size (bf16: 2)")
     p.add_argument(
         "--tp-batch-tokens",
         type=int,
@@ -139,7 +113,6 @@ def _configure_evaluate(p: argparse.ArgumentParser) -> None:
 
 @command("evaluate", "LAR, load imbalance and all-to-all bytes of tables on a held-out profile", _configure_evaluate)
 def _evaluate(args: argparse.Namespace) -> int:
-    from moe_variants.semmoe._files import atomic_write
     from moe_variants.semmoe.metrics import evaluate
     from moe_variants.semmoe.profile import load_profile
     from moe_variants.semmoe.tables import load_tables
@@ -174,7 +147,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         "bytes_per_element": args.bytes_per_element,
         "results": rows,
     }
-    atomic_write(out, lambda f: json.dump(payload, f, indent=2), mode="w")
+    write_json(out, payload, indent=2)
     print(f"wrote {out}")
     return 0
 
@@ -229,32 +202,15 @@ def _split(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.semmoe", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for cmd in COMMANDS.values():
-        cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         from .runtime import rank_argv
 
         argv = sys.argv[1:] or rank_argv() or []
     argv = [str(a) for a in argv]
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # commands that start torchrun re-run themselves with the same arguments
-    try:
-        return COMMANDS[args.command].run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        if type(e).__name__ != "CheckpointError":  # a corrupt or incomplete checkpoint is a user error
-            raise
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
 
+    def keep_argv(args):
+        args.argv = argv  # commands that start torchrun re-run themselves with the same arguments
 
-from . import model_commands  # noqa: E402,F401  (registers profile, apply, lar)
+    # a corrupt or incomplete checkpoint is a user error too
+    return COMMANDS.main(argv, user_errors=(ValueError, CheckpointError), prepare=keep_argv)

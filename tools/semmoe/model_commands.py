@@ -1,4 +1,4 @@
-"""Model-side subcommands of ``python -m tools.semmoe`` (registered on import by ``cli``).
+"""Model-side subcommands of ``python -m tools.semmoe`` (registered in ``commands.COMMANDS``).
 
 * ``profile``  run a checkpoint over prompts (any TP/EP, torchrun) -> profile .npz
 * ``apply``    permute a checkpoint's experts and router rows by tables -> placed checkpoint
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from .cli import _positive_int, command
+from moe_variants.common.cli import positive_int
+from moe_variants.common.files import atomic_write
+
+from .commands import command
 
 __all__: list[str] = []
 
@@ -53,11 +55,11 @@ def _run_options(args: argparse.Namespace):
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="checkpoint (save dir or iter_N dir)")
     p.add_argument("--data", required=True, help="prompts JSONL (one {\"text\": ...} per line)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-tokens", type=positive_int, default=None,
                    help="truncate prompts to this many tokens (default: the model's context)")
-    p.add_argument("--batch-tokens", type=_positive_int, default=2048,
+    p.add_argument("--batch-tokens", type=positive_int, default=2048,
                    help="padded tokens per forward (requests are batched, longest first)")
-    p.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N prompts")
     p.add_argument("--seed", type=int, default=1234)
 
 
@@ -73,15 +75,14 @@ def _check_output_file(out: str) -> None:
 
 def _check_run_inputs(args: argparse.Namespace, nproc: int):
     """Prompts readable, checkpoint present, layout valid for ``nproc`` ranks; returns the manifest."""
-    from megatron.training.arguments import configs_from_dict
-    from moe_variants.config import validate
+    from moe_variants.config import ModelConfig, validate
 
-    from .apply import _checkpoint
+    from megatron.training.loading import find_checkpoint
     from .model_run import read_prompts
 
     read_prompts(args.data, args.limit)
-    ckpt, manifest = _checkpoint(args.load)
-    model_cfg = configs_from_dict(dict(manifest["configs"].get("model", {}))).model
+    ckpt, manifest = find_checkpoint(args.load)
+    model_cfg = ModelConfig.from_dump(manifest["configs"])
     if not model_cfg.num_experts:
         raise ValueError(f"--load {args.load}: not an MoE checkpoint")
     validate(model_cfg, _run_options(args).parallel(), nproc)
@@ -102,10 +103,10 @@ def _finish_rank() -> None:
 def _configure_profile(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.add_argument("--out", required=True, help="profile .npz to write")
-    p.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--nproc", type=_positive_int, default=None,
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="ranks to start (default TP x EP); data parallelism takes the rest")
 
 
@@ -114,7 +115,9 @@ def _profile(args: argparse.Namespace) -> int:
     _quiet()
     from .model_run import profile_rank
     from moe_variants.semmoe.profile import save_profile
-    from .runtime import in_torchrun, run_under_torchrun, single_process_group
+    from megatron.training.parallel import single_process_group
+
+    from .runtime import in_torchrun, run_under_torchrun
 
     opts = _run_options(args)
     if in_torchrun():
@@ -188,10 +191,11 @@ def _lar_table(rows: list[dict]) -> None:
 @command("lar", "measure the local activation rate of a placed checkpoint in a real forward", _configure_lar)
 def _lar(args: argparse.Namespace) -> int:
     _quiet()
-    from moe_variants.semmoe._files import atomic_write
     from .apply import check_tables_match_checkpoint
     from .model_run import lar_rank
-    from .runtime import in_torchrun, run_under_torchrun, single_process_group
+    from megatron.training.parallel import single_process_group
+
+    from .runtime import in_torchrun, run_under_torchrun
     from moe_variants.semmoe.tables import load_tables
 
     tables = load_tables(args.tables)

@@ -9,16 +9,14 @@ the rank's share. Only rank 0 writes outputs, atomically.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 
-from tools.bench.launcher import repo_root
+from tools import repo_root
 
-__all__ = ["in_torchrun", "single_process_group", "run_under_torchrun", "ARGV_ENV", "rank_argv"]
+__all__ = ["in_torchrun", "run_under_torchrun", "ARGV_ENV", "rank_argv"]
 
 # The command line travels to the ranks in this variable, not as torchrun script arguments:
 # torchrun's own parser classifies every ``--option`` after the module name and rejects ours
@@ -29,29 +27,6 @@ ARGV_ENV = "SEMMOE_ARGV"
 def in_torchrun() -> bool:
     """True inside a rank started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-@contextlib.contextmanager
-def single_process_group():
-    """A world of one gloo rank for in-process runs; torn down (with megatron's groups) on exit."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # a caller (a test harness) owns the group
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="semmoe-pg-") as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            try:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
-            except Exception:
-                pass
-            dist.destroy_process_group()
 
 
 def rank_argv() -> list[str] | None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from moe_variants.config import ModelConfig, MoEVariant, moe_layer_pattern
+from moe_variants import registry
+from moe_variants.config import ModelConfig, moe_layer_pattern
 
 __all__ = ["Family", "get", "refuse", "common_model_fields", "common_hf_fields", "check_exportable",
            "layer_freq", "dense_layers", "optional_int"]
@@ -96,10 +97,9 @@ def common_model_fields(hf: dict, family: str) -> dict:
 
 def check_exportable(model: ModelConfig, family: str) -> None:
     """Settings with no Hugging Face equivalent in any supported family."""
-    refuse(model.farskip != "none", f"--farskip {model.farskip}: FarSkip connectivity has no {family} equivalent "
-                                    "(export the teacher, or distil back to standard connectivity)")
-    refuse(model.moe_variant != MoEVariant.standard,
-           f"--moe-variant {model.moe_variant.value}: BigMac layers have no {family} equivalent")
+    for variant in registry.enabled(model):
+        reason = variant.export_refusal(model, family)
+        refuse(reason is not None, reason)
     refuse(model.normalization != "RMSNorm", f"--normalization {model.normalization}: {family} uses RMSNorm")
     refuse(not model.swiglu, f"{family} needs --swiglu")
     refuse(model.position_embedding_type != "rope", f"{family} needs --position-embedding-type rope")

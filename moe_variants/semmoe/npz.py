@@ -1,43 +1,26 @@
-"""Atomic file writes and guarded npz loading shared by the profile and table formats."""
+"""The npz container of the profile and table formats: written atomically with a JSON ``meta``
+entry, loaded with one-line errors for anything that is not such a file."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
+from moe_variants.common.files import atomic_write
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> Path:
-    """Write ``path`` by calling ``write(fileobj)`` on a temporary file in the same directory, then
-    renaming it into place, so readers never see a partial file and a crash leaves the old one."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path}: is a directory, expected a file path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+__all__ = ["save_npz", "load_npz"]
 
 
 def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Path:
     """Atomically write an uncompressed npz with a JSON ``meta`` entry."""
     payload = dict(arrays)
     payload["meta_json"] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
-    return atomic_write(path, lambda f: np.savez(f, **payload))
+    return atomic_write(path, lambda f: np.savez(f, **payload), mode="wb")
 
 
 def load_npz(path: str | os.PathLike, kind: str, required: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict]:

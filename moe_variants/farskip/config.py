@@ -1,0 +1,135 @@
+"""FarSkip-Collective's config section: which layers, how they run, which sub-block skips.
+
+Flags (flat, Megatron style; also YAML keys): ``--farskip none|all|first:N|last:N|A-B``,
+``--farskip-impl simple|overlapped``, ``--farskip-mode full|attn-only|mlp-only``,
+``--[no-]farskip-defer-wgrad``. The layer selection is parsed once, here, into a
+:class:`LayerSelection`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from moe_variants.config import coerce_enums
+from moe_variants.registry import VariantConfig
+
+__all__ = ["FarSkipConfig", "FarSkipImpl", "FarSkipMode", "LayerSelection"]
+
+
+class FarSkipMode(str, enum.Enum):
+    """Which sub-block of a FarSkip layer reads an earlier activation. ``full``: attention reads
+    the stream without the last routed-expert output and the MoE reads the pre-attention residual
+    (the paper). ``attn-only``: only attention skips. ``mlp-only``: only the MoE skips."""
+
+    full = "full"
+    attn_only = "attn-only"
+    mlp_only = "mlp-only"
+
+
+class FarSkipImpl(str, enum.Enum):
+    """``simple``: FarSkip connectivity with blocking collectives (reference, fine-tuning).
+    ``overlapped``: the same math with dispatch/combine overlapping attention and the next layer."""
+
+    simple = "simple"
+    overlapped = "overlapped"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSelection:
+    """The layers ``--farskip`` selects: ``none``, ``all``, ``first:N``, ``last:N`` or ``A-B``
+    (0-based, inclusive). ``str()`` gives the flag's text back (what configs store)."""
+
+    kind: str  # none | all | first | last | range
+    a: int = 0
+    b: int = 0
+
+    @classmethod
+    def parse(cls, text) -> "LayerSelection":
+        """Parse the flag's text; ``ValueError`` naming ``--farskip`` when it is malformed."""
+        if isinstance(text, LayerSelection):
+            return text
+        spec = "none" if text is None else str(text).strip()
+        if spec in ("none", "all"):
+            return cls(spec)
+        match = re.fullmatch(r"(first|last):(\d+)", spec)
+        if match:
+            n = int(match.group(2))
+            if n < 1:
+                raise ValueError(f"--farskip {spec}: N must be >= 1")
+            return cls(match.group(1), n)
+        match = re.fullmatch(r"(\d+)-(\d+)", spec)
+        if match:
+            a, b = int(match.group(1)), int(match.group(2))
+            if a > b:
+                raise ValueError(f"--farskip {spec}: need A <= B")
+            return cls("range", a, b)
+        raise ValueError(f"--farskip {spec!r}: expected none, all, first:N, last:N or A-B")
+
+    def __str__(self) -> str:
+        if self.kind in ("none", "all"):
+            return self.kind
+        if self.kind == "range":
+            return f"{self.a}-{self.b}"
+        return f"{self.kind}:{self.a}"
+
+    def to_config(self) -> str:
+        return str(self)
+
+    @property
+    def empty(self) -> bool:
+        return self.kind == "none"
+
+    def indices(self, num_layers: int) -> frozenset[int]:
+        """0-based layer indices for a model of ``num_layers``; ValueError if out of range."""
+        if self.kind == "none":
+            return frozenset()
+        if self.kind == "all":
+            return frozenset(range(num_layers))
+        if self.kind in ("first", "last"):
+            n = self.a
+            if not 0 < n <= num_layers:
+                raise ValueError(f"--farskip {self}: N must be between 1 and --num-layers {num_layers}")
+            return frozenset(range(n)) if self.kind == "first" else frozenset(range(num_layers - n, num_layers))
+        if not 0 <= self.a <= self.b < num_layers:
+            raise ValueError(f"--farskip {self}: need 0 <= A <= B < --num-layers {num_layers}")
+        return frozenset(range(self.a, self.b + 1))
+
+
+@dataclasses.dataclass
+class FarSkipConfig(VariantConfig):
+    """FarSkip-Collective (docs/farskip.md)."""
+
+    SECTION = "farskip"
+
+    farskip: LayerSelection = dataclasses.field(
+        default=LayerSelection("none"),
+        metadata={"help": "layers with FarSkip connectivity: none, all, first:N, last:N or A-B (0-based, inclusive)"},
+    )
+    farskip_impl: FarSkipImpl = dataclasses.field(
+        default=FarSkipImpl.simple,
+        metadata={"help": "simple: blocking collectives (the reference); overlapped: dispatch/combine in flight "
+                          "behind attention and the next layer"},
+    )
+    farskip_mode: FarSkipMode = dataclasses.field(
+        default=FarSkipMode.full, metadata={"help": "which sub-block reads the earlier activation"},
+    )
+    # overlapped FarSkip: the local experts' and the output layer's weight gradients run while a
+    # later gradient all-to-all flies (moe_variants/common/wgrad.py)
+    farskip_defer_wgrad: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "overlapped only: defer expert and output-layer weight gradients into the "
+                          "gradient all-to-alls' windows"},
+    )
+
+    def __post_init__(self):
+        self.farskip = LayerSelection.parse(self.farskip)
+        coerce_enums(self)
+
+    @property
+    def overlapped(self) -> bool:
+        return self.farskip_impl == FarSkipImpl.overlapped
+
+    def layers(self, num_layers: int) -> frozenset[int]:
+        return self.farskip.indices(num_layers)
+

@@ -1,0 +1,38 @@
+"""FarSkip-Collective as a registered variant: ``--farskip`` rewires the selected layers of the
+built model (no parameter changes, so any checkpoint loads with either connectivity)."""
+
+from __future__ import annotations
+
+from moe_variants.farskip.config import FarSkipConfig, FarSkipImpl
+from moe_variants.registry import Variant, register
+
+
+@register
+class FarSkip(Variant):
+    name = "farskip"
+    config = FarSkipConfig
+    bench_presets = {
+        "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
+        "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
+        "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
+    }
+    off = {"farskip": "none"}
+
+    def enabled(self, model) -> bool:
+        return not self.section(model).farskip.empty
+
+    def validate(self, model, parallel) -> None:
+        cfg = self.section(model)
+        cfg.layers(model.num_layers)  # raises on a selection outside the model
+        if cfg.farskip_impl == FarSkipImpl.overlapped and model.is_moe \
+                and model.moe_token_dispatcher_type.value != "alltoall":
+            raise ValueError("--farskip-impl overlapped needs --moe-token-dispatcher-type alltoall")
+
+    def apply(self, gpt, model) -> None:
+        from moe_variants.farskip.block import apply_farskip
+
+        apply_farskip(gpt, self.section(model), model.num_layers)
+
+    def export_refusal(self, model, target: str):
+        return (f"--farskip {self.section(model).farskip}: FarSkip connectivity has no {target} equivalent "
+                "(export the teacher, or distil back to standard connectivity)")

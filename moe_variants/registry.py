@@ -1,0 +1,212 @@
+"""The variant registry: each variant is one folder that registers itself; core code names none.
+
+A variant is a :class:`Variant` subclass in ``moe_variants/<name>/variant.py``, registered there with
+``@register``. It owns:
+
+- its **config section**: a dataclass subclassing :class:`VariantConfig`, whose fields are flat
+  Megatron-style flags (``bigmac_ratio`` is ``--bigmac-ratio`` and the YAML key ``bigmac_ratio``);
+  typed values are parsed once, in the dataclass (e.g. FarSkip's layer selection);
+- **validation** (``validate``: ``ValueError`` naming the flag);
+- how it changes the **MoE layer's spec** (``moe_layer_spec``) or the **built model** (``apply``);
+- what it **refuses** (``export_refusal``: e.g. no Hugging Face equivalent);
+- its **benchmark presets** (``bench_presets``: name -> flat config overrides; ``off``: the overrides
+  that turn it off, which together make the ``standard`` preset);
+- hooks for the **inference-side applications** (evaluate_lm, the server): extra command-line
+  options and a request scheduler (Sem-MoE's Algorithm 2).
+
+The builder, the config validation, the argument parser, the converters and the benchmark loop over
+``variants()``. Built-in variants are the ``moe_variants`` subpackages with a ``variant`` module,
+found and imported on first use (so a new variant is a new folder); code elsewhere (a plugin package,
+a test) calls ``register`` itself. Torchtitan's model registry and OLMo-core's ``Config.build()``
+are the models for this shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Any, ClassVar, Optional
+
+__all__ = [
+    "Variant",
+    "VariantConfig",
+    "register",
+    "unregister",
+    "variants",
+    "get",
+    "enabled",
+    "config_sections",
+    "moe_layer_choices",
+    "bench_presets",
+    "preset_overrides",
+    "add_runtime_arguments",
+    "request_scheduler",
+]
+
+
+class VariantConfig:
+    """Base of a variant's config section (subclasses are dataclasses).
+
+    ``SECTION`` names the section in config dumps and checkpoint manifests. ``of(model)`` returns the
+    section a ``ModelConfig`` carries, or the defaults (the variant off) when it carries none.
+    """
+
+    SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def of(cls, model):
+        section = model.variants.get(cls.SECTION)
+        return section if section is not None else cls()
+
+
+class Variant:
+    """One architecture variant. Subclasses override what they change; the defaults change nothing."""
+
+    name: ClassVar[str] = ""
+    config: ClassVar[Optional[type]] = None  # a VariantConfig dataclass
+    # the --moe-variant value that selects this variant's MoE layer class (None: it does not replace it)
+    moe_layer: ClassVar[Optional[str]] = None
+    # benchmark presets: name -> flat config overrides (``+`` combines presets on the command line)
+    bench_presets: ClassVar[dict] = {}
+    # flat config overrides that turn this variant off (the ``standard`` preset is their union)
+    off: ClassVar[dict] = {}
+
+    def section(self, model):
+        """This variant's config section of ``model`` (defaults when absent)."""
+        return self.config.of(model) if self.config is not None else None
+
+    def enabled(self, model) -> bool:
+        """Whether ``model`` uses this variant (only enabled variants are validated and applied)."""
+        return self.moe_layer is not None and model.moe_variant == self.moe_layer
+
+    def validate(self, model, parallel) -> None:
+        """Raise ``ValueError`` naming the flag when the variant cannot run with these settings."""
+
+    def moe_layer_spec(self, spec, model):
+        """The MoE layer's ``ModuleSpec`` with this variant's changes (called for every MoE layer)."""
+        return spec
+
+    def apply(self, gpt, model) -> None:
+        """Change the built ``GPTModel`` in place (after every spec change, before it moves to GPU)."""
+
+    def export_refusal(self, model, target: str) -> Optional[str]:
+        """Why a model with this variant cannot be exported to ``target`` (e.g. a Hugging Face
+        architecture), or None."""
+        return None
+
+    # -- inference-side applications (evaluate_lm, the server) ------------------------------------
+    def add_runtime_arguments(self, parser) -> None:
+        """Add this variant's options to an inference application's argparse parser."""
+
+    def request_scheduler(self, args, manifest: dict, world_size: int):
+        """A request scheduler (``assign(requests) -> rank per request``) for data-parallel
+        inference from the application's parsed ``args``, or None. Raise ``ValueError`` on bad input."""
+        return None
+
+
+_REGISTRY: dict[str, Variant] = {}
+_DISCOVERED = False
+
+
+def register(cls: type) -> type:
+    """Class decorator: register a ``Variant`` subclass (one instance) under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__}: a variant needs a name")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and type(existing).__qualname__ != cls.__qualname__:
+        raise ValueError(f"variant {cls.name!r} is registered twice ({type(existing).__name__}, {cls.__name__})")
+    if cls.config is not None:
+        if not (dataclasses.is_dataclass(cls.config) and issubclass(cls.config, VariantConfig)):
+            raise TypeError(f"{cls.__name__}.config must be a VariantConfig dataclass")
+        if cls.config.SECTION != cls.name:
+            raise ValueError(f"{cls.config.__name__}.SECTION must be {cls.name!r}")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a variant (tests that register a temporary one)."""
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    import moe_variants
+
+    for info in sorted(pkgutil.iter_modules(moe_variants.__path__), key=lambda i: i.name):
+        if info.ispkg and importlib.util.find_spec(f"moe_variants.{info.name}.variant") is not None:
+            importlib.import_module(f"moe_variants.{info.name}.variant")
+
+
+def variants() -> list[Variant]:
+    """Every registered variant, built-ins first (in folder order), then the others as registered."""
+    _discover()
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Variant:
+    _discover()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown variant {name!r} (known: {', '.join(_REGISTRY)})")
+    return _REGISTRY[name]
+
+
+def enabled(model) -> list[Variant]:
+    """The variants ``model`` uses, in registry order."""
+    return [v for v in variants() if v.enabled(model)]
+
+
+def add_runtime_arguments(parser) -> None:
+    """Every variant's options for an inference application (evaluate_lm, the server)."""
+    for v in variants():
+        v.add_runtime_arguments(parser)
+
+
+def request_scheduler(args, manifest: dict, world_size: int):
+    """The request scheduler a variant offers for these arguments, or None (round-robin).
+    ``ValueError`` on bad input, or when two variants would both schedule."""
+    found = [(v.name, s) for v in variants() for s in [v.request_scheduler(args, manifest, world_size)] if s is not None]
+    if len(found) > 1:
+        raise ValueError(f"two request schedulers asked for ({found[0][0]} and {found[1][0]}): choose one")
+    return found[0][1] if found else None
+
+
+def config_sections() -> dict[str, type]:
+    """Section name -> config dataclass of every variant that has one."""
+    return {v.name: v.config for v in variants() if v.config is not None}
+
+
+def moe_layer_choices() -> list[str]:
+    """Values of ``--moe-variant``: ``standard`` and each variant's MoE layer."""
+    return ["standard"] + [v.moe_layer for v in variants() if v.moe_layer is not None]
+
+
+def bench_presets() -> dict[str, dict]:
+    """Benchmark preset name -> flat overrides: ``standard`` (every variant off) and each variant's."""
+    out: dict[str, dict] = {"standard": {}}
+    for v in variants():
+        out["standard"].update(v.off)
+        for name, overrides in v.bench_presets.items():
+            if name in out:
+                raise ValueError(f"benchmark preset {name!r} is defined twice")
+            out[name] = dict(overrides)
+    return out
+
+
+def preset_overrides(name: str, extra: tuple = ()) -> dict[str, Any]:
+    """Flat overrides of a ``+``-combined preset name (``bigmac+farskip``); ``extra`` lists names
+    that are valid but handled by the caller (they add nothing). ValueError names an unknown part."""
+    presets = bench_presets()
+    out: dict[str, Any] = {}
+    for part in name.split("+"):
+        if part in extra:
+            continue
+        if part not in presets:
+            known = ", ".join([*presets, *extra])
+            raise ValueError(f"--variants: unknown variant {part!r} (known: {known})")
+        out.update(presets[part])
+    return out

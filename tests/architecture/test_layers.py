@@ -1,0 +1,182 @@
+"""The package layering of docs/ARCHITECTURE.md, enforced on the source (every import, including
+those inside functions):
+
+    megatron.compat  <-  moe_variants (model library)  <-  megatron.training, megatron.inference
+    (applications)  <-  tools, distill, scripts (tools);  netsim is standalone and torch-free.
+
+A rule broken here is a dependency the next maintainer cannot see from the folder names. Entry-point
+modules (``__main__.py``) are applications wherever they sit and are exempt.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ("megatron/compat", "megatron/training", "megatron/inference", "moe_variants", "tools", "distill",
+            "netsim", "scripts")
+# layer of a project module, by prefix (longest first); a module may import its own layer or lower
+LAYERS = [
+    ("megatron.compat", 0),
+    ("moe_variants", 1),
+    ("megatron.training", 2),
+    ("megatron.inference", 2),
+    ("tools", 3),
+    ("distill", 3),
+    ("scripts", 3),
+]
+PROJECT_ROOTS = ("megatron.compat", "megatron.training", "megatron.inference", "moe_variants", "tools", "distill",
+                 "netsim", "scripts")
+
+
+def _modules():
+    for package in PACKAGES:
+        for root, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    yield rel.removesuffix(".__init__"), path
+
+
+def _imports(module: str, path: str):
+    """(imported module, imported names, line) for every import in the file, relative ones resolved."""
+    tree = ast.parse(open(path).read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            yield target, [a.name for a in node.names], node.lineno
+
+
+def _layer(module: str):
+    for prefix, layer in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return None
+
+
+def _is_project(module: str) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in PROJECT_ROOTS)
+
+
+def _variant_packages() -> set[str]:
+    root = os.path.join(REPO, "moe_variants")
+    return {f"moe_variants.{d}" for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "variant.py"))}
+
+
+ALL = sorted(_modules())
+
+
+def _violations(rule):
+    out = []
+    for module, path in ALL:
+        if path.endswith("__main__.py"):
+            continue
+        for target, names, line in _imports(module, path):
+            problem = rule(module, target, names)
+            if problem:
+                out.append(f"{os.path.relpath(path, REPO)}:{line}: {problem}")
+    return out
+
+
+def test_the_scan_sees_the_project():
+    names = {m for m, _ in ALL}
+    assert {"moe_variants.builder", "megatron.training.training", "tools.bench.cli", "netsim.cli"} <= names
+    assert len(_variant_packages()) >= 3
+
+
+def test_dependencies_flow_one_way():
+    def rule(module, target, names):
+        own, other = _layer(module), _layer(target)
+        if own is None or other is None or not _is_project(target):
+            return None
+        if other > own:
+            return f"{module} (layer {own}) imports {target} (layer {other})"
+        return None
+
+    assert _violations(rule) == []
+
+
+def test_model_library_imports_nothing_from_the_applications():
+    def rule(module, target, names):
+        if module.startswith("moe_variants") and target.startswith(("megatron.training", "megatron.inference",
+                                                                     "tools", "distill")):
+            return f"the model library imports {target}"
+        return None
+
+    assert _violations(rule) == []
+
+
+def test_training_imports_no_variant_module():
+    variants = _variant_packages()
+
+    def rule(module, target, names):
+        if not module.startswith("megatron.training"):
+            return None
+        for v in variants:
+            if target == v or target.startswith(v + "."):
+                return f"the training application imports the variant module {target} (go through moe_variants.registry)"
+        return None
+
+    assert _violations(rule) == []
+
+
+def test_netsim_imports_only_the_standard_library_helpers():
+    def rule(module, target, names):
+        if module.startswith("netsim") and _is_project(target) and not target.startswith("netsim"):
+            if target not in ("moe_variants.common.files", "moe_variants.common.cli"):
+                return f"netsim imports {target}"
+        return None
+
+    assert _violations(rule) == []
+
+
+def test_netsim_imports_no_torch():
+    code = ("import sys, netsim.cli, netsim.fit, netsim.sweep, netsim.plots, netsim.serving; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_private_names_across_modules():
+    def rule(module, target, names):
+        if not _is_project(target):
+            return None
+        same_package = target.rpartition(".")[0] == module.rpartition(".")[0] or target.startswith(module + ".")
+        private_parts = [p for p in target.split(".") if p.startswith("_") and not p.startswith("__")]
+        if private_parts and not same_package:
+            return f"imports the private module {target}"
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private and target != module:
+            return f"imports private name(s) {', '.join(private)} from {target}"
+        return None
+
+    assert _violations(rule) == []
+
+
+@pytest.mark.parametrize("module", ["moe_variants.config", "moe_variants.registry", "moe_variants.common.files",
+                                    "moe_variants.common.cli"])
+def test_light_modules_stay_light(module):
+    """Configs, the registry and the stdlib helpers import without megatron-core (configs are
+    parsed, validated and printed by tools that never build a model)."""
+    code = f"import sys, {module}; bad = [m for m in ('megatron.core', 'torch') if m in sys.modules]; assert not bad, bad"
+    if module in ("moe_variants.config", "moe_variants.registry"):
+        code = f"import sys, {module}; assert 'megatron.core' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
