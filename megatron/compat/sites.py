@@ -48,3 +48,12 @@ DIST_OPT_LOAD_SITES = [
     ("optimizer/distrib_optimizer.py", 642, "assert len(steps) == 1"),
     ("optimizer/distrib_optimizer.py", 1137, "def _init_optimizer_states_with_dummy_values(self):"),
 ]
+
+# megatron-core's dynamic inference engine on CPU / without flash-attn (compat/inference.py).
+from megatron.compat.inference import INFERENCE_SITES  # noqa: E402
+
+# CpuEvent.elapsed_time (cpu_device.py): the engines time their steps with CUDA events.
+CPU_EVENT_SITES = [
+    ("inference/text_generation_controllers/text_generation_controller.py", 1361,
+     "timing_events[i].elapsed_time(timing_events[i + 1]) / 1e3"),
+]

@@ -3,7 +3,10 @@
 megatron-core's ``TransformerBlock.forward`` passes one tensor between layers
 (``transformer_block.py:748-786``); this subclass passes a ``FarSkipState`` through FarSkip layers,
 collapses it to the full stream before a standard layer, and waits for the last pending combine
-before the final norm (so nothing is in flight when a pipeline stage hands its output on).
+before the final norm (so nothing is in flight when a pipeline stage hands its output on). With
+an inference context (KV-cached generation, megatron-core's static or dynamic engine) the input
+arrives as megatron-core's ``WrappedTensor`` and is unwrapped as ``TransformerBlock`` does; the
+layers then run attention through upstream's ``Attention.forward`` with that context.
 
 ``apply_farskip`` converts a built ``GPTModel`` in place: the block and the selected layers change
 class, no parameter changes, so any checkpoint loads with either connectivity.
@@ -16,7 +19,7 @@ from contextlib import nullcontext
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from moe_variants.config import FarSkipImpl, FarSkipMode, ModelConfig
 from moe_variants.common.wgrad import defer_expert_wgrad, defer_wgrad
@@ -46,6 +49,10 @@ class FarSkipTransformerBlock(TransformerBlock):
                              "nor an attention bias")
         if not self.pre_process:
             hidden_states = self.input_tensor
+        if isinstance(hidden_states, WrappedTensor):
+            # GPTModel hands an inference-mode decoder its input wrapped (gpt_model.py:432), as
+            # TransformerBlock.forward expects (transformer_block.py:682-683)
+            hidden_states = hidden_states.unwrap()
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         with rng:
