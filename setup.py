@@ -12,7 +12,11 @@ EXTRAS = {
     "log": ["wandb", "tensorboard"],
     "eval": ["lm-eval>=0.4.9,<0.5"],
     "data": ["datasets", "tokenizers>=0.15"],
-    "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib"],
+    "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib",
+            "openai==3.51.0"],
+    # megatron.inference.serve: hypercorn serves the HTTP API; einops is megatron-core's optional
+    # dependency for its dynamic-batching attention; jinja2 renders tokenizer chat templates.
+    "serve": ["hypercorn==0.18.0", "einops==0.8.2", "jinja2>=3.1"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "gpu" for dep in deps})
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -98,13 +99,22 @@ class CpuStream:
 
 
 class CpuEvent:
-    """Stand-in for ``torch.cuda.Event``: completes immediately."""
+    """Stand-in for ``torch.cuda.Event``: completes immediately. ``record`` takes a host timestamp
+    so that ``elapsed_time`` works (megatron-core's inference engines time their steps with
+    ``start.elapsed_time(end)``, ``dynamic_engine.py:1199``, ``text_generation_controller.py:1361``);
+    CPU work is synchronous, so the host clock is the device clock."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        self._time_s = None
 
     def record(self, stream=None):
-        pass
+        self._time_s = time.perf_counter()
+
+    def elapsed_time(self, end_event) -> float:
+        """Milliseconds from this event's ``record`` to ``end_event``'s (CUDA's unit)."""
+        if self._time_s is None or end_event._time_s is None:
+            raise RuntimeError("elapsed_time: both events must be recorded first")
+        return (end_event._time_s - self._time_s) * 1e3
 
     def wait(self, stream=None):
         pass
@@ -137,6 +147,18 @@ def _cuda_shims() -> dict:
     }
 
 
+def _nvtx_shims() -> dict:
+    """``torch.cuda.nvtx`` functions replaced on CPU-only machines: a CPU build of torch raises
+    "NVTX functions not installed" on every call, and megatron-core's inference engine and request
+    serialisation mark their ranges with them (``inference_request.py:26``, ``:221``)."""
+    return {
+        "range_push": lambda msg: None,
+        "range_pop": lambda: None,
+        "range": lambda msg, *args, **kwargs: contextlib.nullcontext(),
+        "mark": lambda msg: None,
+    }
+
+
 _lock = threading.Lock()
 _state: dict = {"mode": None, "saved": None}
 
@@ -152,9 +174,13 @@ def install() -> bool:
         if torch.cuda.is_available():
             raise RuntimeError("the CPU device redirect must not be installed when CUDA is available")
         shims = _cuda_shims()
+        nvtx = _nvtx_shims()
         _state["saved"] = {name: getattr(torch.cuda, name) for name in shims}
+        _state["saved_nvtx"] = {name: getattr(torch.cuda.nvtx, name) for name in nvtx}
         for name, value in shims.items():
             setattr(torch.cuda, name, value)
+        for name, value in nvtx.items():
+            setattr(torch.cuda.nvtx, name, value)
         mode = CpuDeviceMode()
         mode.__enter__()
         _state["mode"] = mode
@@ -174,5 +200,7 @@ def uninstall() -> None:
         mode.__exit__(None, None, None)
         for name, value in _state["saved"].items():
             setattr(torch.cuda, name, value)
+        for name, value in _state.get("saved_nvtx", {}).items():
+            setattr(torch.cuda.nvtx, name, value)
         _state["mode"] = None
         _state["saved"] = None

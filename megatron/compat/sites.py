@@ -79,3 +79,12 @@ TORCH_PRIVATE_APIS = [
     "torch.autograd.Variable._execution_engine.queue_callback",
     "<grad_fn>._set_sequence_nr",
 ]
+
+# megatron-core's dynamic inference engine on CPU / without flash-attn (compat/inference.py).
+from megatron.compat.inference import INFERENCE_SITES  # noqa: E402
+
+# CpuEvent.elapsed_time (cpu_device.py): the engines time their steps with CUDA events.
+CPU_EVENT_SITES = [
+    ("inference/text_generation_controllers/text_generation_controller.py", 1361,
+     "timing_events[i].elapsed_time(timing_events[i + 1]) / 1e3"),
+]

@@ -3,7 +3,10 @@
 megatron-core's ``TransformerBlock.forward`` passes one tensor between layers
 (``transformer_block.py:748-786``); this subclass passes a ``FarSkipState`` through FarSkip layers,
 collapses it to the full stream before a standard layer, and waits for the last pending combine
-before the final norm (so nothing is in flight when a pipeline stage hands its output on).
+before the final norm (so nothing is in flight when a pipeline stage hands its output on). With
+an inference context (KV-cached generation, megatron-core's static or dynamic engine) the input
+arrives as megatron-core's ``WrappedTensor`` and is unwrapped as ``TransformerBlock`` does; the
+layers then run attention through upstream's ``Attention.forward`` with that context.
 
 ``apply_farskip`` converts a built ``GPTModel`` in place: the block and the selected layers change
 class, no parameter changes, so any checkpoint loads with either connectivity.
@@ -48,7 +51,9 @@ class FarSkipTransformerBlock(TransformerBlock):
         if context is not None or packed_seq_params is not None or attention_bias is not None:
             raise ValueError("FarSkip layers support neither cross-attention, packed sequences "
                              "nor an attention bias")
-        if isinstance(hidden_states, WrappedTensor):  # inference hands the embedding over wrapped
+        # GPTModel hands an inference-mode decoder its input wrapped (gpt_model.py:432), as
+        # TransformerBlock.forward expects (transformer_block.py:682-683)
+        if isinstance(hidden_states, WrappedTensor):
             hidden_states = hidden_states.unwrap()
         if not self.pre_process:
             hidden_states = self.input_tensor

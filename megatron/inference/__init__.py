@@ -1,0 +1,2 @@
+"""Serving this project's checkpoints: megatron-core's dynamic inference engine behind an
+OpenAI-compatible HTTP server (``python -m megatron.inference.serve``; docs/serving.md)."""

@@ -1,0 +1,122 @@
+"""The plain-torch flash-attn equivalents (megatron/compat/inference.py) against megatron-core's
+static-batching attention path.
+
+The reference is megatron-core's own ``DotProductAttention`` (what ``Attention.forward`` runs
+with a ``StaticInferenceContext`` or no context) on dense [s, b, h, d] tensors with a causal mask;
+the equivalents read the same keys/values scattered over a paged cache through a shuffled block
+table, for a mixed batch of prefills, a chunked prefill (queries after cached keys) and decodes.
+Tolerance 1e-5 absolute in fp32: same math, different summation order.
+"""
+
+import pytest
+import torch
+
+from megatron.compat.inference import paged_kvcache_attention, paged_varlen_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+
+
+def _core_attention(q_SHD, k_SHD, v_SHD):
+    """megatron-core's DotProductAttention (static path) on one sequence, GQA, causal (call under
+    ``_in_world``)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                            num_query_groups=KV_HEADS, attention_dropout=0.0, use_cpu_initialization=True)
+    attn = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                               pg_collection=ProcessGroupCollection.use_mpu_process_groups()).eval()
+    lq, lk = q_SHD.shape[0], k_SHD.shape[0]
+    # bottom-right causal: query i of the chunk sits at position lk - lq + i
+    mask = torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1)[None, None]
+    with torch.no_grad():
+        out = attn(q_SHD[:, None], k_SHD[:, None], v_SHD[:, None], mask, attn_mask_type=AttnMaskType.arbitrary)
+    return out[:, 0].reshape(lq, HEADS, DIM)
+
+
+def _in_world(fn):
+    """Run ``fn`` in a forked one-rank world with megatron-core's parallel state."""
+    from megatron.training.testing import run_distributed
+
+    def rank_fn(rank, world_size):
+        from megatron.training.parallel import initialize_parallel
+        from moe_variants.config import ParallelConfig
+
+        initialize_parallel(ParallelConfig(), seed=0)
+        return fn()
+
+    return run_distributed(rank_fn, 1, timeout_s=120)[0]
+
+
+def _paged(keys_per_request, gen):
+    """Scatter each request's [L, Hk, D] keys over a cache of shuffled blocks."""
+    num_blocks = sum((k.shape[0] + BLOCK - 1) // BLOCK for k in keys_per_request) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)  # garbage where unused
+    max_blocks = max((k.shape[0] + BLOCK - 1) // BLOCK for k in keys_per_request)
+    table = torch.full((len(keys_per_request), max_blocks), -1, dtype=torch.int32)
+    for b, k in enumerate(keys_per_request):
+        for j in range((k.shape[0] + BLOCK - 1) // BLOCK):
+            blk = order.pop()
+            table[b, j] = blk
+            piece = k[j * BLOCK:(j + 1) * BLOCK]
+            cache[blk, :piece.shape[0]] = piece
+    return cache, table
+
+
+def test_varlen_prefill_and_chunk_match_static_attention():
+    _in_world(_varlen_case)
+
+
+def _varlen_case():
+    gen = torch.Generator().manual_seed(0)
+    # (query length, key length): two prefills, a prefill chunk after 6 cached tokens, a decode
+    shapes = [(5, 5), (9, 9), (3, 9), (1, 7)]
+    qs = [torch.randn(lq, HEADS, DIM, generator=gen) for lq, _ in shapes]
+    ks = [torch.randn(lk, KV_HEADS, DIM, generator=gen) for _, lk in shapes]
+    vs = [torch.randn(lk, KV_HEADS, DIM, generator=gen) for _, lk in shapes]
+    k_cache, table = _paged(ks, torch.Generator().manual_seed(1))
+    v_cache, _ = _paged(vs, torch.Generator().manual_seed(1))
+    pad = 3  # the engine pads the packed tokens; padded rows must come out zero
+    q = torch.cat(qs + [torch.randn(pad, HEADS, DIM, generator=gen)])
+    cu_q = torch.tensor([0] + torch.cumsum(torch.tensor([s[0] for s in shapes]), 0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.cumsum(torch.tensor([s[1] for s in shapes]), 0).tolist(), dtype=torch.int32)
+    out = paged_varlen_attention(q, k_cache, v_cache, cu_q, cu_k, 9, 9, softmax_scale=DIM ** -0.5,
+                                 causal=True, block_table=table)
+    for b in range(len(shapes)):
+        ref = _core_attention(qs[b], ks[b], vs[b])
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=0)
+    assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:]))
+
+
+def test_kvcache_decode_matches_static_attention():
+    _in_world(_kvcache_case)
+
+
+def _kvcache_case():
+    gen = torch.Generator().manual_seed(2)
+    lengths = [1, 6, 13]
+    ks = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
+    vs = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
+    k_cache, table = _paged(ks, torch.Generator().manual_seed(3))
+    v_cache, _ = _paged(vs, torch.Generator().manual_seed(3))
+    # a padded decode row: no blocks, length 0
+    table = torch.cat([table, torch.full((1, table.shape[1]), -1, dtype=torch.int32)])
+    q = torch.randn(len(lengths) + 1, 1, HEADS, DIM, generator=gen)
+    out = paged_kvcache_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                                  cache_seqlens=torch.tensor(lengths + [0], dtype=torch.int32),
+                                  causal=True, block_table=table, num_splits=0)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(out[b], _core_attention(q[b], ks[b], vs[b]), atol=1e-5, rtol=0)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_unsupported_arguments_are_refused():
+    q = torch.zeros(2, 1, HEADS, DIM)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        paged_varlen_attention(q[:, 0], q[:, 0], q[:, 0], torch.tensor([0, 2]), torch.tensor([0, 2]), dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        paged_varlen_attention(q[:, 0], q[:, 0], q[:, 0], torch.tensor([0, 2]), torch.tensor([0, 2]),
+                               window_size=(4, 0))

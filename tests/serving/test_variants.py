@@ -1,0 +1,92 @@
+"""Every kind of checkpoint through megatron-core's dynamic engine (engine.py, in-process, one
+rank) equals its offline reference, token for token (greedy, exact):
+
+- standard and BigMac: evaluate_lm's KV-cached generation (megatron-core's static context);
+- FarSkip (all layers): evaluate_lm's recompute generation, so KV-cached FarSkip decoding (the
+  WrappedTensor fix in moe_variants/farskip/block.py) equals decoding without a cache;
+- a Qwen3-MoE model made with transformers and converted with ``distill.convert``: transformers'
+  own ``generate`` (greedy, stopping at EOS).
+
+All prompts go into the engine at once (continuous batching); cancelling a request frees its KV
+blocks in the engine's block allocator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serving.conftest import PROMPTS, offline_greedy
+
+MAX_NEW = 20
+
+
+def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cancel_after: int = -1):
+    """Greedy tokens of all prompts submitted together; with ``cancel_after`` >= 0, also the KV
+    blocks in use before and after cancelling every request after that many steps."""
+    from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.config import ParallelConfig
+
+    parallel = ParallelConfig()
+    pgc = initialize_parallel(parallel, seed=0)
+    model, configs, tokenizer, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
+    engine = RankEngine(*build_engine(model, configs, tokenizer, pgc, EngineConfig(kv_cache_gb=0.01)), model)
+    out = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        tokens = p if isinstance(p, list) else tokenizer.tokenize(p)
+        engine.add(i, tokens, max_tokens=max_new, temperature=0.0, top_p=1.0, top_k=0,
+                   termination_id=tokenizer.eod, seed=None)
+    blocks = []
+    while engine.local_work():
+        if engine.steps == cancel_after:
+            blocks.append(engine.stats()["kv_blocks_used"])
+            for i in range(len(prompts)):
+                engine.cancel(i)
+        for update in engine.step():
+            out[update.request_id] += update.tokens
+    blocks.append(engine.stats()["kv_blocks_used"])
+    eod = tokenizer.eod
+    return [[t for t in out[i] if t != eod] for i in range(len(prompts))], blocks
+
+
+def _engine(ckpt, prompts, max_new, cancel_after=-1):
+    from megatron.training.testing import run_distributed
+
+    return run_distributed(engine_greedy_rank, 1, ckpt, prompts, max_new, cancel_after, timeout_s=240)[0]
+
+
+@pytest.mark.parametrize("variant,mode", [("standard", "kv_cache"), ("bigmac", "kv_cache"), ("farskip", "recompute")])
+def test_engine_equals_offline_generation(serve_ckpts, variant, mode):
+    reference, used = offline_greedy(serve_ckpts[variant], PROMPTS, MAX_NEW, generation=mode)
+    assert used == mode
+    tokens, _ = _engine(serve_ckpts[variant], PROMPTS, MAX_NEW)
+    assert tokens == [t for t, _ in reference]
+
+
+def test_cancel_releases_kv_blocks(serve_ckpts):
+    _, blocks = _engine(serve_ckpts["standard"], PROMPTS, 60, cancel_after=5)
+    assert blocks[0] >= len(PROMPTS) and blocks[-1] == 0
+
+
+def test_converted_hf_model_equals_transformers_generate(tmp_path):
+    pytest.importorskip("transformers")
+    from megatron.training.testing import run_distributed
+    from tests.convert import hf_models as H
+
+    hf_dir = H.make_hf_model(str(tmp_path / "hf"), "qwen3_moe")
+    ckpt = str(tmp_path / "ckpt")
+    codes = run_distributed(H.cli_rank, 1, [["--from", "hf", "--hf-dir", hf_dir, "--to", "mcore", "--out", ckpt]],
+                            timeout_s=240)[0]
+    assert codes[0][0] == 0, codes
+    model = H.load_hf_model(hf_dir, "qwen3_moe")
+    prompts = H.PROMPT.tolist()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=H.NEW_TOKENS, do_sample=False,
+                                 eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+            expected.append([t for t in out if t != 2][:H.NEW_TOKENS] if 2 not in out else out[:out.index(2)])
+    tokens, _ = _engine(ckpt, prompts, H.NEW_TOKENS)
+    assert tokens == expected

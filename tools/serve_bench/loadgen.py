@@ -1,0 +1,126 @@
+"""Load generation and statistics for the serving benchmark, as pure functions.
+
+``poisson_arrivals`` gives request send times for a rate (requests/s) from a seed; ``load_prompts``
+reads prompts (JSONL with a ``text`` field, or ShareGPT JSON: a list of ``{"conversations":
+[{"from": "human", "value": ...}, ...]}``, the first human turn taken); ``summarize`` turns
+per-request timings into TTFT / TPOT / end-to-end p50/p90/p99, output tokens/s, requests/s and
+goodput at an SLO; ``report`` lays variants out in bench_ep's JSON shape
+(``variants.<name>.<metric>`` with p50/p90/p99 or a single value, ``ratios.<name>.throughput_speedup``
+against the first variant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from typing import Optional, Sequence
+
+__all__ = ["RequestTiming", "poisson_arrivals", "load_prompts", "percentile", "summarize", "report"]
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """One request as the client saw it (seconds from its send time)."""
+
+    ttft_s: Optional[float]  # first token; None if none came
+    e2e_s: float  # last byte
+    output_tokens: int
+    ok: bool = True
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list:
+    """Send times (s from the start) of ``num_requests`` requests arriving as a Poisson process
+    of ``rate`` requests/s (exponential gaps); ``inf`` rate: all at 0."""
+    if rate <= 0:
+        raise ValueError(f"--request-rates: rates must be > 0, got {rate:g}")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def load_prompts(path: str, limit: Optional[int] = None) -> list:
+    """Prompt texts from a JSONL file (``text`` field per line) or a ShareGPT JSON file."""
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1)
+        f.seek(0)
+        if head == "[":
+            texts = []
+            for item in json.load(f):
+                turns = item.get("conversations") or []
+                first = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
+                if isinstance(first, str) and first.strip():
+                    texts.append(first)
+        else:
+            texts = []
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line).get("text")
+                except (json.JSONDecodeError, AttributeError):
+                    raise ValueError(f"--prompts {path}: line {n} is not a JSON object") from None
+                if not isinstance(text, str):
+                    raise ValueError(f"--prompts {path}: line {n} has no string 'text' field")
+                texts.append(text)
+    if not texts:
+        raise ValueError(f"--prompts {path}: no prompts found")
+    return texts[:limit] if limit else texts
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """Linear-interpolation percentile (numpy's default) of ``values``; None when empty."""
+    vals = sorted(values)
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def _dist(values) -> dict:
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+
+def summarize(timings: Sequence[RequestTiming], duration_s: float, *, slo_ttft_s: Optional[float] = None,
+              slo_tpot_s: Optional[float] = None) -> dict:
+    """Per-run statistics: latency distributions, throughput and goodput (requests/s meeting both
+    SLOs; an SLO not given is met)."""
+    if duration_s <= 0:
+        raise ValueError("the run's duration must be > 0")
+    ok = [t for t in timings if t.ok]
+    good = [t for t in ok if (slo_ttft_s is None or (t.ttft_s is not None and t.ttft_s <= slo_ttft_s))
+            and (slo_tpot_s is None or t.tpot_s is None or t.tpot_s <= slo_tpot_s)]
+    return {
+        "ttft_s": _dist([t.ttft_s for t in ok if t.ttft_s is not None]),
+        "tpot_s": _dist([t.tpot_s for t in ok if t.tpot_s is not None]),
+        "e2e_s": _dist([t.e2e_s for t in ok]),
+        "output_tokens_per_s": sum(t.output_tokens for t in ok) / duration_s,
+        "requests_per_s": len(ok) / duration_s,
+        "goodput_requests_per_s": len(good) / duration_s,
+        "failed_requests": len(timings) - len(ok),
+    }
+
+
+def report(per_variant: dict, *, meta: Optional[dict] = None) -> dict:
+    """bench_ep's shape: ``{"variants": {name: stats}, "ratios": {name: {"throughput_speedup"}}}``
+    (the first variant is the baseline; ``output_tokens_per_s`` is the throughput)."""
+    names = list(per_variant)
+    if not names:
+        raise ValueError("no variants to report")
+    base = per_variant[names[0]]["output_tokens_per_s"]
+    ratios = {n: {"throughput_speedup": (per_variant[n]["output_tokens_per_s"] / base) if base else None}
+              for n in names}
+    return {"meta": dict(meta or {}), "variants": per_variant, "ratios": ratios}
