@@ -81,7 +81,7 @@ TORCH_PRIVATE_APIS = [
 ]
 
 # megatron-core's dynamic inference engine on CPU / without flash-attn (compat/inference.py).
-from megatron.compat.inference import INFERENCE_SITES  # noqa: E402
+from megatron.compat.inference import INFERENCE_SITES  # noqa: E402,F401 (re-exported for the staleness test)
 
 # CpuEvent.elapsed_time (cpu_device.py): the engines time their steps with CUDA events.
 CPU_EVENT_SITES = [

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["EngineConfig", "ServingController", "RankEngine", "TokenUpdate", "build_engine"]
+__all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "build_engine"]
 
 
 @dataclasses.dataclass
@@ -195,7 +195,7 @@ class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
     def __init__(self, engine, controller, context, model):
-        from megatron.training.training import comm_counters
+        from moe_variants.common.moe_layer import comm_counters
 
         self.engine = engine
         self.controller = controller

@@ -29,7 +29,6 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.inference.frontend import Commands
 
 __all__ = ["serve_loop", "round_robin"]
 

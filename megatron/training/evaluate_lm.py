@@ -35,6 +35,7 @@ from moe_variants import registry
 from megatron.training.checkpointing import CheckpointError
 from moe_variants.common.cli import run_cli
 from moe_variants.common.files import refuse_existing, write_json
+from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
 __all__ = ["build_parser", "main", "check_inputs", "load_tasks", "write_json_atomic"]
 
@@ -220,7 +221,7 @@ def evaluate(args, manager) -> dict:
             request_scheduler=scheduler,
         )
         loaded = time.perf_counter()
-        _reset_dispatch_counters(lm.model)
+        reset_comm_counters(lm.model)
         counter, no_lar = lar_counter(lm)
         with counter if counter is not None else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
@@ -301,23 +302,13 @@ def lar_counter(lm):
     return counter, None
 
 
-def _reset_dispatch_counters(model) -> None:
-    from megatron.training.training import comm_counters
-
-    for counters in comm_counters([model]):
-        counters.reset()
-
-
 def _moe_traffic(lm, scheduler) -> dict:
     """All-to-all bytes this evaluation sent to other ranks (summed over ranks) and the requests
     each data-parallel rank ran (collective: every rank calls it)."""
     import torch
     import torch.distributed as dist
 
-    from megatron.training.training import comm_counters
-    from moe_variants.common.comm import CommCounters
-
-    totals = CommCounters.total(comm_counters([lm.model]))
+    totals = comm_totals(lm.model)
     t = torch.tensor([totals["bytes_dispatch"], totals["bytes_combine"]], dtype=torch.float64)
     dist.all_reduce(t)
     out = {"dispatch_bytes_off_rank": int(t[0]), "combine_bytes_off_rank": int(t[1]),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moe_variants.config import ModelConfig, ParallelConfig
 from megatron.training.config import TrainingConfig
 from moe_variants.builder import build_model, causal_attention_mask
-from moe_variants.common.moe_layer import moe_layers
+from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
 __all__ = [
     "StepMetrics",
@@ -27,7 +27,6 @@ __all__ = [
     "train_step",
     "evaluate",
     "lm_forward_step",
-    "comm_counters",
 ]
 
 
@@ -127,17 +126,6 @@ def setup_model_and_optimizer(
     return [ddp], optimizer, scheduler
 
 
-def comm_counters(model_chunks) -> list:
-    """The ``CommCounters`` of every MoE layer of this rank."""
-    out = []
-    for chunk in model_chunks:
-        for layer in moe_layers(chunk):
-            counters = getattr(layer.token_dispatcher, "comm", None)
-            if counters is not None:
-                out.append(counters)
-    return out
-
-
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean of a [b, s] loss over tokens where ``loss_mask`` is 1."""
     mask = loss_mask.to(per_token_loss.dtype)
@@ -231,8 +219,7 @@ def train_step(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-    for counters in comm_counters(model_chunks):
-        counters.reset()
+    reset_comm_counters(model_chunks)
     timer = Timer()
     step_fn = forward_step_func or lm_forward_step(timer)
     start = time.perf_counter()
@@ -274,15 +261,9 @@ def train_step(
         optimizer_time_s=end - fb_end,
         tokens=num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp,
         skipped=not update_ok,
-        comm=_comm_totals(model_chunks),
+        comm=comm_totals(model_chunks),
         extra=extra,
     )
-
-
-def _comm_totals(model_chunks) -> dict:
-    from moe_variants.common.comm import CommCounters
-
-    return CommCounters.total(comm_counters(model_chunks))
 
 
 @torch.no_grad()

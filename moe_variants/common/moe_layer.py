@@ -16,9 +16,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, router_gating_linear
 from megatron.core.transformer.moe.router import TopKRouter
 
+from moe_variants.common.comm import CommCounters
 from moe_variants.common.dispatcher import build_token_dispatcher
 
-__all__ = ["ProjectMoELayer", "ProjectRouter", "moe_layers"]
+__all__ = ["ProjectMoELayer", "ProjectRouter", "moe_layers", "comm_counters", "reset_comm_counters", "comm_totals"]
 
 # RoutingObserver(layer_number, routing_map [T, E] bool, probs [T, E]) -> None
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -75,3 +76,24 @@ class ProjectMoELayer(MoELayer):
 def moe_layers(module: torch.nn.Module) -> list:
     """All MoE layers (``MoELayer`` instances) in a model, in order."""
     return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def _chunks(models) -> list:
+    return list(models) if isinstance(models, (list, tuple)) else [models]
+
+
+def comm_counters(models) -> list:
+    """The ``CommCounters`` of every MoE layer of a model (or a list of model chunks) on this rank."""
+    return [layer.token_dispatcher.comm for chunk in _chunks(models) for layer in moe_layers(chunk)
+            if getattr(layer.token_dispatcher, "comm", None) is not None]
+
+
+def reset_comm_counters(models) -> None:
+    """Zero every MoE layer's counters (before the step or evaluation they should count)."""
+    for counters in comm_counters(models):
+        counters.reset()
+
+
+def comm_totals(models) -> dict:
+    """The counters of every MoE layer summed into one plain dict (``CommCounters.total``)."""
+    return CommCounters.total(comm_counters(models))

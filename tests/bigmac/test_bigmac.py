@@ -220,7 +220,7 @@ def test_latent_experts_scale_output_like_upstream_scales_activation(bias):
 
 
 def _bytes(rank, world, cfg, state):
-    from megatron.training.training import comm_counters
+    from moe_variants.common.moe_layer import comm_counters
     from moe_variants.common.comm import CommCounters
 
     model, pgc = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))

@@ -151,7 +151,7 @@ def test_collective_order_is_identical_on_every_rank():
 
 
 def _ep1_no_collectives(rank, world):
-    from megatron.training.training import comm_counters
+    from moe_variants.common.moe_layer import comm_counters
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped")
     model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=1))

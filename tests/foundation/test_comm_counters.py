@@ -19,7 +19,7 @@ from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 def _count(rank, world):
     from moe_variants.common.moe_layer import moe_layers
-    from megatron.training.training import comm_counters
+    from moe_variants.common.moe_layer import comm_counters
     from moe_variants.common.comm import CommCounters
 
     cfg = tiny_model_config(moe_layer_freq=1)

@@ -89,7 +89,8 @@ def _lar_run(rank, world, ckpt, tables_path, prompts, continuation):
     recorded."""
     from lm_eval.api.instance import Instance
 
-    from megatron.training.evaluate_lm import _moe_traffic, _reset_dispatch_counters, lar_counter
+    from megatron.training.evaluate_lm import _moe_traffic, lar_counter
+    from moe_variants.common.moe_layer import reset_comm_counters
     from megatron.training.lm_eval_adapter import MegatronCheckpointLM
     from moe_variants.semmoe.scheduling import request_scheduler
     from moe_variants.semmoe.tables import load_tables
@@ -105,7 +106,7 @@ def _lar_run(rank, world, ckpt, tables_path, prompts, continuation):
 
     lm = MegatronCheckpointLM.from_checkpoint(ckpt, expert_model_parallel_size=2, batch_size=3,
                                               request_scheduler=scheduler)
-    _reset_dispatch_counters(lm.model)
+    reset_comm_counters(lm.model)
     counter, why = lar_counter(lm)
     assert why is None
     contexts = [lm.tok_decode(p) for p in prompts]

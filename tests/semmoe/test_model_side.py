@@ -206,7 +206,8 @@ def _rebatched_logits(rank, world, ckpt, tables_path, tokens):
     from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import initialize_parallel
 
-    from tools.semmoe.model_run import AttentionTPRebatching, RouteRecorder
+    from moe_variants.common.routing import RouteRecorder
+    from tools.semmoe.model_run import AttentionTPRebatching
 
     parallel = ParallelConfig(expert_model_parallel_size=2)
     pgc = initialize_parallel(parallel, seed=1)

@@ -53,7 +53,7 @@ def _configs(spec: WorkerSpec, world: int):
 
 
 def _attach_timeline(chunks):
-    from megatron.training.training import comm_counters
+    from moe_variants.common.moe_layer import comm_counters
     from moe_variants.common.comm import TimelineRecorder
 
     timeline = TimelineRecorder()
@@ -65,7 +65,7 @@ def _attach_timeline(chunks):
 def _write_trace(timeline, start, end, chunks, trace_dir, variant, rank) -> None:
     """Chrome trace of one step: the main thread's compute (the step minus its waits), waits,
     all-to-alls in flight, and FarSkip's forward phases."""
-    from megatron.training.training import comm_counters
+    from moe_variants.common.moe_layer import comm_counters
     from moe_variants.common.comm import TimelineRecorder
 
     for counters in comm_counters(chunks):

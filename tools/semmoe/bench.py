@@ -84,7 +84,9 @@ class SemMoEBench:
     # ----------------------------------------------------------------------------- placement
 
     def _profile(self, model):
-        from .model_run import RouteRecorder, gather_embedding
+        from moe_variants.common.routing import RouteRecorder
+
+        from .model_run import gather_embedding
         from moe_variants.semmoe.profile import extend_vocabulary, profile_from_traces
 
         mbs = self.configs.training.micro_batch_size

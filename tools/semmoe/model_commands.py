@@ -191,7 +191,7 @@ def _lar_table(rows: list[dict]) -> None:
 @command("lar", "measure the local activation rate of a placed checkpoint in a real forward", _configure_lar)
 def _lar(args: argparse.Namespace) -> int:
     _quiet()
-    from .apply import check_tables_match_checkpoint
+    from moe_variants.semmoe.placement import check_tables_match_checkpoint
     from .model_run import lar_rank
     from megatron.training.parallel import single_process_group
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from moe_variants.common.routing import LocalActivationCounter, RouteRecorder
 
 __all__ = [
@@ -373,24 +374,6 @@ class AttentionTPRebatching:
         return out, bias
 
 
-def _comm_totals(model) -> tuple[int, int]:
-    from moe_variants.common.moe_layer import moe_layers
-
-    dispatch = combine = 0
-    for m in moe_layers(model):
-        c = m.token_dispatcher.comm
-        dispatch += int(c.bytes_dispatch)
-        combine += int(c.bytes_combine)
-    return dispatch, combine
-
-
-def _reset_comm(model) -> None:
-    from moe_variants.common.moe_layer import moe_layers
-
-    for m in moe_layers(model):
-        m.token_dispatcher.comm.reset()
-
-
 def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     """Measured LAR of the checkpoint at EP = D (the tables' D) on the prompts; dict on rank 0.
 
@@ -400,7 +383,7 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     remote activations seen by the routers and the rows the dispatchers actually sent, which
     must agree.
     """
-    from .apply import check_tables_match_checkpoint
+    from moe_variants.semmoe.placement import check_tables_match_checkpoint
     from moe_variants.semmoe.scheduling import schedule_requests
     from moe_variants.semmoe.tables import load_tables
 
@@ -425,7 +408,7 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     local = np.zeros(len(ids), dtype=np.int64)  # this rank's local activations per request
     per_layer = np.zeros(num_layers, dtype=np.int64)
     seen_remote = 0  # remote (token, expert) rows over every forwarded token, pads included
-    _reset_comm(model)
+    reset_comm_counters(model)
     with torch.no_grad(), counter:
         if mode == "dp":
             if tables.has_schedule:
@@ -462,7 +445,8 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
             per_layer = rebatch.local_counts.copy()
         else:
             raise ValueError(f"--mode {mode!r}: expected dp or tp")
-    dispatch_bytes, combine_bytes = _comm_totals(model)
+    totals = comm_totals(model)
+    dispatch_bytes, combine_bytes = int(totals["bytes_dispatch"]), int(totals["bytes_combine"])
     totals = torch.tensor([seen_remote, dispatch_bytes, combine_bytes], dtype=torch.float64)
     dist.all_reduce(totals)
     counts = torch.from_numpy(np.concatenate([local, per_layer])).double()
