@@ -1,5 +1,6 @@
 # Set-up and the two commands a newcomer needs: `make demo` (the main job on the embedded default)
-# and `make test` (the test suite). Both install into a local virtual environment first.
+# and `make test` (the test suite; `make test-fast` for the unit tier). All install into a local
+# virtual environment first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,6 +25,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# the unit tier: everything but the multi-process end-to-end runs (marked slow); < 5 min on 2 cores
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs

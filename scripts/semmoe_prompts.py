@@ -29,9 +29,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_variants.common.files import write_json, write_text  # noqa: E402
 
 SHAREGPT_FILES = ("sg_90k_part1_html_cleaned_lang_first_sampled.json", "ShareGPT_V3_filtered_500.json")
 
@@ -86,19 +88,9 @@ def split(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], 
 def write_jsonl(path: str, records: list[dict], force: bool) -> str:
     if os.path.exists(path) and not force:
         raise ValueError(f"{path} exists (use --force to replace it)")
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "w") as f:
-            for r in records:
-                line = json.dumps(r, ensure_ascii=False) + "\n"
-                digest.update(line.encode())
-                f.write(line)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    write_text(path, text)
+    digest = hashlib.sha256(text.encode())
     return digest.hexdigest()
 
 
@@ -139,10 +131,7 @@ def main(argv=None) -> int:
                 manifest["files"][os.path.basename(path)] = {"requests": len(records), "sha256": sha}
                 print(f"{path}: {len(records)} requests")
         write_jsonl_manifest = os.path.join(args.out_dir, "prompts_manifest.json")
-        fd, tmp = tempfile.mkstemp(dir=args.out_dir, prefix=".prompts_manifest.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(tmp, write_jsonl_manifest)
+        write_json(write_jsonl_manifest, manifest)
     except ValueError as e:
         print(f"semmoe_prompts.py: error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_variants.common.files import write_text  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"  # same as megatron.training.tokenizer.EOD_TOKEN (kept import-free)
 
@@ -60,19 +62,7 @@ def main(argv=None) -> int:
         if os.path.exists(args.output) and not args.overwrite:
             raise ValueError(f"--output: {args.output} exists (pass --overwrite to replace it)")
         tok = train_bpe(args.input, args.vocab_size, args.min_frequency)
-        out_dir = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tokenizer-", suffix=".json.tmp")
-        os.close(fd)
-        try:
-            tok.save(tmp, pretty=True)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600
-            os.replace(tmp, args.output)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_text(args.output, tok.to_str(pretty=True))
     except ValueError as err:
         print(f"train_tokenizer.py: error: {err}", file=sys.stderr)
         return 2

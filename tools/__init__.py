@@ -3,6 +3,8 @@
 
 import os
 
+from megatron import compat  # noqa: F401  (first: its import quiets megatron-core's import-time notices)
+
 __all__ = ["repo_root"]
 
 

@@ -20,6 +20,9 @@ from moe_variants import registry
 from moe_variants.registry import Variant, VariantConfig
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl
 
+# trains through pretrain_gpt on two ranks
+pytestmark = pytest.mark.slow
+
 
 @dataclasses.dataclass
 class ScaleConfig(VariantConfig):

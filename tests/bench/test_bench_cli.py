@@ -18,6 +18,9 @@ from tools import repo_root
 from tools.bench.schema import STEP_FIELDS, RankResult
 from tools.bench.synthetic_worker import even_splits
 
+# runs the benchmark command end to end
+pytestmark = pytest.mark.slow
+
 SCRIPT = os.path.join(repo_root(), "scripts", "bench_ep.py")
 TOKENS, HIDDEN, TOPK, LAYERS = 6, 8, 2, 2
 

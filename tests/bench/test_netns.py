@@ -20,7 +20,8 @@ from tools.bench.launcher import launch
 from tools.bench.schema import RankResult, WorkerSpec
 
 ok, why = netns.netns_available() if os.geteuid() == 0 else (False, "not root")
-pytestmark = pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")
+# network namespaces: slow, and only as root with iproute2
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")]
 
 
 def _root_state():

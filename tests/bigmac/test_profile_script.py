@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# runs the profiling script
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY = """num_layers: 1

@@ -19,6 +19,9 @@ import torch
 from megatron.training.testing import run_distributed
 from tests.convert import hf_models as H
 
+# Hugging Face conversions end to end
+pytestmark = pytest.mark.slow
+
 LAYOUTS = [(1, 1), (1, 2), (2, 1)]  # (TP, EP)
 ATOL = 5e-5
 

@@ -176,6 +176,7 @@ def test_lm_eval_scores_restore_rng_and_repeat(tmp_path):
     assert first == second and 0.0 <= first["local_arc_easy"]["acc,none"] <= 1.0
 
 
+@pytest.mark.slow
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
     parameters never need gradients, the best checkpoint is kept, early stopping reports."""
@@ -206,6 +207,7 @@ def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     assert "student before distillation" in proc.stdout
 
 
+@pytest.mark.slow
 def test_teacher_forward_has_no_trainable_parameters(teacher_ckpt):
     from megatron.training.testing import run_distributed
 
@@ -233,6 +235,7 @@ def test_bad_input(capsys, tmp_path):
     assert "nothing" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_lm_eval_proxy_drives_early_stopping(teacher_ckpt, tmp_path):
     """``--proxy lm-eval``: the student is scored on an lm-eval task at every evaluation, in
     training, under EP=2, on ``--proxy-limit`` questions; accuracy is higher-is-better; the best
@@ -268,6 +271,7 @@ def test_lm_eval_proxy_drives_early_stopping(teacher_ckpt, tmp_path):
     assert '"lm_eval_metric": "acc"' in proc.stdout  # the step-0 (before) score is printed
 
 
+@pytest.mark.slow
 def test_lm_eval_proxy_bad_input(capsys, teacher_ckpt, tmp_path):
     import os
 

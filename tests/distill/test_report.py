@@ -16,6 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import fcsd_sweep  # noqa: E402
 
+# end-to-end runs of python -m distill.report on trained checkpoints
+pytestmark = pytest.mark.slow
+
 
 def _report(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)

@@ -16,6 +16,9 @@ import pytest
 
 from tests.serving.conftest import PROMPTS, Server, get_metrics, offline_greedy, post
 
+# servers started as processes
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 24
 
 

@@ -20,6 +20,9 @@ import torch
 
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 
+# end-to-end torchrun runs
+pytestmark = pytest.mark.slow
+
 MODULE = "megatron.training.pretrain_gpt"
 STEP_FIELDS = {"step", "loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s",
                "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_time_s", "exposed_comm_s", "peak_rss_mb"}

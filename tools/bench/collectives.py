@@ -37,7 +37,7 @@ import time
 from typing import Sequence
 
 from .schema import WorkerSpec
-from moe_variants.common.files import write_json
+from moe_variants.common.files import write_json, write_text
 
 __all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 
@@ -149,12 +149,7 @@ def write_csv(path: str, rows: Sequence[dict]) -> None:
     w.writerow(["op", "ranks", "bytes", "seconds"])
     for r in rows:
         w.writerow([r["op"], r["ranks"], r["bytes"], f"{r['seconds']:.6e}"])
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    with open(tmp, "w") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_text(path, buf.getvalue())
 
 
 def run_calibration(
