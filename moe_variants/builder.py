@@ -76,34 +76,41 @@ def padded_vocab_size(vocab_size: int, model: ModelConfig, parallel: ParallelCon
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+# ModelConfig fields that megatron-core's TransformerConfig takes under the same name, unchanged
+_SAME_NAME = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "normalization", "qk_layernorm", "init_method_std", "attention_dropout", "hidden_dropout", "bf16")
+_SAME_NAME_MOE = (
+    "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias", "moe_router_dtype", "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+)
+_SAME_NAME_MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_base",
+                  "rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_SAME_NAME_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                       "expert_tensor_parallel_size")
+
+
+def _copy(obj, names) -> dict:
+    return {name: getattr(obj, name) for name in names}
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     """The megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for our configs."""
     validate(model, parallel)
     te = use_transformer_engine(model)
     dtype = torch.bfloat16 if model.bf16 else torch.float32
     kwargs = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels,
+        **_copy(model, _SAME_NAME),
+        **_copy(parallel, _SAME_NAME_PARALLEL),
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
-        normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=False,
-        qk_layernorm=model.qk_layernorm,
-        init_method_std=model.init_method_std,
-        attention_dropout=model.attention_dropout,
-        hidden_dropout=model.hidden_dropout,
-        bf16=model.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         sequence_parallel=parallel.resolved_sequence_parallel(),
         # torch-only code paths: the fused kernels need TE/apex/CUDA
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -116,25 +123,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     )
     if model.is_moe:
         kwargs.update(
+            **_copy(model, _SAME_NAME_MOE),
             num_moe_experts=model.num_experts,
-            moe_router_topk=model.moe_router_topk,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_layer_freq=model.moe_layer_freq,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_z_loss_coeff=model.moe_z_loss_coeff,
-            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-            moe_router_score_function=model.moe_router_score_function,
-            moe_router_pre_softmax=model.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
-            moe_router_num_groups=model.moe_router_num_groups,
-            moe_router_group_topk=model.moe_router_group_topk,
-            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-            moe_router_dtype=model.moe_router_dtype,
             moe_token_dispatcher_type=model.moe_token_dispatcher_type.value,
-            moe_expert_capacity_factor=model.moe_expert_capacity_factor,
-            moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
-            moe_token_drop_policy=model.moe_token_drop_policy,
             moe_grouped_gemm=te,
             moe_permute_fusion=False,
             moe_router_fusion=False,
@@ -145,21 +137,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
 
         apply_mla_without_te()
         kwargs.update(
-            q_lora_rank=model.q_lora_rank,
-            kv_lora_rank=model.kv_lora_rank,
-            qk_head_dim=model.qk_head_dim,
-            qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
-            v_head_dim=model.v_head_dim,
+            **_copy(model, _SAME_NAME_MLA),
             rope_type=model.rope_type.value,
-            rotary_base=model.rotary_base,
-            rotary_scaling_factor=model.rotary_scaling_factor,
             original_max_position_embeddings=(
                 model.original_max_position_embeddings or model.max_position_embeddings or model.seq_length
             ),
-            beta_fast=model.beta_fast,
-            beta_slow=model.beta_slow,
-            mscale=model.mscale,
-            mscale_all_dim=model.mscale_all_dim,
         )
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)

@@ -215,7 +215,6 @@ def train_step(
     forward_step_func=None,
 ) -> StepMetrics:
     """Run ``num_microbatches`` forward/backward passes (gradient accumulation) and one update."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
@@ -226,16 +225,8 @@ def train_step(
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
-    reports = forward_backward(
-        forward_step_func=step_fn,
-        data_iterator=data_iterator,
-        model=model_chunks,
-        num_microbatches=num_microbatches,
-        seq_length=model_cfg.seq_length,
-        micro_batch_size=train_cfg.micro_batch_size,
-        forward_only=False,
-    )
+    reports = _run_schedule(step_fn, data_iterator, model_chunks, num_microbatches, model_cfg, train_cfg,
+                            forward_only=False)
     fb_end = time.perf_counter()
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
@@ -266,6 +257,19 @@ def train_step(
     )
 
 
+def _run_schedule(step_fn, data_iterator, model_chunks, num_microbatches: int, model_cfg: ModelConfig,
+                  train_cfg: TrainingConfig, *, forward_only: bool) -> list:
+    """One call of megatron-core's pipeline schedule (``get_forward_backward_func``): the reports of
+    every micro-batch on the last stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=data_iterator, model=model_chunks,
+        num_microbatches=num_microbatches, seq_length=model_cfg.seq_length,
+        micro_batch_size=train_cfg.micro_batch_size, forward_only=forward_only,
+    )
+
+
 @torch.no_grad()
 def evaluate(
     model_chunks,
@@ -278,26 +282,17 @@ def evaluate(
     pg_collection=None,
 ) -> dict:
     """Mean next-token loss and perplexity over ``eval_iters`` x ``num_microbatches`` batches."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import moe_utils
 
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     for chunk in model_chunks:
         chunk.eval()
-    forward_backward = get_forward_backward_func()
     losses = []
     try:
         for _ in range(eval_iters):
-            reports = forward_backward(
-                forward_step_func=lm_forward_step(),
-                data_iterator=data_iterator,
-                model=model_chunks,
-                num_microbatches=num_microbatches,
-                seq_length=model_cfg.seq_length,
-                micro_batch_size=train_cfg.micro_batch_size,
-                forward_only=True,
-            )
+            reports = _run_schedule(lm_forward_step(), data_iterator, model_chunks, num_microbatches, model_cfg,
+                                    train_cfg, forward_only=True)
             if reports:
                 losses.extend(float(r["lm_loss"]) for r in reports)
     finally:
