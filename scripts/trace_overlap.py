@@ -9,14 +9,13 @@ For every all-to-all of the step (forward dispatch/combine, their backward, the 
 wait (traces without a wait for a collective count its time in flight). Summed per kind; per direction the time
 in flight is the wall time with any all-to-all in flight (concurrent ones count once, as in the
 benchmark's overlap fraction). With the forward's compute phases (FarSkip layers record them), so one can see which collective is exposed
-and whether the window or the collective is too short: FarSkip's bound (paper Eq. 9) is
-``sum(min(in flight, window)) / sum(in flight)`` with the windows its schedule offers.
+and whether the window or the collective is too short; per direction, the bound the schedule's
+windows allow (paper Eq. 9; ``tools/bench/overlap.py`` defines it).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import compat  # noqa: E402,F401  (first: quiets megatron-core's import-time notices)
 from moe_variants.common.files import write_json  # noqa: E402
-from moe_variants.common.comm import BusyTime  # noqa: E402
+from tools.bench.overlap import summarize  # noqa: E402
 
 
 def _load(path: str) -> list[dict]:
@@ -49,61 +48,13 @@ def _load(path: str) -> list[dict]:
     return events
 
 
-def collectives(events: list[dict]) -> list[dict]:
-    """Each collective with its in-flight time, exposed (waited) time and compute window, in ms."""
-    waits = collections.defaultdict(list)
-    for e in events:
-        if e["lane"] == "wait" and e["name"].startswith("wait "):
-            waits[e["name"][5:]].append(e)
-    out = []
-    for e in sorted((e for e in events if e["lane"] == "comm"), key=lambda e: e["start"]):
-        # its wait: the first of that name to end at or after its completion (a wait that did not
-        # block starts after the completion; earlier layers' waits ended before it was launched)
-        mine = [w for w in waits[e["name"]] if w["end"] >= e["end"] - 1e-3 and w["start"] >= e["start"] - 1e-3]
-        wait = min(mine, key=lambda w: w["end"]) if mine else None
-        in_flight = e["end"] - e["start"]
-        exposed = max(0.0, e["end"] - max(wait["start"], e["start"])) if wait else 0.0
-        window = max(0.0, wait["start"] - e["start"]) if wait else in_flight
-        out.append({"name": e["name"], "backward": e["name"].endswith(" bwd"), "start_ms": e["start"],
-                    "in_flight_ms": in_flight, "exposed_ms": exposed, "window_ms": window})
-    return out
-
-
-def summarize(events: list[dict]) -> dict:
-    rows = collectives(events)
-    kinds = collections.OrderedDict()
-    for r in rows:
-        k = kinds.setdefault(r["name"], {"count": 0, "exposed_count": 0, "in_flight_ms": 0.0, "exposed_ms": 0.0,
-                                         "window_ms": 0.0})
-        k["count"] += 1
-        k["exposed_count"] += r["exposed_ms"] > 0.5  # waited on for more than half a millisecond
-        for key in ("in_flight_ms", "exposed_ms", "window_ms"):
-            k[key] += r[key]
-    directions = {}
-    for name, backward in (("forward", False), ("backward", True)):
-        busy = BusyTime()  # wall time with an all-to-all in flight: concurrent ones count once
-        mine = [r for r in rows if r["backward"] == backward]
-        for r in mine:
-            busy.add(r["start_ms"], r["start_ms"] + r["in_flight_ms"])
-        total = busy.total
-        exposed = sum(r["exposed_ms"] for r in mine)
-        directions[name] = {"in_flight_ms": total, "exposed_ms": exposed,
-                            "overlap": 1.0 - exposed / total if total else None}
-    phases = collections.OrderedDict()
-    for e in events:
-        if e["lane"] == "phases" and e["end"] > e["start"]:
-            base = e["name"].rsplit(" L", 1)[0]
-            phases[base] = phases.get(base, 0.0) + e["end"] - e["start"]
-    step = [e for e in events if e["lane"] == "step"]
-    return {"step_ms": step[0]["end"] - step[0]["start"] if step else None, "directions": directions,
-            "kinds": kinds, "forward_phases_ms": phases, "collectives": rows}
-
-
 def format_summary(s: dict) -> str:
     lines = [f"step {s['step_ms']:.1f} ms" if s["step_ms"] else "step: not recorded"]
     for name, d in s["directions"].items():
         ov = "-" if d["overlap"] is None else f"{100 * d['overlap']:.1f}%"
-        lines.append(f"{name:9s} in flight {d['in_flight_ms']:8.1f} ms  exposed {d['exposed_ms']:8.1f} ms  overlap {ov}")
+        bound = "-" if d["bound"] is None else f"{100 * d['bound']:.1f}%"
+        lines.append(f"{name:9s} in flight {d['in_flight_ms']:8.1f} ms  exposed {d['exposed_ms']:8.1f} ms  overlap {ov}"
+                     f"  bound {bound} (compute in windows {d['window_compute_ms']:.1f} ms)")
     lines.append("")
     lines.append(f"{'collective':16s} {'n':>3s} {'exposed n':>9s} {'in flight ms':>13s} {'window ms':>10s} "
                  f"{'exposed ms':>11s}")

@@ -12,6 +12,11 @@ quantities:
 * ``a2a_bytes``         ``a2a_bytes_dispatch + a2a_bytes_combine`` (forward, off-rank).
 * ``overlap_fwd/bwd``   ``1 - exposed / in-flight`` all-to-all time per direction (model workers),
                         with ``pooled`` = 1 - sum(exposed) / sum(in-flight) over all ranks and steps.
+* ``overlap_bound_fwd/bwd``  ``min(1, W / in-flight)``: W is the compute the schedule placed in the
+                        collectives' windows (launch to wait; ``tools/bench/overlap.py``), the most
+                        that schedule can hide (paper Eq. 9); ``pooled`` over ranks and steps.
+* ``overlap_to_bound_fwd/bwd``  pooled overlap / pooled bound: how much of what the schedule offers
+                        the implementation hides.
 
 ``tokens_per_s`` is the global rate per step: the sum of every rank's tokens divided by the
 slowest rank's step time; its stats are over steps. Ratios compare medians:
@@ -93,6 +98,13 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
             out[f"overlap_{direction}"] = summarize([1.0 - e / t for e, t in pairs if t > 0])
             total_e, total_t = sum(e for e, _ in pairs), sum(t for _, t in pairs)
             out[f"overlap_{direction}"]["pooled"] = 1.0 - total_e / total_t
+            windows = [(w, t) for r in results for w, t in zip(r.extra.get(f"window_compute_{direction}_s", []),
+                                                                 r.extra.get(f"a2a_time_{direction}_s", []))]
+            if windows:
+                out[f"overlap_bound_{direction}"] = summarize([min(1.0, w / t) for w, t in windows if t > 0])
+                bound = min(1.0, sum(w for w, _ in windows) / total_t)
+                out[f"overlap_bound_{direction}"]["pooled"] = bound
+                out[f"overlap_to_bound_{direction}"] = (1.0 - total_e / total_t) / bound if bound > 0 else None
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
     return out
 
@@ -135,7 +147,7 @@ def ratios_vs(stats: dict, baseline: str) -> dict:
 
 TABLE_COLUMNS = (
     "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %", "ovl fwd %",
-    "ovl bwd %", "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
+    "ovl bwd %", "bound fwd %", "bound bwd %", "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
 )  # fmt: skip
 
 
@@ -159,6 +171,8 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
             f"{s['comm_fraction']['median'] * 100:.1f}",
             f"{s['overlap_fwd']['pooled'] * 100:.1f}" if "overlap_fwd" in s else "-",
             f"{s['overlap_bwd']['pooled'] * 100:.1f}" if "overlap_bwd" in s else "-",
+            f"{s['overlap_bound_fwd']['pooled'] * 100:.1f}" if "overlap_bound_fwd" in s else "-",
+            f"{s['overlap_bound_bwd']['pooled'] * 100:.1f}" if "overlap_bound_bwd" in s else "-",
             f"{s['a2a_bytes']['median'] / 2**20:.3f}",
             f"{s['tokens_per_s']['median']:.0f}",
             f"{s['peak_rss_mb']['max']:.0f}",

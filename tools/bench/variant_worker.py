@@ -21,6 +21,7 @@ import time
 from megatron import compat
 from moe_variants import registry
 
+from .overlap import direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
 from moe_variants.common.files import write_json
 from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
@@ -62,14 +63,18 @@ def _attach_timeline(chunks):
     return timeline
 
 
-def _write_trace(timeline, start, end, chunks, trace_dir, variant, rank) -> None:
-    """Chrome trace of one step: the main thread's compute (the step minus its waits), waits,
-    all-to-alls in flight, and FarSkip's forward phases."""
+def _detach_timeline(chunks) -> None:
     from moe_variants.common.moe_layer import comm_counters
-    from moe_variants.common.comm import TimelineRecorder
 
     for counters in comm_counters(chunks):
         counters.timeline = None
+
+
+def _write_trace(timeline, start, end, trace_dir, variant, rank) -> None:
+    """Chrome trace of one step: the main thread's compute (the step minus its waits), waits,
+    all-to-alls in flight, and FarSkip's forward phases."""
+    from moe_variants.common.comm import TimelineRecorder
+
     waits = sorted((s, e) for _, lane, s, e in timeline.events if lane == "wait")
     out = TimelineRecorder()
     cursor = start
@@ -125,13 +130,14 @@ def run(spec: WorkerSpec) -> RankResult:
     fields = {k: [] for k in ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s",
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
-             "exposed_fwd_s": [], "exposed_bwd_s": []}
+             "exposed_fwd_s": [], "exposed_bwd_s": [], "window_compute_fwd_s": [], "window_compute_bwd_s": []}
     if semmoe:
         extra["semmoe_schedule_s"] = []
     trace_dir = spec.options.get("trace_dir")
     total = spec.warmup + spec.steps
     for step in range(total):
-        timeline = _attach_timeline(chunks) if trace_dir and step == total - 1 else None
+        # every measured step records its collectives' timeline: the overlap bound comes from it
+        timeline = _attach_timeline(chunks) if step >= spec.warmup else None
         data, schedule_s = train_iter, 0.0
         if semmoe:  # Algorithm 2 over this step's global batch, outside the timed step
             t_schedule = time.perf_counter()
@@ -142,10 +148,16 @@ def run(spec: WorkerSpec) -> RankResult:
             chunks, optimizer, scheduler, data, model_cfg=c.model, train_cfg=c.training,
             num_microbatches=num_micro, pg_collection=pgc,
         )
+        end = time.perf_counter()
         if timeline is not None:
-            _write_trace(timeline, start, time.perf_counter(), chunks, trace_dir, spec.variant, rank)
+            _detach_timeline(chunks)
+            if trace_dir and step == total - 1:
+                _write_trace(timeline, start, end, trace_dir, spec.variant, rank)
         if step < spec.warmup:
             continue
+        directions = direction_totals(events_from_timeline(timeline))
+        extra["window_compute_fwd_s"].append(directions["forward"]["window_compute_ms"] / 1e3)
+        extra["window_compute_bwd_s"].append(directions["backward"]["window_compute_ms"] / 1e3)
         comm = m.comm
         fields["step_time_s"].append(m.step_time_s)
         fields["fwd_time_s"].append(m.fwd_time_s)
@@ -164,11 +176,9 @@ def run(spec: WorkerSpec) -> RankResult:
         extra["exposed_bwd_s"].append(comm["exposed_bwd_s"])
         if semmoe:
             extra["semmoe_schedule_s"].append(schedule_s)
-    from megatron.training.arguments import configs_to_dict
-
     if semmoe:
         extra["semmoe"] = semmoe.info
-    extra["config"] = configs_to_dict(c)["model"]
+    extra["config"] = c.model.flat()
     dist.barrier()
     return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
                       extra=extra, **fields)
