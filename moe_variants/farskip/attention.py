@@ -1,13 +1,19 @@
-"""megatron-core self-attention split in two, so a collective can run between the halves.
+"""megatron-core self-attention split in stages, so a collective can run between them.
 
-``attention_qkv`` is the QKV projection plus RoPE; ``attention_out`` is core attention plus the
-output projection. ``core_attention_rows`` runs core attention on a slice of the micro-batch
-(sequences are independent in core attention) and ``attention_proj`` projects the concatenated
-slices, so the overlapped FarSkip layer can spread core attention over two communication windows. Together they are ``Attention.forward``'s training path
-(``transformer/attention.py:875-1215``: no inference context, packed sequences, output gate,
-activation offloading or core-attention recompute) with the same operations in the same order, so
-the result is bit-identical (tests/farskip/test_attention_split.py). Other attention classes (e.g.
-multi-latent attention) are not split: ``can_split`` is False and the caller runs them whole.
+``attention_qkv`` is the query/key/value preparation: for ``SelfAttention`` the QKV projection plus
+RoPE, for multi-latent attention (``MLASelfAttention``, DeepSeek-V2/V3) the down-projections, the
+latent norms, the up-projections and RoPE (megatron-core's ``get_query_key_value_tensors``).
+``attention_out`` is core attention plus the output projection. ``core_attention_rows`` runs core
+attention on a slice of the micro-batch (sequences are independent in core attention) and
+``attention_proj`` projects the concatenated slices, so the overlapped FarSkip layer can spread
+core attention over two communication windows.
+
+Together they are the training path of ``Attention.forward`` (``transformer/attention.py:875-1215``)
+and of ``MultiLatentAttention.forward`` (``transformer/multi_latent_attention.py:201-358``): no
+inference context, packed sequences, output gate, activation offloading, core-attention or up-
+projection recompute, cached MLA latents or DSA; with the same operations in the same order, so the
+result is bit-identical (tests/farskip/test_farskip.py). Other attention classes, and those
+settings, are not split: ``can_split`` is False and the caller runs the module whole.
 """
 
 from __future__ import annotations
@@ -17,23 +23,35 @@ import torch
 __all__ = ["can_split", "attention_qkv", "attention_out", "core_attention_rows", "attention_proj"]
 
 
+def _is_mla(attn) -> bool:
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    return type(attn) is MLASelfAttention
+
+
 def can_split(attn) -> bool:
     from megatron.core.transformer.attention import SelfAttention
 
     cfg = attn.config
-    return (
-        type(attn) is SelfAttention
-        and not cfg.attention_output_gate
-        and not getattr(cfg, "fused_single_qkv_rope", False)
-        and not getattr(attn, "checkpoint_core_attention", False)
+    plain = (
+        not getattr(attn, "checkpoint_core_attention", False)
         and not getattr(attn, "offload_qkv_linear", False)
         and not getattr(attn, "offload_core_attention", False)
         and not getattr(attn, "offload_attn_proj", False)
     )
+    if type(attn) is SelfAttention:
+        return plain and not cfg.attention_output_gate and not getattr(cfg, "fused_single_qkv_rope", False)
+    if _is_mla(attn):
+        return (plain and not getattr(attn, "recompute_up_proj", False) and not cfg.cache_mla_latents
+                and getattr(cfg, "experimental_attention_variant", None) is None)
+    return False
 
 
 def attention_qkv(attn, hidden: torch.Tensor, rotary_pos_emb=None):
     """[s, b, h] -> (query, key, value) with rotary embeddings applied."""
+    if _is_mla(attn):  # MLA applies its own (YaRN) rotary embedding inside
+        query, key, value, _, _ = attn.get_query_key_value_tensors(hidden, None, None, None, inference_context=None)
+        return query.contiguous(), key.contiguous(), value.contiguous()
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         _yarn_get_concentration_factor_from_config,

@@ -24,8 +24,15 @@ def _loss_and_grads(rank, world, cfg, ep):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+# multi-latent attention (DeepSeek-V2/V3): latent projections, decoupled RoPE heads, latent norms
+MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+           qk_layernorm=True)
+
 CASES = [
     dict(farskip="all"),
+    dict(farskip="all", **MLA),
+    dict(farskip="all", q_lora_rank=16, **MLA),
+    dict(farskip="all", moe_layer_freq=[0, 1], **MLA),  # DeepSeek's dense first layer
     dict(farskip="all", moe_shared_expert_intermediate_size=None),
     dict(farskip="first:1", num_layers=3),
     dict(farskip="last:2", num_layers=3, moe_layer_freq=[0, 1, 1]),
@@ -68,24 +75,35 @@ def test_layer_selection():
             LayerSelection.parse(bad).indices(4)
 
 
-def _split_vs_whole(rank, world):
-
+def _split_vs_whole(rank, world, overrides):
     from moe_variants.builder import causal_attention_mask
-    from moe_variants.farskip.attention import attention_out, attention_qkv, can_split
+    from moe_variants.farskip.attention import (
+        attention_out,
+        attention_proj,
+        attention_qkv,
+        can_split,
+        core_attention_rows,
+    )
 
-    model, _ = build_and_load(tiny_model_config(), ParallelConfig())
+    model, _ = build_and_load(tiny_model_config(**overrides), ParallelConfig())
     attn = model.decoder.layers[0].self_attention
     assert can_split(attn)
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(1))
-    rope = model.rotary_pos_emb(16)
+    rope = None if overrides else model.rotary_pos_emb(16)  # MLA computes its own rotary embedding
     mask = causal_attention_mask(16)
     whole, _ = attn(x, attention_mask=mask, rotary_pos_emb=rope)
-    split, _ = attention_out(attn, *attention_qkv(attn, x, rope), mask)
-    return torch.equal(whole, split)
+    qkv = attention_qkv(attn, x, rope)
+    split, _ = attention_out(attn, *qkv, mask)
+    halves, _ = attention_proj(attn, [core_attention_rows(attn, *qkv, mask, 0, 1),
+                                      core_attention_rows(attn, *qkv, mask, 1, 2)])
+    return torch.equal(whole, split), torch.equal(whole, halves)
 
 
-def test_split_attention_is_bit_identical_to_megatron_core():
-    assert run_distributed(_split_vs_whole, 1)[0]
+@pytest.mark.parametrize("overrides", [{}, MLA, dict(q_lora_rank=16, **MLA)], ids=["self-attention", "mla", "mla-q-lora"])
+def test_split_attention_is_bit_identical_to_megatron_core(overrides):
+    """Self-attention and multi-latent attention run in stages (projections, then core attention,
+    whole or by halves of the micro-batch, then the output projection) equal the upstream module."""
+    assert run_distributed(_split_vs_whole, 1, overrides)[0] == (True, True)
 
 
 def _backward_order(rank, world, reorder):
