@@ -41,12 +41,11 @@ does), so no row ever attends to padding. Two ways to compute the same thing:
 
 * ``kv_cache``: megatron-core's ``StaticInferenceContext`` (one prefill, then one token per step;
   the context must fit ``seq_length``, after which the batch continues by recompute with a sliding
-  window). Used when TP == 1 and the decoder block is megatron-core's own ``TransformerBlock``.
-* ``recompute``: a full forward over the last ``seq_length`` tokens per step. Used otherwise,
-  because (a) with TP > 1 megatron-core requires sequence parallelism for MoE, which splits the
-  token dimension over TP ranks, so a one-token decoding step cannot be split; (b) the FarSkip
-  block does not unwrap the ``WrappedTensor`` that ``GPTModel`` hands an inference-mode decoder
-  (``moe_variants/farskip/block.py``), so KV-cached decoding of FarSkip models fails there.
+  window). Used when TP == 1, FarSkip models included (their block takes the inference-mode input
+  and context like megatron-core's ``TransformerBlock``; token-identical to recompute, tested).
+* ``recompute``: a full forward over the last ``seq_length`` tokens per step. Used with TP > 1:
+  megatron-core requires sequence parallelism for MoE there, which splits the token dimension over
+  TP ranks, so a one-token decoding step cannot be split.
 
 Only pipeline parallelism 1 is supported (every rank must hold the output layer).
 
@@ -305,15 +304,9 @@ class MegatronCheckpointLM(TemplateLM):
 
     def kv_cache_unsupported_reason(self) -> Optional[str]:
         """Why KV-cached generation cannot be used with this model/layout, or None."""
-        from megatron.core.transformer.transformer_block import TransformerBlock
-
         if self._tp > 1:
             return ("with TP > 1 sequence parallelism splits the tokens over TP ranks and a "
                     "one-token decoding step cannot be split")
-        decoder = getattr(self.model, "decoder", None)
-        if decoder is None or type(decoder).forward is not TransformerBlock.forward:
-            return (f"the decoder block {type(decoder).__name__} is not megatron-core's TransformerBlock "
-                    "(FarSkip does not take the inference-mode input of GPTModel yet)")
         return None
 
     # --- model calls ------------------------------------------------------------------------

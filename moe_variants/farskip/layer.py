@@ -24,6 +24,13 @@ bit-identical):
   shared expert while the combine flies; hand A_k and the pending combine to layer k+1. Backward
   all-to-alls are asynchronous too (``moe_variants.common.comm``); autograd sequence numbers order
   the backward so that the gradient all-to-alls overlap the attention and shared-expert backward.
+  Self-attention and multi-latent attention are split (``attention.py``); at inference, where
+  attention runs whole over the KV cache, the combine overlaps the next layer's whole attention and
+  the dispatch the shared expert (``_inference_forward``).
+
+KV-cached generation (megatron-core's static and dynamic engines) runs through the same layer:
+the block unwraps the inference-mode input and attention reads and writes the cache; the tokens
+equal a full recompute (tests/eval/test_lm_eval_adapter.py, tests/serving/test_variants.py).
 """
 
 from __future__ import annotations
@@ -117,6 +124,36 @@ class FarSkipTransformerLayer(TransformerLayer):
             return combined, wait_combine
         return self.mlp.combine(expert_out), _noop
 
+    def _inference_forward(self, state: FarSkipState, *, attention_mask, inference_context, attn_kwargs):
+        """The overlapped schedule when attention must run whole (megatron-core's inference path
+        over the KV cache, or precomputed rotary cos/sin), for the ``full`` mode of an MoE layer:
+        (1) attention on A_{k-1} while layer k-1's combine flies; (2) wait it, o_{k-1}; (3) route
+        and *start* the dispatch; (4) the shared expert while it flies; (5) wait, routed experts,
+        *start* the combine; hand A_k and the pending combine to layer k+1, whose attention it
+        overlaps. The same additions in the same order as ``simple``: the same outputs."""
+        with self._phase("attention"):  # (1)
+            attn_out = self.self_attention(
+                self.input_layernorm(state.attn_stream), attention_mask=attention_mask,
+                inference_context=inference_context, **attn_kwargs,
+            )
+        with self._phase("finish combine"):
+            full_prev = state.full_stream()  # (2)
+        residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+            attn_out, full_prev, self.hidden_dropout
+        )
+        with self._phase("route"):  # (3)
+            moe_in = self.pre_mlp_layernorm(full_prev)
+            dispatched = self._start_dispatch(moe_in, overlapped=True)
+        with self._phase("shared expert"):  # (4)
+            shared = self.mlp.shared_experts_compute(moe_in)
+            attn_stream = residual if shared is None else residual + self._dropout(shared)
+        with self._phase("experts"):  # (5)
+            combined, wait_combine = self._experts_and_start_combine(dispatched, overlapped=True)
+        return FarSkipState(
+            attn_stream=attn_stream,
+            pending=PendingRouted(self.mlp, combined, wait_combine, attn_stream, self._dropout),
+        )
+
     def farskip_forward(
         self,
         state: FarSkipState,
@@ -135,10 +172,19 @@ class FarSkipTransformerLayer(TransformerLayer):
 
         With an ``inference_context`` (KV-cached generation), or precomputed rotary cos/sin (fused
         or flash-decode RoPE), attention runs whole through megatron-core's own
-        ``Attention.forward`` and the collectives block.
+        ``Attention.forward``: ``overlapped`` then takes ``_inference_forward``'s schedule (the
+        ``full`` mode; the other modes block).
         """
         attn = self.self_attention
         precomputed_rope = any(t is not None for t in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin))
+        if overlapped and self.is_moe_layer and mode == FarSkipMode.full and (
+                inference_context is not None or precomputed_rope):
+            return self._inference_forward(
+                state, attention_mask=attention_mask, inference_context=inference_context,
+                attn_kwargs=dict(rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                                 rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
+                                 sequence_len_offset=sequence_len_offset),
+            )
         split = can_split(attn) and inference_context is None and not precomputed_rope
         overlapped = overlapped and inference_context is None
         attn_reads_a = mode in (FarSkipMode.full, FarSkipMode.attn_only)

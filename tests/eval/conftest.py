@@ -19,6 +19,7 @@ SEQ_LENGTH = 32
 VARIANTS = {
     "standard": {},
     "farskip": {"farskip": "all"},
+    "farskip-overlapped": {"farskip": "all", "farskip_impl": "overlapped"},
     "bigmac": {"moe_variant": "bigmac", "bigmac_ratio": 0.5},
 }
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -156,14 +156,12 @@ def _check_generation(rank, world_size, path, mode):
 
 
 @pytest.mark.parametrize("variant,mode", [("standard", "kv_cache"), ("standard", "recompute"),
-                                          ("bigmac", "auto"), ("farskip", "auto")])
+                                          ("bigmac", "auto"), ("farskip", "auto"), ("farskip", "recompute")])
 def test_generate_until_matches_direct_greedy_loop(ckpt_dir, variant, mode):
     used, full, stops, plain, stopped, crossing, want_crossing = run_distributed(
         _check_generation, 1, ckpt_dir[variant], mode)[0]
-    if variant == "bigmac":
+    if mode == "auto":  # FarSkip decodes with the KV cache too: token-identical to the direct loop
         assert used == "kv_cache"
-    if variant == "farskip":
-        assert used == "recompute"  # see kv_cache_unsupported_reason
     assert plain == full
     assert all(full), full
     for text, stop, got in zip(full, stops, stopped):
@@ -171,6 +169,39 @@ def test_generate_until_matches_direct_greedy_loop(ckpt_dir, variant, mode):
         assert got == text.split(stop)[0]
         assert stop not in got
     assert crossing == [want_crossing]
+
+
+def _overlapped_decoding(rank, world_size, path, mode):
+    from moe_variants.common import comm
+    from moe_variants.common.moe_layer import comm_counters
+
+    lm = _lm(path, batch_size=2, expert_model_parallel_size=2, generation=mode)
+    timeline = comm.TimelineRecorder()
+    for counters in comm_counters(lm.model):
+        counters.timeline = timeline
+    gen = lm.generate_until(_instances("generate_until", [(p, {"until": [], "max_gen_toks": n})
+                                                          for p, n in zip(PROMPTS, [6, 9, 2, 7])]))
+    # the schedule, not a timing: the shared expert of some layer started while its dispatch was in
+    # flight (after the launch, before the completion or the wait)
+    dispatches = [(e[2], e[3]) for e in timeline.events if e[1] == "comm" and e[0] == "dispatch"]
+    shared = [e[2] for e in timeline.events if e[1] == "compute" and e[0].startswith("shared expert")]
+    overlapped = any(start <= s <= end for s in shared for start, end in dispatches)
+    return lm.generation.value, gen, overlapped
+
+
+def test_farskip_overlapped_kv_decoding_at_ep2_equals_simple(ckpt_dir):
+    """FarSkip's overlapped inference schedule (attention over the KV cache while the previous
+    combine flies, the shared expert while the dispatch flies) gives the tokens of the blocking
+    schedule and of full recompute at EP=2: same additions in the same order (exact)."""
+    ckpts = ckpt_dir
+    simple = run_distributed(_overlapped_decoding, 2, ckpts["farskip"], "kv_cache")
+    overlapped = run_distributed(_overlapped_decoding, 2, ckpts["farskip-overlapped"], "kv_cache")
+    recompute = run_distributed(_overlapped_decoding, 2, ckpts["farskip-overlapped"], "recompute")
+    for rank in range(2):
+        assert overlapped[rank][0] == "kv_cache" and recompute[rank][0] == "recompute"
+        assert overlapped[rank][1] == simple[rank][1] == recompute[rank][1]
+        assert all(overlapped[rank][1])
+    assert any(o[2] for o in overlapped) and not any(s[2] for s in simple)
 
 
 def _all_requests(rank, world_size, path, ep, tp, mode):
