@@ -17,8 +17,9 @@ algorithm (:mod:`netsim.collectives`).
 * **DBO**: two micro-batches of ``b/2`` on the greedy two-lane schedule (:mod:`netsim.schedule`).
 * **Speculative decoding** (Medusa-style, §3.3): ``TPOT = (T_draft + T_verify) / (1 + n p)`` with
   ``n`` drafted tokens and average pass rate ``p``; ``T_verify`` is a step whose attention has
-  ``n + 1`` queries per request and whose other ops see ``(n + 1) b`` tokens; ``T_draft`` is 0 for
-  heads fused into that step (default) or one normal decode step (:class:`DraftCost`).
+  ``n + 1`` queries per request and whose other ops see ``(n + 1) b`` tokens; ``T_draft`` is one
+  normal decode step (the paper's model, default) or 0 for heads fused into verification
+  (:class:`DraftCost`).
 * **Memory**: weights per GPU (:meth:`ModelShape.weight_bytes_per_gpu`) plus ``b x context`` tokens
   of latent KV cache must fit ``mem_usable_fraction`` of HBM.
 * **Throughput per XPU** = ``b / (tp * TPOT)`` (every GPU serves ``b / tp`` of its group's tokens).
@@ -63,22 +64,25 @@ __all__ = [
 
 
 class DraftCost(str, Enum):
-    FREE = "free"
-    """Medusa-style heads draft from the hidden states of the verification pass: no extra step."""
     DECODE_STEP = "decode-step"
-    """Drafting costs one normal decode step on top of verification (a separate draft pass)."""
+    """Drafting costs one normal decode iteration per cycle, on top of verification: the paper's
+    model (§3.3: "[T_draft] is modeled as one normal decode iteration")."""
+    FREE = "free"
+    """Medusa-style heads drafting from the verification pass's hidden states at no extra step: an
+    optimistic alternative, not the paper's model."""
 
 
 @dataclass(frozen=True)
 class SpecDecode:
-    """Speculative decoding (the paper assumes Medusa-style heads). Its formula and default values
-    did not survive the text extraction; ours: 3 drafted tokens, 70% average pass rate -> 3.1
-    tokens per verification step, drafting fused into it (``DraftCost.FREE``). ``decode-step``
-    charges one extra normal decode step per cycle instead (docs/netsim.md compares the two)."""
+    """Speculative decoding (the paper assumes Medusa-style heads). ``TPOT = (T_draft + T_verify) /
+    (1 + n p)``; drafting costs one normal decode iteration, as the paper's text says
+    (``DraftCost.DECODE_STEP``). The values of ``n`` and ``p`` did not survive the text extraction;
+    ours: 3 drafted tokens, 70% average pass rate -> 3.1 tokens per cycle. ``free`` (drafting fused
+    into verification) is the optimistic alternative docs/netsim.md compares."""
 
     num_draft: int = 3
     pass_rate: float = 0.7
-    draft_cost: DraftCost = DraftCost.FREE
+    draft_cost: DraftCost = DraftCost.DECODE_STEP
 
     def __post_init__(self):
         if self.num_draft < 1:
