@@ -123,12 +123,11 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
     from megatron.training.training import to_device
 
     def factory(timer):
-        import time
-
         captures = {}
 
         def forward_step(data_iterator, model):
-            start = time.perf_counter()
+            if timer is not None:
+                timer.begin("forward")
             batch = to_device(next(data_iterator), device())
             tokens, positions = batch["tokens"], batch["position_ids"]
             mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
@@ -158,7 +157,7 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
                 return loss, report
 
             if timer is not None:
-                timer.forward_s += time.perf_counter() - start
+                timer.end("forward")
             return logits, loss_func
 
         return forward_step

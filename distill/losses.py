@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
+from moe_variants.common import collectives
 
 __all__ = ["vocab_parallel_log_softmax", "kl_divergence", "hidden_state_l2", "masked_token_mean"]
 
@@ -43,15 +44,13 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, group=None) -> torch.Tensor
     logits = logits.float()
     local_max = logits.max(dim=-1, keepdim=True).values.detach()
     if group is not None:
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - local_max
     sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
     if group is not None:
         # every rank's partial KL depends on every shard through the normaliser, so its gradient
         # must be summed over ranks too: all-reduce forward *and* backward
-        from torch.distributed.nn.functional import all_reduce
-
-        sum_exp = all_reduce(sum_exp, group=group)
+        sum_exp = collectives.all_reduce_autograd(sum_exp, group=group)
     return shifted - sum_exp.log()
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distill.losses import kl_divergence, student_ce
+from moe_variants.common import collectives
 
 __all__ = ["heldout_kl", "MAIN_METRICS", "main_metric", "LMEvalSpec", "lm_eval_scores", "make_lm_eval_spec"]
 
@@ -27,7 +28,7 @@ def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
     mine = windows[dp_rank::dp_size]
     count = torch.tensor([math.ceil(len(mine) / micro_batch_size)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pg_collection.dp)
+    collectives.all_reduce(count, op=dist.ReduceOp.MAX, group=pg_collection.dp)
     seq = windows.shape[1] - 1
     totals = torch.zeros(3, dtype=torch.float64)  # kl sum, nll sum, tokens
     was_training = student.training
@@ -50,9 +51,7 @@ def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int
             totals[2] += weight * n
     finally:
         student.train(was_training)
-    if torch.cuda.is_available():
-        totals = totals.cuda()
-    dist.all_reduce(totals, group=pg_collection.dp)
+    collectives.all_reduce(totals, group=pg_collection.dp)
     kl, nll = float(totals[0] / totals[2]), float(totals[1] / totals[2])
     return {"heldout_kl": kl, "heldout_loss": nll, "heldout_ppl": math.exp(min(nll, 50.0))}
 
@@ -127,7 +126,7 @@ def lm_eval_scores(model, tokenizer, seq_length: int, pg_collection, spec: LMEva
     # lm-eval returns results on local rank 0 only; every rank needs them (early stopping agrees)
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, scores)
+        collectives.all_gather_object(every, scores)
         scores = next(s for s in every if s is not None)
     return scores
 

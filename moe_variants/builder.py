@@ -35,6 +35,7 @@ from moe_variants.norms import TorchNorm
 __all__ = [
     "build_model",
     "transformer_config",
+    "fusions",
     "use_transformer_engine",
     "padded_vocab_size",
     "causal_attention_mask",
@@ -96,6 +97,56 @@ def _copy(obj, names) -> dict:
     return {name: getattr(obj, name) for name in names}
 
 
+def _available_kernels() -> dict:
+    """Which fused kernels this machine has, as megatron-core itself resolved them at import
+    (``sites.FUSION_SITES``): each is ``None``/absent/False when TE or apex is missing."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils
+
+    permute = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+               "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+    return {
+        "rope": getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None,
+        "permute": all(getattr(moe_utils, name, None) is not None for name in permute),
+        "router": getattr(moe_utils, "fused_topk_with_score_function", None) is not None,
+        "wgrad_accumulation": bool(getattr(layers, "_grad_accum_fusion_available", False)),
+    }
+
+
+def fusions(model: ModelConfig, te: bool, *, cuda: Optional[bool] = None, kernels: Optional[dict] = None) -> dict:
+    """megatron-core's fusion flags: on GPU, on wherever the kernel exists (its fast path, the
+    baseline every variant is compared with); on CPU all off (torch-only code paths: the fused
+    kernels need CUDA, and ``jit_fuser`` is ``torch.compile``, which compat disables on CPU).
+
+    ``cuda`` and ``kernels`` (see ``_available_kernels``) default to this machine's.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+                    moe_permute_fusion=False, moe_router_fusion=False)
+    kernels = _available_kernels() if kernels is None else kernels
+    return dict(
+        # torch-compiled bias+SwiGLU; upstream refuses the GeLU fusion without a linear bias
+        # (transformer_config.py:1491-1499) and our linears have none
+        bias_activation_fusion=model.swiglu,
+        bias_dropout_fusion=True,  # torch-compiled bias+dropout+add
+        # fused softmax and persistent layer norm are apex/TE kernels; TE's attention and norms
+        # replace both, so they only matter with TE
+        masked_softmax_fusion=te,
+        persist_layer_norm=te,
+        # upstream calls the fused MLA RoPE experimental and rejects it for non-YARN MLA
+        # (transformer_config.py:2068-2069): MLA keeps the unfused RoPE
+        apply_rope_fusion=kernels["rope"] and not model.multi_latent_attention,
+        gradient_accumulation_fusion=model.gradient_accumulation_fusion and (te or kernels["wgrad_accumulation"]),
+        moe_permute_fusion=kernels["permute"] and te,
+        # the fused top-k bypasses routing replay, through which --moe-router-group-score max
+        # selects its groups (features.GroupMaxRouter): that router keeps the unfused top-k
+        moe_router_fusion=(kernels["router"] and te and model.moe_router_group_score != RouterGroupScore.max),
+    )
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     """The megatron-core ``TransformerConfig`` (or ``MLATransformerConfig``) for our configs."""
     validate(model, parallel)
@@ -112,14 +163,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         sequence_parallel=parallel.resolved_sequence_parallel(),
-        # torch-only code paths: the fused kernels need TE/apex/CUDA
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=te,
-        bias_dropout_fusion=te,
-        masked_softmax_fusion=te,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=te,
+        **fusions(model, te),
     )
     if model.is_moe:
         kwargs.update(
@@ -128,8 +173,6 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
             moe_ffn_hidden_size=model.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
             moe_token_dispatcher_type=model.moe_token_dispatcher_type.value,
             moe_grouped_gemm=te,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
             moe_shared_expert_overlap=False,
         )
     if model.multi_latent_attention:

@@ -117,6 +117,9 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     bf16: bool = False
     transformer_impl: TransformerImpl = TransformerImpl.auto
+    # megatron-core's fused weight-gradient accumulation into DDP's main_grad (GPU, where Transformer
+    # Engine or apex provides the kernel); --no-gradient-accumulation-fusion for a backward without DDP
+    gradient_accumulation_fusion: bool = True
     # multi-latent attention (DeepSeek-V2/V3)
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from moe_variants.common import collectives
 
 __all__ = [
     "gather_global_state_dict",
@@ -65,7 +66,7 @@ def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     if world == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    collectives.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -105,14 +106,14 @@ def gather_global_grads(model, pg_collection=None) -> dict[str, torch.Tensor]:
         grad = param.grad if grad is None else grad
         grad = torch.zeros_like(param) if grad is None else grad.detach().clone()
         if getattr(param, "sequence_parallel", False) and not getattr(param, "tensor_model_parallel", False):
-            dist.all_reduce(grad, group=pg_collection.tp)
+            collectives.all_reduce(grad, group=pg_collection.tp)
         return grad
 
     grads = _gather_global(model, pg_collection, grad_of)
     expert_dp = pg_collection.expt_dp
     for key in sorted(grads):
         group = expert_dp if _LOCAL_EXPERT.search(key) else pg_collection.dp
-        dist.all_reduce(grads[key], group=group)
+        collectives.all_reduce(grads[key], group=group)
     return grads
 
 
@@ -131,7 +132,7 @@ def _gather_global(model, pg_collection, tensor_of) -> dict[str, torch.Tensor]:
         full = _gather_tp(name, params[name], tensor_of(params[name]), model, pg_collection)
         if _LOCAL_EXPERT.search(name) and ep_world > 1:
             gathered = [torch.empty_like(full) for _ in range(ep_world)]
-            dist.all_gather(gathered, full.contiguous(), group=ep_group)
+            collectives.all_gather(gathered, full.contiguous(), group=ep_group)
             match = _LOCAL_EXPERT.search(name)
             prefix = name[: match.start()]
             num_local, _ = moe_info[prefix]

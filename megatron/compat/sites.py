@@ -88,3 +88,27 @@ CPU_EVENT_SITES = [
     ("inference/text_generation_controllers/text_generation_controller.py", 1361,
      "timing_events[i].elapsed_time(timing_events[i + 1]) / 1e3"),
 ]
+
+# moe_variants/builder.py `fusions`: which fused kernels exist, as megatron-core resolved them at
+# import, and the upstream rules that keep some fusions off (see the comments there).
+FUSION_SITES = [
+    ("models/common/embeddings/rope_utils.py", 23, "fused_apply_rotary_pos_emb = None"),
+    ("transformer/moe/moe_utils.py", 28, "fused_permute,"),
+    ("transformer/moe/moe_utils.py", 32, "fused_topk_with_score_function,"),
+    ("transformer/moe/moe_utils.py", 652, "if fused:"),  # the fused top-k skips router_replay (:702)
+    ("tensor_parallel/layers.py", 48, "_grad_accum_fusion_available = False"),
+    ("transformer/transformer_config.py", 1492, "self.activation_func == F.gelu"),
+    ("transformer/transformer_config.py", 2068,
+     'if self.multi_latent_attention and self.apply_rope_fusion and self.rope_type != "yarn":'),
+]
+
+# moe_variants/common/wgrad.py: why the deferral is off with --overlap-grad-reduce (DDP's backward
+# hook asserts a gradient and launches a bucket once all its parameters fired), and why
+# megatron-core's own delay_wgrad_compute (Transformer Engine grouped GEMM) is not used for it:
+# upstream allows it only with overlap_moe_expert_parallel_comm (its combined 1F1B schedule).
+WGRAD_SITES = [
+    ("distributed/distributed_data_parallel.py", 435, "param.grad is not None"),
+    ("distributed/distributed_data_parallel.py", 444, "self.param_to_bucket_group[param].register_grad_ready("),
+    ("distributed/param_and_grad_buffer.py", 531, "assert self.grad_reduce_handle is not None, ("),
+    ("transformer/transformer_config.py", 1911, "self.overlap_moe_expert_parallel_comm"),
+]

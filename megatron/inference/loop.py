@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from moe_variants.common import collectives
 
 __all__ = ["serve_loop", "round_robin"]
 
@@ -51,7 +52,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
     reports = dist.get_rank(pg_collection.tp) == 0  # TP peers hold the same requests: one reports
     ep_ranks = dist.get_process_group_ranks(pg_collection.ep)
     dp_of_rank = [None] * world
-    dist.all_gather_object(dp_of_rank, dp_rank)
+    collectives.all_gather_object(dp_of_rank, dp_rank)
     schedule = schedule or round_robin(dp_size)
     outstanding = [0] * dp_size  # rank 0's view: requests on each data-parallel rank
     owner: dict = {}
@@ -68,7 +69,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                 owner[submit.request_id] = target
                 outstanding[target] += 1
             box = [(cmds, {s.request_id: owner[s.request_id] for s in cmds.submits})]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         cmds, assignment = box[0]
         for submit in cmds.submits:
             if assignment[submit.request_id] == dp_rank:
@@ -81,7 +82,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                 pending.append(update)
         work = rank_engine.local_work()
         gathered = [None] * world
-        dist.all_gather_object(gathered, (work, pending if reports else [], rank_engine.stats()))
+        collectives.all_gather_object(gathered, (work, pending if reports else [], rank_engine.stats()))
         pending = []
         if rank == 0:
             updates = [u for _, ups, _ in gathered for u in ups]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import compat
+from moe_variants.common import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def _broadcast_object(obj, src: int = 0):
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    collectives.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -214,7 +215,7 @@ def save_checkpoint(
     state["consumed_samples"] = consumed_samples
     try:
         dist_checkpointing.save(state, tmp)
-        dist.barrier()
+        collectives.barrier()
         if rank == 0:
             copied = {}
             if tokenizer_files:
@@ -242,7 +243,7 @@ def save_checkpoint(
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dist.barrier()
+    collectives.barrier()
     return final
 
 
@@ -374,7 +375,7 @@ def load_checkpoint(
         optimizer.reload_model_params()
     if with_rng and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
-    dist.barrier()
+    collectives.barrier()
     return LoadedCheckpoint(
         path=path,
         iteration=int(manifest["iteration"]),

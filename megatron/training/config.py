@@ -42,6 +42,9 @@ class TrainingConfig:
     clip_grad: float = 1.0
     optimizer: str = "adam"
     use_distributed_optimizer: bool = False
+    # megatron-core DDP: reduce each gradient bucket during the backward as soon as it is complete
+    # (off by default, as in Megatron-LM); turns FarSkip's deferred weight gradients off
+    overlap_grad_reduce: bool = False
     seed: int = 1234
 
     def __post_init__(self):

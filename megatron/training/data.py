@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from moe_variants.common import collectives
 
 __all__ = [
     "DOCUMENT_BOUNDARIES",
@@ -224,7 +225,7 @@ def ensure_embedded_dataset(cache_dir: str) -> str:
         # Same bytes whoever writes them, so replacing a concurrently written copy is harmless.
         write_indexed_dataset(token_docs, prefix, tokenizer.vocab_size, overwrite=True)
     if distributed:
-        torch.distributed.barrier()
+        collectives.barrier()
     return prefix
 
 

@@ -35,6 +35,7 @@ from moe_variants import registry
 from megatron.training.checkpointing import CheckpointError
 from moe_variants.common.cli import run_cli
 from moe_variants.common.files import refuse_existing, write_json
+from moe_variants.common import collectives
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
 __all__ = ["build_parser", "main", "check_inputs", "load_tasks", "write_json_atomic"]
@@ -264,7 +265,7 @@ def evaluate(args, manager) -> dict:
                 write_json_atomic(args.output, payload, overwrite=args.overwrite)
             except (OSError, ValueError) as err:
                 status = [str(err)]
-        dist.broadcast_object_list(status, src=0)  # every rank exits with rank 0's outcome
+        collectives.broadcast_object_list(status, src=0)  # every rank exits with rank 0's outcome
         if status[0] is not None:
             raise ValueError(status[0])
         if rank == 0:
@@ -310,7 +311,7 @@ def _moe_traffic(lm, scheduler) -> dict:
 
     totals = comm_totals(lm.model)
     t = torch.tensor([totals["bytes_dispatch"], totals["bytes_combine"]], dtype=torch.float64)
-    dist.all_reduce(t)
+    collectives.all_reduce(t)
     out = {"dispatch_bytes_off_rank": int(t[0]), "combine_bytes_off_rank": int(t[1]),
            "request_scheduling": scheduler.name if scheduler is not None else "round-robin",
            "requests_per_rank": list(lm._ranks.assigned)}

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from moe_variants.common import collectives
 
 __all__ = [
     "GenerationMode",
@@ -134,9 +135,7 @@ class _Ranks:
     @staticmethod
     def max(value: int) -> int:
         t = torch.tensor([int(value)], dtype=torch.int64)
-        if torch.cuda.is_available():
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
     def mine(self, order: list[int], batch_size: int, tokens_of=None, scheduler=None) -> list[list[int]]:
@@ -164,7 +163,7 @@ class _Ranks:
 
     def gather(self, results: dict) -> dict:
         parts = [None] * self.dp_size
-        dist.all_gather_object(parts, results, group=self.dp_group)
+        collectives.all_gather_object(parts, results, group=self.dp_group)
         merged = {}
         for part in parts:
             merged.update(part)
@@ -174,7 +173,7 @@ class _Ranks:
     def check_same(kind: str, payload) -> None:
         mine = _digest(payload)
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        collectives.all_gather_object(every, mine)
         if len(set(every)) != 1:
             raise RuntimeError(
                 f"{kind}: ranks received different requests (every rank must run the same tasks, "

@@ -28,6 +28,7 @@ from megatron import compat
 from megatron.training.parallel import destroy_parallel
 from moe_variants.common.cli import run_cli
 from megatron.training.arguments import Configs, configs_to_dict, parse_configs
+from moe_variants.common import collectives
 
 logger = logging.getLogger("megatron.training")
 
@@ -51,9 +52,7 @@ class _StopFlag:
 
     def agreed(self) -> bool:
         flag = torch.tensor([1.0 if self.requested else 0.0])
-        if torch.cuda.is_available():
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
 

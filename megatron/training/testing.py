@@ -1,6 +1,8 @@
 """Multi-process test harness: run a function on N gloo (or NCCL) ranks with a hard timeout.
 
-``run_distributed(fn, world_size)`` forks one process per rank, initialises ``torch.distributed``
+``run_distributed(fn, world_size)`` starts one process per rank (forked for gloo; spawned for NCCL,
+since CUDA cannot be initialised in a forked child: ``fn`` must then be importable by name, a
+module-level function), initialises ``torch.distributed``
 through a file rendezvous (no port races), calls ``fn(rank, world_size, *args, **kwargs)`` and
 returns the per-rank results. A rank that raises fails the call with that rank's traceback; a
 hang fails it after ``timeout_s`` seconds with every process killed, so a deadlocked collective
@@ -24,7 +26,7 @@ import torch
 
 from megatron.training.parallel import destroy_parallel
 
-__all__ = ["run_distributed", "requires_gpu", "has_cuda", "DistributedTestError"]
+__all__ = ["run_distributed", "start_method", "requires_gpu", "has_cuda", "DistributedTestError"]
 
 
 def has_cuda() -> bool:
@@ -70,6 +72,11 @@ def _stop_children():
         child.join(timeout=5)
 
 
+def start_method(backend: str) -> str:
+    """``spawn`` for NCCL (a forked child cannot initialise CUDA), ``fork`` for gloo (fast)."""
+    return "spawn" if backend == "nccl" else "fork"
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -84,7 +91,7 @@ def run_distributed(
     ``fn`` and its arguments must be picklable results-wise (the return value is pickled back).
     Returns the list of per-rank return values, indexed by rank.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method(backend))
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="rundist-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

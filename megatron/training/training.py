@@ -9,8 +9,8 @@ the compat seam) and on GPU clusters (NCCL). Batches are dicts of ``tokens``, ``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import time
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -20,6 +20,9 @@ from moe_variants.config import ModelConfig, ParallelConfig
 from megatron.training.config import TrainingConfig
 from moe_variants.builder import build_model, causal_attention_mask
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
+from moe_variants.common import collectives, timing
+
+logger = logging.getLogger("megatron.training")
 
 __all__ = [
     "StepMetrics",
@@ -85,10 +88,16 @@ def setup_model_and_optimizer(
     if before_wrap is not None:
         before_wrap(model)
     config = model.config
+    if train_cfg.overlap_grad_reduce:
+        from moe_variants.common import wgrad
+
+        if wgrad.disable(model):
+            logger.warning("--overlap-grad-reduce: deferred expert weight gradients are off (they would "
+                           "reach megatron-core's gradient buckets after the buckets are reduced)")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=train_cfg.use_distributed_optimizer,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=train_cfg.overlap_grad_reduce,
     )
     ddp = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -136,11 +145,19 @@ def to_device(batch: dict, device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-class Timer:
-    """Accumulates the forward time spent inside a schedule call (per micro-batch)."""
+class Timer(timing.SpanTimer):
+    """The step's timers on this rank's device clock (``moe_variants.common.timing``): host time on
+    CPU, CUDA events on the compute stream on GPU (host clocks there would time kernel launches).
+    ``forward`` spans accumulate over micro-batches; ``forward_s`` reads them (and waits for them)."""
 
-    def __init__(self):
-        self.forward_s = 0.0
+    def __init__(self, clock=None):
+        from megatron.training.parallel import device
+
+        super().__init__(clock if clock is not None else timing.clock_for(device()))
+
+    @property
+    def forward_s(self) -> float:
+        return self.seconds("forward")
 
 
 def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] = None):
@@ -152,7 +169,8 @@ def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] =
     from megatron.training.parallel import device
 
     def forward_step(data_iterator, model):
-        start = time.perf_counter()
+        if timer is not None:
+            timer.begin("forward")
         batch = to_device(next(data_iterator), device())
         tokens = batch["tokens"]
         seq = tokens.shape[1]
@@ -172,7 +190,7 @@ def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] =
             return loss, report
 
         if timer is not None:
-            timer.forward_s += time.perf_counter() - start
+            timer.end("forward")
         return output, loss_func
 
     return forward_step
@@ -180,9 +198,7 @@ def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] =
 
 def _reduce_mean(value: float, group) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    dist.all_reduce(t, group=group)
+    collectives.all_reduce(t, group=group)
     return float(t.item()) / dist.get_world_size(group)
 
 
@@ -221,17 +237,17 @@ def train_step(
     reset_comm_counters(model_chunks)
     timer = Timer()
     step_fn = forward_step_func or lm_forward_step(timer)
-    start = time.perf_counter()
+    timer.mark("start")
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reports = _run_schedule(step_fn, data_iterator, model_chunks, num_microbatches, model_cfg, train_cfg,
                             forward_only=False)
-    fb_end = time.perf_counter()
+    timer.mark("forward_backward")
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
         scheduler.step(increment=1)
-    end = time.perf_counter()
+    timer.mark("end")
     lm_loss = 0.0
     extra = {}
     if reports:  # last pipeline stage
@@ -246,10 +262,10 @@ def train_step(
         aux_loss=aux,
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=optimizer.param_groups[0]["lr"],
-        step_time_s=end - start,
+        step_time_s=timer.between("start", "end"),
         fwd_time_s=timer.forward_s,
-        bwd_time_s=max(fb_end - start - timer.forward_s, 0.0),
-        optimizer_time_s=end - fb_end,
+        bwd_time_s=max(timer.between("start", "forward_backward") - timer.forward_s, 0.0),
+        optimizer_time_s=timer.between("forward_backward", "end"),
         tokens=num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp,
         skipped=not update_ok,
         comm=comm_totals(model_chunks),
@@ -331,7 +347,7 @@ def evaluate_windows(
         raise ValueError(f"windows of {seq} tokens but --seq-length is {model_cfg.seq_length}")
     mine = windows[dp_rank::dp_size]
     num_batches = torch.tensor([math.ceil(len(mine) / micro_batch_size)], dtype=torch.long)
-    dist.all_reduce(num_batches, op=dist.ReduceOp.MAX, group=pg_collection.dp)
+    collectives.all_reduce(num_batches, op=dist.ReduceOp.MAX, group=pg_collection.dp)
     batches = []
     for i in range(int(num_batches.item())):
         chunk = mine[i * micro_batch_size : (i + 1) * micro_batch_size]
@@ -370,8 +386,6 @@ def evaluate_windows(
         for chunk in model_chunks:
             chunk.train()
         moe_utils.clear_aux_losses_tracker()
-    if torch.cuda.is_available():
-        totals = totals.cuda()
-    dist.all_reduce(totals, group=pg_collection.dp)
+    collectives.all_reduce(totals, group=pg_collection.dp)
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1])}

@@ -9,6 +9,14 @@ the asynchronous one (FarSkip overlapped): forward returns the output at once an
 its ``PendingComm`` is stored under ``"backward"``, to be waited by a tensor hook the caller puts
 on the all-to-all input (``wait_backward_hook``).
 
+Timing (``moe_variants.common.timing``): on CPU/gloo the collective runs on the host and gloo's
+work future completes when it is done, so host clocks time it. On GPU an NCCL future completes at
+enqueue, so the collective is launched on a communication stream between two CUDA events (start,
+and done after the stream has waited for NCCL's), the compute stream waits on the done event, and
+an event on the compute stream marks where it started waiting; the counters read the events when
+they are reported. ``PendingComm.in_flight()`` queries the done event, so the deferred weight
+gradients see the collective's real completion on both.
+
 Shape legend: ``N`` rows sent (tokens x top-k routed off this rank's slice), ``M`` rows received.
 """
 
@@ -21,10 +29,9 @@ import time
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.moe.shared_experts import set_tensor_grad_fn_sequence_sr
 
-from moe_variants.common import wgrad
+from moe_variants.common import collectives, timing, wgrad
 
 __all__ = [
     "CommCounters",
@@ -90,7 +97,10 @@ class CommCounters:
     at once (the dispatch and its routing probabilities), and summing would count that interval
     twice and inflate the overlap fraction ``1 - exposed / time``. ``total`` takes the union
     across layers too. ``exposed_*_s`` is the time the compute thread waited (its waits never
-    overlap each other: they are on one thread).
+    overlap each other: they are on one thread); on GPU, the time the compute stream waited.
+
+    Device-side spans (CUDA events, ``add_span``) are booked when the counters are read
+    (``as_dict``/``total``/``resolve``), which waits for their events.
     """
 
     bytes_dispatch: int = 0  # forward dispatch, hidden-state payload
@@ -107,6 +117,7 @@ class CommCounters:
     def __post_init__(self):
         self._lock = threading.Lock()
         self._busy = {False: BusyTime(), True: BusyTime()}  # by direction (backward?)
+        self._unresolved: list = []  # (backward, start, done, wait_at, name) stamps not yet read
 
     def reset(self) -> None:
         timeline = self.timeline
@@ -115,6 +126,7 @@ class CommCounters:
                 setattr(self, field.name, field.default)
         self.timeline = timeline
         self._busy = {False: BusyTime(), True: BusyTime()}
+        self._unresolved = []
 
     def add_bytes(self, kind: str, num_bytes: int) -> None:
         with self._lock:
@@ -139,7 +151,25 @@ class CommCounters:
                 self.time_fwd_s = busy
                 self.exposed_fwd_s += exposed_s
 
+    def add_span(self, backward: bool, start, done, wait_at, name: Optional[str] = None) -> None:
+        """Book a collective from stamp ``start`` to ``done`` whose result compute began waiting for
+        at ``wait_at`` (``timing`` stamps; read, and waited for, at the next ``resolve``)."""
+        with self._lock:
+            self._unresolved.append((backward, start, done, wait_at, name))
+
+    def resolve(self) -> None:
+        """Read the stamps of the spans added since the last call and book them."""
+        with self._lock:
+            items, self._unresolved = self._unresolved, []
+        for backward, start, done, wait_at, name in items:
+            s, d, exposed = timing.span_seconds(start.seconds(), done.seconds(), wait_at.seconds())
+            self.add_time(backward, s, d, exposed)
+            if self.timeline is not None and name is not None:
+                self.timeline.add(name, "comm", s, d)
+                self.timeline.add(f"wait {name}", "wait", min(wait_at.seconds(), d), d)
+
     def as_dict(self) -> dict:
+        self.resolve()
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeline"
         }
@@ -192,19 +222,28 @@ def off_rank_bytes(input_splits: Sequence[int], row_numel: int, element_size: in
 
 
 class PendingComm:
-    """An all-to-all in flight: ``wait()`` blocks until done and books the timing once."""
+    """An all-to-all in flight: ``wait()`` blocks until done and books the timing once.
 
-    def __init__(self, work, output, counters, backward: bool, name: str, timeline=None):
+    Host clock (CPU/gloo): ``work`` is the collective's work; its future stamps completion.
+    Device clock (GPU): ``start`` and ``done`` are events on the communication stream around the
+    collective (``_launch``); ``wait()`` makes the compute stream wait for ``done``.
+    """
+
+    def __init__(self, work, output, counters, backward: bool, name: str, timeline=None, *,
+                 clock=timing.HOST, start=None, done=None):
         self.work = work
         self.output = output
         self.counters = counters
         self.backward = backward
         self.name = name
         self.timeline = timeline
-        self.start = time.perf_counter()
+        self.clock = clock
+        self.start_stamp = start if start is not None else clock.stamp()
+        self.start = self.start_stamp.seconds() if not clock.device_side else None
+        self.done_stamp = done
         self.completed_at: Optional[float] = None
         self._done = False
-        if work is not None:
+        if work is not None and not clock.device_side:
             try:
                 work.get_future().then(self._on_complete)
             except (RuntimeError, AttributeError):
@@ -212,6 +251,10 @@ class PendingComm:
 
     def in_flight(self) -> bool:
         """True while the collective has not completed (never blocks)."""
+        if self._done:
+            return False
+        if self.clock.device_side:
+            return self.done_stamp is not None and not self.done_stamp.ready()
         if self.completed_at is not None or self.work is None:
             return False
         try:
@@ -233,6 +276,8 @@ class PendingComm:
         """
         if self._done:
             raise RuntimeError(f"{self.name}: already waited")
+        if self.clock.device_side:
+            return self._wait_device()
         t0 = time.perf_counter()
         if self.work is not None:
             self.work.wait()
@@ -242,7 +287,7 @@ class PendingComm:
         done = min(done, t1)
         # exposed = the part of the in-flight interval the caller spent waiting (a wake-up after
         # completion is scheduling latency, not communication)
-        exposed = max(0.0, done - max(t0, self.start))
+        _, done, exposed = timing.span_seconds(self.start, done, t0)
         if self.counters is not None:
             self.counters.add_time(self.backward, self.start, done, exposed)
         if self.timeline is not None:
@@ -253,26 +298,51 @@ class PendingComm:
         output, self.output, self.work = self.output, None, None
         return output
 
+    def _wait_device(self) -> torch.Tensor:
+        wait_at = self.clock.stamp()  # on the compute stream: from here it waits for the collective
+        self.clock.wait_for(self.done_stamp)
+        if self.counters is not None:
+            self.counters.add_span(self.backward, self.start_stamp, self.done_stamp, wait_at,
+                                   self.name if self.timeline is not None else None)
+        self._done = True
+        output, self.output, self.work = self.output, None, None
+        return output
 
-def _launch(group, tensor, output_splits, input_splits, counters, kind, backward, name):
-    """Start ``all_to_all_single`` (uneven splits) without waiting; return the PendingComm."""
+
+def _launch(group, tensor, output_splits, input_splits, counters, kind, backward, name, clock=None):
+    """Start ``all_to_all_single`` (uneven splits) without waiting; return the PendingComm.
+
+    ``clock`` defaults to the tensor's device clock (``timing.clock_for``)."""
     tensor = tensor.contiguous()
+    clock = clock if clock is not None else timing.clock_for(tensor.device)
     output = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
     if counters is not None:
         # a rank may send nothing (no token chose its experts): size a row from the shape, not row 0
         row_numel = int(torch.Size(tensor.shape[1:]).numel())
         num_bytes = off_rank_bytes(input_splits, row_numel, tensor.element_size(), group.rank())
         counters.add_bytes("backward" if backward and kind != "meta" else kind, num_bytes)
-    work = dist.all_to_all_single(
-        output,
-        tensor,
-        output_split_sizes=list(output_splits),
-        input_split_sizes=list(input_splits),
-        group=group,
-        async_op=True,
-    )
     timeline = counters.timeline if counters is not None else None
-    return PendingComm(work, output, counters, backward, name, timeline)
+
+    def launch():
+        return collectives.all_to_all_single(
+            output,
+            tensor,
+            output_split_sizes=list(output_splits),
+            input_split_sizes=list(input_splits),
+            group=group,
+            async_op=True,
+        )
+
+    if not clock.device_side:
+        return PendingComm(launch(), output, counters, backward, name, timeline, clock=clock)
+    comm = clock.communication_stream()
+    clock.wait_for(clock.stamp(), comm)  # the inputs are produced on the compute stream
+    with clock.stream_context(comm):
+        start = clock.stamp(comm)
+        work = launch()
+        work.wait()  # the communication stream waits for NCCL's: the next event marks completion
+        done = clock.stamp(comm)
+    return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done)
 
 
 class _AllToAll(torch.autograd.Function):

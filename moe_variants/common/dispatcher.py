@@ -13,14 +13,13 @@ over layers.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
 
+from moe_variants.common import timing
 from moe_variants.common.comm import CommCounters, all_to_all
 
 __all__ = ["AlltoAllDispatcher", "AllGatherDispatcher", "build_token_dispatcher", "host_splits"]
@@ -138,23 +137,26 @@ class AllGatherDispatcher(MoEAllGatherTokenDispatcher):
         if self._group_size == 1:
             return super().token_dispatch(hidden_states, probs)
         peers = self._group_size - 1
-        start = time.perf_counter()
+        # blocking collectives: the compute stream (or thread) waits from start to done
+        clock = timing.clock_for(hidden_states.device)
+        start = clock.stamp()
         out_hidden, out_probs = super().token_dispatch(hidden_states, probs)
-        done = time.perf_counter()
+        done = clock.stamp()
         self.comm.add_bytes("dispatch", hidden_states.numel() * hidden_states.element_size() * peers)
         meta = probs.numel() * probs.element_size() + probs.numel()  # probs + bool routing map
         self.comm.add_bytes("meta", meta * peers)
-        self.comm.add_time(False, start, done, done - start)
+        self.comm.add_span(False, start, done, start)
         return out_hidden, out_probs
 
     def token_combine(self, hidden_states):
         if self._group_size == 1:
             return super().token_combine(hidden_states)
-        start = time.perf_counter()
+        clock = timing.clock_for(hidden_states.device)
+        start = clock.stamp()
         out = super().token_combine(hidden_states)
-        done = time.perf_counter()
+        done = clock.stamp()
         self.comm.add_bytes("combine", out.numel() * 4 * (self._group_size - 1))  # fp32 reduce
-        self.comm.add_time(False, start, done, done - start)
+        self.comm.add_span(False, start, done, start)
         return out
 
 

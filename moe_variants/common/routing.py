@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_variants.common.moe_layer import moe_layers
+from moe_variants.common import collectives
 
 __all__ = ["RouteRecorder", "LocalActivationCounter"]
 
@@ -71,7 +72,7 @@ class RouteRecorder:
             gathered = []
             for t in out:
                 parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                collectives.all_gather(parts, t.contiguous(), group=tp_group)
                 gathered.append(torch.cat(parts, 0))
             out = gathered
         return out
@@ -126,7 +127,7 @@ class LocalActivationCounter:
     def summary(self, group=None) -> dict:
         """LAR over the counted tokens of every rank of ``group`` (all-reduce; collective)."""
         t = torch.from_numpy(np.concatenate([self.local, self.total, [self.remote_all]])).double()
-        dist.all_reduce(t, group=group)
+        collectives.all_reduce(t, group=group)
         num_layers = len(self.local)
         local, total = t[:num_layers].long().numpy(), t[num_layers:2 * num_layers].long().numpy()
         return {

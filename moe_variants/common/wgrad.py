@@ -15,12 +15,21 @@ expert version used on CPU/gloo.
 
 Gradients are the same values as without deferral (the same matmul, accumulated into
 ``main_grad`` as megatron-core's DDP hook would, or into ``.grad`` without DDP); only when they
-are computed changes.
+are computed changes. With ``gradient_accumulation_fusion`` the deferred gradient is accumulated
+into ``main_grad`` too (what the fused kernel does, unfused).
+
+Not compatible with megatron-core DDP's ``overlap_grad_reduce``: its backward hook
+(``distributed/distributed_data_parallel.py:433-446``) asserts the weight's gradient exists when
+the hook fires and starts a bucket's reduction once every parameter of the bucket has fired, so a
+deferred weight gradient would arrive after its bucket was reduced (or, without a gradient, the
+bucket is never launched: ``param_and_grad_buffer.py:531``). ``disable(model)`` turns the deferral
+off for a model (the training loop does, with a warning, when that overlap is on).
 """
 
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -29,9 +38,10 @@ from megatron.compat.autograd import current_graph_task_id, queue_engine_callbac
 
 from megatron.compat.linear import wrap_local_linear
 
-__all__ = ["defer_expert_wgrad", "defer_wgrad", "flush", "is_deferred", "pending", "run_while"]
+__all__ = ["defer_expert_wgrad", "defer_wgrad", "disable", "flush", "is_deferred", "pending", "run_while"]
 
 DEFERRED = "deferred-wgrad"
+_EAGER: "weakref.WeakSet[torch.nn.Parameter]" = weakref.WeakSet()  # weights of deferral-disabled linears
 
 _QUEUE: collections.deque = collections.deque()
 _GRAPH_TASK: Optional[int] = None  # the backward pass whose end flushes the queue
@@ -102,7 +112,7 @@ def _deferred_forward_impl(original):
     def forward_impl(input, weight, *args, bias=None, allreduce_dgrad=False, sequence_parallel=False,
                      gradient_accumulation_fusion=False, **kwargs):
         if (not weight.requires_grad or bias is not None or allreduce_dgrad or sequence_parallel
-                or gradient_accumulation_fusion or args or kwargs.get("grad_output_buffer") is not None):
+                or args or kwargs.get("grad_output_buffer") is not None or weight in _EAGER):
             return original(input, weight, *args, bias=bias, allreduce_dgrad=allreduce_dgrad,
                             sequence_parallel=sequence_parallel,
                             gradient_accumulation_fusion=gradient_accumulation_fusion, **kwargs)
@@ -118,7 +128,19 @@ def defer_wgrad(linear) -> bool:
 
 
 def is_deferred(linear) -> bool:
-    return DEFERRED in getattr(linear, "_compat_linear_wraps", ())
+    """True if ``linear`` defers its weight gradient (wrapped and not disabled)."""
+    return DEFERRED in getattr(linear, "_compat_linear_wraps", ()) and linear.weight not in _EAGER
+
+
+def disable(model) -> int:
+    """Compute the weight gradients of every deferring linear of ``model`` in the backward again;
+    returns how many were deferring."""
+    count = 0
+    for module in model.modules():
+        if is_deferred(module):
+            _EAGER.add(module.weight)
+            count += 1
+    return count
 
 
 def defer_expert_wgrad(moe_layer) -> int:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_variants.common import collectives
+
 from .tables import Tables
 
 __all__ = [
@@ -290,13 +292,11 @@ def shuffle_local(perm: torch.Tensor, rank: int, world_size: int, *tensors: torc
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
+    collectives.reduce_scatter_tensor(out, inp, group=group)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    collectives.all_gather_into_tensor(out, inp, group=group)
 
 
 class _ShuffledReduceScatter(torch.autograd.Function):

@@ -38,6 +38,7 @@ from typing import Sequence
 
 from .schema import WorkerSpec
 from moe_variants.common.files import write_json, write_text
+from moe_variants.common import collectives
 
 __all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 
@@ -80,12 +81,12 @@ def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> tuple[list[f
     out = torch.empty_like(x)
     starts, ends = [], []
     for i in range(warmup + repeats):
-        dist.barrier()
+        collectives.barrier()
         t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
         if op == "all_to_all":
-            dist.all_to_all_single(out, x)
+            collectives.all_to_all_single(out, x)
         elif op == "all_reduce":
-            dist.all_reduce(x)
+            collectives.all_reduce(x)
         else:
             raise ValueError(f"unknown op {op!r}; known: {OPS}")
         t1 = time.clock_gettime(time.CLOCK_MONOTONIC)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             starts, ends = _time_op(op, int(num_bytes), spec.warmup, repeats_for(int(num_bytes), spec.steps))
             rows.append({"op": op, "bytes": int(num_bytes), "start": starts, "end": ends})
     rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()
     write_json(spec.result_path(rank), {"rank": rank, "world_size": world, "rows": rows})
     return 0

@@ -21,6 +21,7 @@ import time
 
 from .schema import RankResult, SyntheticOptions, peak_rss_mb
 from .worker_env import init_gloo_from_env, read_spec_from_argv
+from moe_variants.common import collectives
 
 __all__ = ["even_splits", "main"]
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         gen = torch.Generator().manual_seed(spec.seed * 1000003 + step * 31 + rank)
         x_TH = torch.randn(T, H, generator=gen)
         x_TH.requires_grad_(True)  # as if from an embedding: the first dispatch has a backward too
-        dist.barrier()  # steps start together, so skew from the previous step is not booked as comm
+        collectives.barrier()  # steps start together, so skew from the previous step is not booked as comm
         counters.reset()
         t0 = time.perf_counter()
         loss = forward(x_TH)
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
         peak_rss_mb=peak_rss_mb(),
         extra={"loss": rec["loss"], "options": spec.options},
     )
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()
     result.write(spec.result_path(rank))
     return 0

@@ -25,6 +25,7 @@ from .overlap import direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
 from moe_variants.common.files import write_json
 from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
+from moe_variants.common import collectives
 
 __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "main"]
 
@@ -179,7 +180,7 @@ def run(spec: WorkerSpec) -> RankResult:
     if semmoe:
         extra["semmoe"] = semmoe.info
     extra["config"] = c.model.flat()
-    dist.barrier()
+    collectives.barrier()
     return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
                       extra=extra, **fields)
 

@@ -31,6 +31,7 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+from moe_variants.common import collectives
 
 __all__ = ["SemMoEBench", "VARIANT", "DEFAULT_PROFILE_SAMPLES", "from_worker"]
 
@@ -111,7 +112,7 @@ class SemMoEBench:
         finally:
             model.train(was_training)
         gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(traces, gathered, dst=0)
+        collectives.gather_object(traces, gathered, dst=0)
         embedding = gather_embedding(model, self.pg_collection, self.vocab_size)
         if self.rank != 0:
             return None
@@ -135,7 +136,7 @@ class SemMoEBench:
             payload = [(tables, {"profile_tokens": profile.num_tokens, "profile_requests": profile.num_requests,
                                  "predicted_dp_lar_on_profile": predicted.lar,
                                  "imbalance_mean": predicted.imbalance_mean})]  # fmt: skip
-        dist.broadcast_object_list(payload, src=0)
+        collectives.broadcast_object_list(payload, src=0)
         self.tables, info = payload[0]
         t2 = time.perf_counter()
         permute_model_experts(model, self.pg_collection, self.tables.physical_to_logical())
@@ -165,7 +166,7 @@ class SemMoEBench:
             # gloo gathers neither bool nor int16 (the blended dataset's dataset_id): integers travel as int64
             wire = mine if mine.is_floating_point() or mine.dtype == torch.int64 else mine.to(torch.int64)
             parts = [torch.empty_like(wire) for _ in range(self.world)]
-            dist.all_gather(parts, wire, group=self.dp_group)
+            collectives.all_gather(parts, wire, group=self.dp_group)
             stacked = torch.stack(parts).to(mine.dtype)  # [world, num_micro, mbs, ...]
             gathered[k] = stacked.transpose(0, 1).reshape(self.world * num_microbatches * mbs, *mine.shape[2:])
         tokens = gathered["tokens"].numpy()

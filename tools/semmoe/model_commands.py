@@ -21,6 +21,7 @@ from moe_variants.common.cli import positive_int
 from moe_variants.common.files import atomic_write
 
 from .commands import command
+from moe_variants.common import collectives
 
 __all__: list[str] = []
 
@@ -93,7 +94,7 @@ def _finish_rank() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
         dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from moe_variants.common.routing import LocalActivationCounter, RouteRecorder
+from moe_variants.common import collectives
 
 __all__ = [
     "Prompt",
@@ -154,7 +155,7 @@ def gather_embedding(model, pg_collection, vocab_size: int) -> np.ndarray:
     tp = pg_collection.tp
     if dist.get_world_size(tp) > 1:
         parts = [torch.empty_like(weight) for _ in range(dist.get_world_size(tp))]
-        dist.all_gather(parts, weight.contiguous(), group=tp)
+        collectives.all_gather(parts, weight.contiguous(), group=tp)
         weight = torch.cat(parts, 0)
     return weight[:vocab_size].cpu().numpy()
 
@@ -235,7 +236,7 @@ def profile_rank(opts: RunOptions):
     contribution = traces if parallel_state.get_tensor_model_parallel_rank() == 0 else {}
     rank = dist.get_rank()
     gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(contribution, gathered, dst=0)
+    collectives.gather_object(contribution, gathered, dst=0)
     vocab = int(tokenizer.vocab_size)
     embedding = gather_embedding(model, pgc, vocab)
     if rank != 0:
@@ -448,9 +449,9 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     totals = comm_totals(model)
     dispatch_bytes, combine_bytes = int(totals["bytes_dispatch"]), int(totals["bytes_combine"])
     totals = torch.tensor([seen_remote, dispatch_bytes, combine_bytes], dtype=torch.float64)
-    dist.all_reduce(totals)
+    collectives.all_reduce(totals)
     counts = torch.from_numpy(np.concatenate([local, per_layer])).double()
-    dist.all_reduce(counts)
+    collectives.all_reduce(counts)
     if dist.get_rank() != 0:
         return None
     local = counts[: len(ids)].numpy().astype(np.int64)[keep]
