@@ -29,7 +29,6 @@ off for a model (the training loop does, with a warning, when that overlap is on
 from __future__ import annotations
 
 import collections
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -41,7 +40,7 @@ from megatron.compat.linear import wrap_local_linear
 __all__ = ["defer_expert_wgrad", "defer_wgrad", "disable", "flush", "is_deferred", "pending", "run_while"]
 
 DEFERRED = "deferred-wgrad"
-_EAGER: "weakref.WeakSet[torch.nn.Parameter]" = weakref.WeakSet()  # weights of deferral-disabled linears
+_EAGER = "_deferred_wgrad_off"  # attribute set on the weight of a linear whose deferral is disabled
 
 _QUEUE: collections.deque = collections.deque()
 _GRAPH_TASK: Optional[int] = None  # the backward pass whose end flushes the queue
@@ -112,7 +111,7 @@ def _deferred_forward_impl(original):
     def forward_impl(input, weight, *args, bias=None, allreduce_dgrad=False, sequence_parallel=False,
                      gradient_accumulation_fusion=False, **kwargs):
         if (not weight.requires_grad or bias is not None or allreduce_dgrad or sequence_parallel
-                or args or kwargs.get("grad_output_buffer") is not None or weight in _EAGER):
+                or args or kwargs.get("grad_output_buffer") is not None or getattr(weight, _EAGER, False)):
             return original(input, weight, *args, bias=bias, allreduce_dgrad=allreduce_dgrad,
                             sequence_parallel=sequence_parallel,
                             gradient_accumulation_fusion=gradient_accumulation_fusion, **kwargs)
@@ -129,7 +128,7 @@ def defer_wgrad(linear) -> bool:
 
 def is_deferred(linear) -> bool:
     """True if ``linear`` defers its weight gradient (wrapped and not disabled)."""
-    return DEFERRED in getattr(linear, "_compat_linear_wraps", ()) and linear.weight not in _EAGER
+    return DEFERRED in getattr(linear, "_compat_linear_wraps", ()) and not getattr(linear.weight, _EAGER, False)
 
 
 def disable(model) -> int:
@@ -138,7 +137,7 @@ def disable(model) -> int:
     count = 0
     for module in model.modules():
         if is_deferred(module):
-            _EAGER.add(module.weight)
+            setattr(module.weight, _EAGER, True)
             count += 1
     return count
 

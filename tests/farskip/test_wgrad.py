@@ -5,6 +5,7 @@ Tolerance: exact. Deferral runs the very matmul megatron-core's local linear run
 DDP would; only when it runs changes.
 """
 
+import pytest
 import torch
 
 from moe_variants.config import ParallelConfig
@@ -111,3 +112,50 @@ def test_overlapped_farskip_defers_expert_wgrad_with_identical_gradients():
         assert grads.keys() == eager_grads.keys()
         for name in grads:
             assert torch.equal(grads[name], eager_grads[name]), name
+
+
+def _train_with_overlap(rank, world, overlap_grad_reduce):
+    import itertools
+    import logging
+
+    from megatron.training.config import TrainingConfig
+    from megatron.training.parallel import initialize_parallel
+    from megatron.training.training import setup_model_and_optimizer, train_step
+    from tests.helpers import VOCAB
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("megatron.training").addHandler(handler)
+    parallel = ParallelConfig(expert_model_parallel_size=world)
+    model_cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=2, moe_layer_freq=1)
+    train_cfg = TrainingConfig(micro_batch_size=2, global_batch_size=4 * world, train_iters=3, lr=1e-2,
+                               overlap_grad_reduce=overlap_grad_reduce)
+    pgc = initialize_parallel(parallel, seed=3)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(model_cfg, parallel, train_cfg, vocab_size=VOCAB,
+                                                             pg_collection=pgc)
+    deferred = sum(wgrad.is_deferred(m) for m in chunks[0].modules())
+    micro = []
+    for i in range(2):
+        tokens, labels = batch(10 * rank + i)
+        micro.append({"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(tokens, dtype=torch.float),
+                      "position_ids": torch.arange(tokens.shape[1])[None].expand_as(tokens)})
+    losses = []
+    for _ in range(3):
+        m = train_step(chunks, optimizer, scheduler, itertools.cycle(micro), model_cfg=model_cfg,
+                       train_cfg=train_cfg, num_microbatches=2, pg_collection=pgc)
+        losses.append(m.lm_loss)
+    return deferred, losses, [msg for msg in messages if "overlap-grad-reduce" in msg]
+
+
+def test_overlap_grad_reduce_turns_the_deferral_off_with_a_warning():
+    """megatron-core DDP's overlapped gradient reduction (its backward hooks launch each bucket as
+    soon as its parameters' gradients are in) cannot wait for deferred weight gradients, so the
+    deferral is switched off, with one warning, and training follows the deferred run (the same
+    gradients, reduced in buckets instead of at the end: fp32 sums may reorder, rel 1e-5)."""
+    overlapped = run_distributed(_train_with_overlap, 2, True, timeout_s=240)
+    deferred = run_distributed(_train_with_overlap, 2, False, timeout_s=240)
+    for (n_on, losses_on, warn_on), (n_off, losses_off, warn_off) in zip(overlapped, deferred):
+        assert n_on == 0 and n_off == 2 * 2 * 2 + 1
+        assert len(warn_on) == 1 and warn_off == []
+        assert losses_on == pytest.approx(losses_off, rel=1e-5)
