@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import signal
 import sys
@@ -66,12 +65,12 @@ def _check_args(args) -> None:
 def _init_distributed(stack) -> None:
     import torch.distributed as dist
 
-    from megatron.training.parallel import default_backend
+    from megatron.training.parallel import init_from_env
 
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=30))
+        init_from_env(timeout_minutes=30)
     else:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve-"))
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)

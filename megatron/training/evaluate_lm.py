@@ -24,7 +24,6 @@ lm-eval not installed) is a one-line ``error: ...`` with exit status 2, and noth
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
@@ -185,12 +184,12 @@ def _init_distributed(stack) -> None:
     """torchrun's environment, or a world of one gloo rank for a plain ``python -m``."""
     import torch.distributed as dist
 
-    from megatron.training.parallel import default_backend, destroy_parallel, single_process_group
+    from megatron.training.parallel import destroy_parallel, init_from_env, single_process_group
 
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=30))
+        init_from_env(timeout_minutes=30)
         stack.callback(destroy_parallel)
     else:
         stack.enter_context(single_process_group())

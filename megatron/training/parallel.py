@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron import compat
 from moe_variants.config import ParallelConfig
 
-__all__ = ["initialize_parallel", "default_backend", "set_seed", "device", "single_process_group", "destroy_parallel"]
+__all__ = ["initialize_parallel", "init_from_env", "default_backend", "set_seed", "device", "single_process_group", "destroy_parallel"]
 
 
 def default_backend() -> str:
@@ -28,6 +28,16 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def init_from_env(backend: Optional[str] = None, timeout_minutes: int = 10) -> None:
+    """``init_process_group`` from the torchrun environment. For NCCL the rank's GPU is selected
+    first (``LOCAL_RANK`` modulo the visible GPUs, so several ranks may share one): NCCL binds a
+    communicator to the current device, which is otherwise GPU 0 for every local rank."""
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def set_seed(seed: int) -> None:
@@ -62,10 +72,7 @@ def initialize_parallel(
 
     compat.apply()
     if not dist.is_initialized():
-        backend = backend or default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        init_from_env(backend, timeout_minutes)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

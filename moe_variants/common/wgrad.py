@@ -148,7 +148,11 @@ def defer_expert_wgrad(moe_layer) -> int:
 
     Linears that need tensor-parallel communication, a bias or fused accumulation keep
     megatron-core's path (per call, so nothing changes for them). Grouped-GEMM experts
-    (Transformer Engine) are left alone: TE has its own ``delay_wgrad_compute``.
+    (Transformer Engine) are left alone: they have no local ``_forward_impl``, and megatron-core's
+    own ``delay_wgrad_compute`` for them (TE's ``GroupedLinear.backward_dw``) is accepted by its
+    config only together with ``overlap_moe_expert_parallel_comm`` (``transformer_config.py:1909-1912``,
+    its combined 1F1B schedule), and it would apply to every TE linear sharing the config. So on
+    the TE path the expert weight gradients are computed in the backward as usual.
     """
     experts = getattr(moe_layer, "experts", None)
     switched = 0

@@ -113,20 +113,21 @@ def our_greedy_rank(rank, world_size, ckpt: str, tp: int, ep: int):
     from moe_variants.config import ParallelConfig
     from megatron.training.loading import load_model
     from moe_variants.builder import causal_attention_mask
-    from megatron.training.parallel import initialize_parallel
+    from megatron.training.parallel import device, initialize_parallel
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     pgc = initialize_parallel(parallel, seed=0)
     model, configs, _, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
 
-    def logits_fn(tokens):
+    def logits_fn(tokens):  # host tokens in, host logits out; the model runs on this rank's device
         num_s = tokens.shape[1]
         pad = (-num_s) % tp  # sequence parallelism splits the sequence; padding is after, masked
-        tokens = torch.cat([tokens, tokens.new_zeros((tokens.shape[0], pad))], 1)
-        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        tokens = torch.cat([tokens, tokens.new_zeros((tokens.shape[0], pad))], 1).to(device())
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+        mask = causal_attention_mask(tokens.shape[1], device=tokens.device)
         with torch.no_grad():
-            out = model(tokens, positions, causal_attention_mask(tokens.shape[1]), runtime_gather_output=True)
-        return out[:, :num_s, :VOCAB].float()
+            out = model(tokens, positions, mask, runtime_gather_output=True)
+        return out[:, :num_s, :VOCAB].float().cpu()
 
     return greedy(logits_fn, PROMPT)
 
