@@ -24,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "group_device",
     "all_reduce",
+    "all_reduce_async",
     "all_reduce_autograd",
     "all_gather",
     "all_gather_cat",
@@ -73,6 +74,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.Tenso
     if moved is not tensor:
         tensor.copy_(moved)
     return tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
+    """Start an in-place all-reduce of ``tensor`` (already on the group's device); returns the work."""
+    _check_async(_to_group(tensor, group) is not tensor, "all_reduce_async", True)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def all_reduce_autograd(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.Tensor:

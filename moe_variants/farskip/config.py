@@ -122,6 +122,13 @@ class FarSkipConfig(VariantConfig):
                           "gradient all-to-alls' windows"},
     )
 
+    # inference with TP > 1: the attention output's TP reduction flies behind the MoE (paper §4.2)
+    farskip_async_tp: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "overlapped, forward only (inference), TP > 1: the attention projection's "
+                          "tensor-parallel reduction runs asynchronously behind the layer's MoE"},
+    )
+
     def __post_init__(self):
         self.farskip = LayerSelection.parse(self.farskip)
         coerce_enums(self)

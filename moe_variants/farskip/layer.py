@@ -52,6 +52,7 @@ from moe_variants.farskip.attention import (
 )
 from moe_variants.farskip.config import FarSkipMode
 from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
+from moe_variants.farskip.tp import PendingReduction, unreduced
 
 __all__ = ["FarSkipTransformerLayer"]
 
@@ -124,31 +125,42 @@ class FarSkipTransformerLayer(TransformerLayer):
             return combined, wait_combine
         return self.mlp.combine(expert_out), _noop
 
-    def _inference_forward(self, state: FarSkipState, *, attention_mask, inference_context, attn_kwargs):
+    def _inference_forward(self, state: FarSkipState, *, attention_mask, inference_context, attn_kwargs,
+                           async_tp: bool = False):
         """The overlapped schedule when attention must run whole (megatron-core's inference path
         over the KV cache, or precomputed rotary cos/sin), for the ``full`` mode of an MoE layer:
         (1) attention on A_{k-1} while layer k-1's combine flies; (2) wait it, o_{k-1}; (3) route
         and *start* the dispatch; (4) the shared expert while it flies; (5) wait, routed experts,
         *start* the combine; hand A_k and the pending combine to layer k+1, whose attention it
-        overlaps. The same additions in the same order as ``simple``: the same outputs."""
+        overlaps. The same additions in the same order as ``simple``: the same outputs.
+
+        ``async_tp`` (paper §4.2, TP > 1): the attention projection's tensor-parallel reduction flies
+        behind (3)-(5) and is waited only when the residual is formed (``tp.py``)."""
+        attn = self.self_attention
         with self._phase("attention"):  # (1)
-            attn_out = self.self_attention(
-                self.input_layernorm(state.attn_stream), attention_mask=attention_mask,
-                inference_context=inference_context, **attn_kwargs,
-            )
+            with unreduced(attn.linear_proj) if async_tp else contextlib.nullcontext():
+                attn_out, attn_bias = attn(
+                    self.input_layernorm(state.attn_stream), attention_mask=attention_mask,
+                    inference_context=inference_context, **attn_kwargs,
+                )
+            if async_tp:
+                reduction = PendingReduction(attn_out, attn.linear_proj.tp_group, self.config.sequence_parallel)
         with self._phase("finish combine"):
             full_prev = state.full_stream()  # (2)
-        residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-            attn_out, full_prev, self.hidden_dropout
-        )
         with self._phase("route"):  # (3)
             moe_in = self.pre_mlp_layernorm(full_prev)
             dispatched = self._start_dispatch(moe_in, overlapped=True)
         with self._phase("shared expert"):  # (4)
             shared = self.mlp.shared_experts_compute(moe_in)
-            attn_stream = residual if shared is None else residual + self._dropout(shared)
         with self._phase("experts"):  # (5)
             combined, wait_combine = self._experts_and_start_combine(dispatched, overlapped=True)
+        if async_tp:
+            with self._phase("finish attention reduction"):
+                attn_out = reduction.wait()
+        residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+            (attn_out, attn_bias), full_prev, self.hidden_dropout
+        )
+        attn_stream = residual if shared is None else residual + self._dropout(shared)
         return FarSkipState(
             attn_stream=attn_stream,
             pending=PendingRouted(self.mlp, combined, wait_combine, attn_stream, self._dropout),
@@ -167,6 +179,7 @@ class FarSkipTransformerLayer(TransformerLayer):
         rotary_pos_sin=None,
         rotary_pos_cos_sin=None,
         sequence_len_offset=None,
+        async_tp: bool = False,
     ) -> FarSkipState:
         """One FarSkip layer; returns the state for the next layer (see the module docstring).
 
@@ -177,10 +190,13 @@ class FarSkipTransformerLayer(TransformerLayer):
         """
         attn = self.self_attention
         precomputed_rope = any(t is not None for t in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin))
+        async_tp = async_tp and self.config.tensor_model_parallel_size > 1
+        if async_tp and torch.is_grad_enabled():
+            raise ValueError("--farskip-async-tp is for inference (forward only, no gradients)")
         if overlapped and self.is_moe_layer and mode == FarSkipMode.full and (
-                inference_context is not None or precomputed_rope):
+                inference_context is not None or precomputed_rope or async_tp):
             return self._inference_forward(
-                state, attention_mask=attention_mask, inference_context=inference_context,
+                state, attention_mask=attention_mask, inference_context=inference_context, async_tp=async_tp,
                 attn_kwargs=dict(rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                  rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
                                  sequence_len_offset=sequence_len_offset),

@@ -27,6 +27,8 @@ class FarSkip(Variant):
         if cfg.farskip_impl == FarSkipImpl.overlapped and model.is_moe \
                 and model.moe_token_dispatcher_type.value != "alltoall":
             raise ValueError("--farskip-impl overlapped needs --moe-token-dispatcher-type alltoall")
+        if cfg.farskip_async_tp and (cfg.farskip_impl != FarSkipImpl.overlapped or cfg.farskip_mode.value != "full"):
+            raise ValueError("--farskip-async-tp needs --farskip-impl overlapped and --farskip-mode full")
 
     def apply(self, gpt, model) -> None:
         from moe_variants.farskip.block import apply_farskip

@@ -1,0 +1,58 @@
+"""The attention output's tensor-parallel reduction, asynchronous (FarSkip paper §4.2).
+
+With TP > 1 the attention's output projection (megatron-core's ``RowParallelLinear``) reduces its
+partial sums over the tensor-parallel group: a reduce-scatter along the sequence under sequence
+parallelism, an all-reduce otherwise. In a FarSkip layer the MoE reads the previous layer's full
+stream, not this attention's output, so that reduction is needed only when the residual is formed
+at the end of the layer: it can fly behind the route, the dispatch, the routed and shared experts.
+
+``unreduced(linear)`` makes the projection return its partial sum through upstream's own switch
+(``explicit_expert_comm``, ``tensor_parallel/layers.py:1286``: the path expert layers use to
+reduce themselves); ``PendingReduction`` runs the same collective with ``async_op`` and returns the
+same tensor on ``wait()``. Forward only (inference): the layer refuses it when gradients are on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from moe_variants.common import collectives
+
+__all__ = ["unreduced", "PendingReduction"]
+
+
+@contextlib.contextmanager
+def unreduced(linear):
+    """Within the block, ``linear`` (a ``RowParallelLinear`` with ``skip_bias_add``) returns its
+    un-reduced partial sum [s, b, h]."""
+    if not linear.skip_bias_add:
+        raise ValueError("--farskip-async-tp needs the attention projection's bias added outside it")
+    previous = linear.explicit_expert_comm
+    linear.explicit_expert_comm = True
+    try:
+        yield
+    finally:
+        linear.explicit_expert_comm = previous
+
+
+class PendingReduction:
+    """The TP reduction of a partial sum, in flight: ``wait()`` returns what ``RowParallelLinear``
+    would have returned (``[s / tp, b, h]`` under sequence parallelism, ``[s, b, h]`` otherwise)."""
+
+    def __init__(self, partial: torch.Tensor, group, sequence_parallel: bool):
+        partial = partial.contiguous()
+        if sequence_parallel:
+            size = dist.get_world_size(group)
+            self.output = partial.new_empty((partial.size(0) // size,) + tuple(partial.shape[1:]))
+            self.work = collectives.reduce_scatter_tensor(self.output, partial, group=group, async_op=True)
+        else:
+            self.output = partial
+            self.work = collectives.all_reduce_async(partial, group=group)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        output, self.output, self.work = self.output, None, None
+        return output
