@@ -422,3 +422,38 @@ def test_lm_eval_items_on_gpu(pretrained, tmp_path, report):
     report["figures"] = acc
     report["result"] = "8 items of local_arc_easy: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
     assert acc and all(0.0 <= v <= 1.0 for v in acc.values())
+
+
+def test_server_on_gpu(pretrained, tmp_path, report):
+    """The OpenAI-compatible server (megatron-core's dynamic engine) on the GPU: greedy completions
+    through HTTP equal evaluate_lm's offline generation on the same GPU, ``/metrics`` answers, and
+    SIGTERM stops the server with exit 0."""
+    from tests.serving.conftest import Server, get_metrics, offline_greedy, post
+
+    assert pretrained["proc"].returncode == 0, "pretraining failed"
+    ckpt = str(pretrained["save"])
+    prompts = ["First Citizen:", "ROMEO: But soft", "To be, or not"]
+    reference, mode = offline_greedy(ckpt, prompts, 16)
+    server = Server(ckpt, tmp_path)
+    try:
+        start = time.perf_counter()
+        got = []
+        for p in prompts:
+            status, body = post(server.url, "/v1/completions", {"prompt": p, "max_tokens": 16, "temperature": 0,
+                                                                "return_token_ids": True})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+        seconds = time.perf_counter() - start
+        metrics = get_metrics(server.url)
+    finally:
+        code = server.stop()
+    with open(tmp_path / "server.log", "w") as f:
+        f.write(server.output())
+    want = [tokens for tokens, _ in reference]
+    report["figures"] = {"completions_s": seconds, "identical": got == want, "offline_mode": mode,
+                         "exit_code": code}
+    tokens = {k: v for k, v in metrics.items() if "token" in k}
+    report["result"] = (f"3 greedy completions of 16 tokens in {seconds:.2f} s, identical to evaluate_lm's "
+                        f"{mode} generation: {got == want}; SIGTERM exit {code}; metrics {tokens}")[:400]
+    assert got == want
+    assert code == 0
