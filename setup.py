@@ -17,6 +17,10 @@ EXTRAS = {
     # megatron.inference.serve: hypercorn serves the HTTP API; einops is megatron-core's optional
     # dependency for its dynamic-batching attention; jinja2 renders tokenizer chat templates.
     "serve": ["hypercorn==0.18.0", "einops==0.8.2", "jinja2>=3.1"],
+    # the EP benchmark's deepspeed-moe peer (tools/bench/peers): DeepSpeed's MoE layer on CPU/gloo
+    # (DS_ACCELERATOR=cpu; it JIT-builds a small C++ op on first use). Its only torch requirement is
+    # unversioned, so an installed torch is kept.
+    "deepspeed": ["deepspeed==0.19.8"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "gpu" for dep in deps})
 

@@ -222,11 +222,13 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
     return ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
 
 
-def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None):
+def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None, upstream_moe=False):
     router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=model.normalization, pp_rank=pp_rank
     )
+    if upstream_moe:
+        return block
     variants = registry.enabled(model)
 
     def norm(module):
@@ -269,11 +271,18 @@ def build_model(
     pg_collection=None,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
+    upstream_moe: bool = False,
+    config_overrides: Optional[dict] = None,
 ):
     """Build the ``GPTModel`` for this rank's pipeline stage (on CPU or the current GPU).
 
     ``vocab_size`` is the tokenizer's (padded here); it overrides ``model.vocab_size``.
     Call ``megatron.training.parallel.initialize_parallel`` first.
+
+    ``upstream_moe`` builds megatron-core's own spec unchanged (its ``MoELayer``, router and token
+    dispatcher; no project layer, no variant), and ``config_overrides`` sets ``TransformerConfig``
+    fields after the mapping (validated by megatron-core): what a plain megatron-core user runs,
+    for the EP benchmark's upstream peers (``tools/bench/peers/mcore.py``).
     """
     compat.apply()
     vocab = vocab_size if vocab_size is not None else model.vocab_size
@@ -288,8 +297,13 @@ def build_model(
     if post_process is None:
         post_process = pp_rank == pp_size - 1
     config = transformer_config(model, parallel)
+    if config_overrides:
+        unknown = sorted(k for k in config_overrides if not hasattr(config, k))
+        if unknown:
+            raise ValueError(f"TransformerConfig has no field(s) {', '.join(unknown)}")
+        config = dataclasses.replace(config, **config_overrides)
     te = use_transformer_engine(model)
-    spec = _project_block_spec(config, model, pg_collection, te, pp_rank=pp_rank)
+    spec = _project_block_spec(config, model, pg_collection, te, pp_rank=pp_rank, upstream_moe=upstream_moe)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -303,7 +317,7 @@ def build_model(
         rotary_base=model.rotary_base,
         pg_collection=pg_collection,
     )
-    for variant in registry.enabled(model):
+    for variant in [] if upstream_moe else registry.enabled(model):
         variant.apply(gpt, model)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())

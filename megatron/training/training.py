@@ -67,11 +67,13 @@ def setup_model_and_optimizer(
     vocab_size: int,
     pg_collection=None,
     before_wrap=None,
+    build_kwargs: Optional[dict] = None,
 ):
     """Build the model, wrap it in megatron-core DDP, and create the optimizer and LR schedule.
 
     ``before_wrap(model)`` runs on the bare model first (e.g. to freeze parameters: DDP and the
-    optimizer only take parameters that require gradients).
+    optimizer only take parameters that require gradients). ``build_kwargs`` go to ``build_model``
+    (the EP benchmark's upstream peers build megatron-core's own MoE layer).
 
     Returns ``(model_chunks, optimizer, scheduler)``; ``model_chunks`` is a one-element list of
     ``DistributedDataParallel`` (megatron-core's convention for virtual pipeline chunks).
@@ -84,7 +86,7 @@ def setup_model_and_optimizer(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    model = build_model(model_cfg, parallel, vocab_size=vocab_size, pg_collection=pg_collection)
+    model = build_model(model_cfg, parallel, vocab_size=vocab_size, pg_collection=pg_collection, **(build_kwargs or {}))
     if before_wrap is not None:
         before_wrap(model)
     config = model.config

@@ -83,9 +83,22 @@ def _chunks(models) -> list:
 
 
 def comm_counters(models) -> list:
-    """The ``CommCounters`` of every MoE layer of a model (or a list of model chunks) on this rank."""
-    return [layer.token_dispatcher.comm for chunk in _chunks(models) for layer in moe_layers(chunk)
-            if getattr(layer.token_dispatcher, "comm", None) is not None]
+    """The ``CommCounters`` of every MoE layer of a model (or a list of model chunks) on this rank.
+
+    A megatron-core ``MoELayer`` reports its dispatcher's ``comm``; any other module that does
+    expert-parallel communication (the EP benchmark's peers, e.g. a DeepSpeed-MoE layer) reports
+    by carrying a ``CommCounters`` as ``moe_comm_counters``.
+    """
+    out = []
+    for chunk in _chunks(models):
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                counters = getattr(module.token_dispatcher, "comm", None)
+            else:
+                counters = getattr(module, "moe_comm_counters", None)
+            if isinstance(counters, CommCounters):
+                out.append(counters)
+    return out
 
 
 def reset_comm_counters(models) -> None:

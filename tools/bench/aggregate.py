@@ -22,6 +22,10 @@ quantities:
 slowest rank's step time; its stats are over steps. Ratios compare medians:
 ``step_time_speedup = baseline step / variant step`` (> 1: faster than the baseline),
 ``bytes_ratio = variant a2a_bytes / baseline a2a_bytes``, ``a2a_time_ratio`` likewise.
+A worker that pads its dispatch buffers to a capacity (the ``deepspeed-moe`` peer) reports the rows
+routed and sent per step (``extra``: ``routed_rows``, ``buffer_rows``); they become
+``dispatch_rows`` (``routed``, ``buffer``, ``padding_factor`` = buffer / routed, over all ranks and
+steps) and a line under the table.
 """
 
 from __future__ import annotations
@@ -106,6 +110,12 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
                 out[f"overlap_bound_{direction}"]["pooled"] = bound
                 out[f"overlap_to_bound_{direction}"] = (1.0 - total_e / total_t) / bound if bound > 0 else None
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
+    # capacity-padded dispatch (the deepspeed-moe peer): (token, expert) rows routed vs rows sent
+    if all("routed_rows" in r.extra and "buffer_rows" in r.extra for r in results):
+        routed = sum(sum(r.extra["routed_rows"]) for r in results)
+        buffer = sum(sum(r.extra["buffer_rows"]) for r in results)
+        out["dispatch_rows"] = {"routed": routed, "buffer": buffer,
+                                "padding_factor": buffer / routed if routed else None}  # fmt: skip
     return out
 
 
@@ -183,4 +193,9 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for name, s in stats.items():
+        rows = s.get("dispatch_rows")
+        if rows and rows["padding_factor"] is not None:
+            lines.append(f"{name}: dispatch buffers padded to capacity: {rows['buffer']} rows sent for "
+                         f"{rows['routed']} routed (x{rows['padding_factor']:.3f})")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from typing import Optional
 
-from . import netns
+from . import netns, peers
 from .aggregate import format_table, ratios_vs, uncontended_comm_fraction, variant_stats
 from .collectives import OPS, default_sizes, run_calibration, write_csv
 from .launcher import LaunchError, launch
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=positive_int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where model variants compute: cpu (gloo) or cuda (NCCL, one GPU per rank; the GPU peers "
+                        "mcore-latent and mcore-ep-overlap need it)")  # fmt: skip
     g.add_argument("--exact-rss", action="store_true",
                    help="serve allocations of 1 MiB and more by mmap in the ranks (glibc "
                         "MALLOC_MMAP_THRESHOLD_), so peak RSS tracks live tensors instead of heap "
@@ -152,6 +155,9 @@ def _variants(args) -> list[str]:
     for v in names:
         if v != SYNTHETIC:
             variant_overrides(v)  # an unknown preset fails here, before any launch
+            reason = peers.refusal(v, args.device, args.ranks)  # a peer's missing GPU/package, likewise
+            if reason is not None:
+                raise ValueError(reason)
         module = worker_module_for(v)
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"--variants {v}: worker module {module} is not available in this checkout")
@@ -192,6 +198,8 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
     if "semmoe" in variant.split("+"):
         options["semmoe_profile_samples"] = args.semmoe_profile_samples
+    if variant != SYNTHETIC:
+        options["device"] = args.device
     if args.trace and variant != SYNTHETIC and tag.startswith("run-"):
         options["trace_dir"] = os.path.abspath(args.trace)
     spec = WorkerSpec(
@@ -199,7 +207,8 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
         seed=args.seed, config_path=os.path.abspath(args.config) if args.config else None,
         overrides=overrides, options=options, num_threads=args.threads,
     )  # fmt: skip
-    raw = launch(net, worker_module_for(variant), spec, run_dir, budget.remaining(), extra_env=_worker_env(args))
+    raw = launch(net, worker_module_for(variant), spec, run_dir, budget.remaining(),
+                 extra_env=_worker_env(args, shaped=net.shaped))  # fmt: skip
     results = [RankResult.from_dict(d) for d in raw]
     for r in results:
         r.validate(steps)
@@ -209,15 +218,25 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
 EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
-def _worker_env(args) -> dict:
+# NCCL between ranks in network namespaces: sockets over veth0 only, so the traffic crosses the
+# shaped link (no NVLink/PCIe peer-to-peer, no shared memory, no InfiniBand)
+NCCL_SHAPED_ENV = {"NCCL_SOCKET_IFNAME": "veth0", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                   "NCCL_IB_DISABLE": "1"}  # fmt: skip
+
+
+def _worker_env(args, shaped: bool = False) -> dict:
     """Environment of the rank processes: ``--exact-rss`` fixes glibc's mmap threshold at 1 MiB.
 
     By default glibc raises the threshold as large blocks are freed, so later blocks come from the
     heap, which it keeps: peak RSS then depends on the order of allocations and frees (a variant
     that splits a tensor in two differently sized halves can show hundreds of MiB more RSS with
     the same live tensors). With a fixed threshold every large block is returned when freed.
+    ``--device cuda`` on a shaped link keeps NCCL on the namespace's socket (``NCCL_SHAPED_ENV``).
     """
-    return dict(EXACT_RSS_ENV) if args.exact_rss else {}
+    env = dict(EXACT_RSS_ENV) if args.exact_rss else {}
+    if getattr(args, "device", "cpu") == "cuda" and shaped:
+        env.update(NCCL_SHAPED_ENV)
+    return env
 
 
 def _synthetic_options(args) -> SyntheticOptions:
@@ -286,6 +305,7 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             "config": {
                 "ranks": args.ranks, "variants": variants, "warmup": args.warmup, "steps": args.steps,
                 "seed": args.seed, "threads": args.threads, "exact_rss": args.exact_rss, "config_path": args.config,
+                "device": args.device,
                 "overrides": overrides,
                 "synthetic": dataclasses.asdict(_synthetic_options(args)) if SYNTHETIC in variants else None,
             },

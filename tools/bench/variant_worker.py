@@ -10,6 +10,13 @@ Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` c
 (``bigmac+farskip``). ``semmoe`` changes no config: it places the experts of the freshly built model
 by a Sem-MoE profile of validation-split samples and re-schedules every step's samples over the
 ranks (``tools/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
+The peers (``tools/bench/peers``: ``deepspeed-moe``, ``mcore-latent``, ``mcore-ep-overlap``) are
+runtime variants too: the same configs, with another stack's MoE layer or schedule swapped in
+through hooks (build arguments, ``before_wrap``, forward step); they run alone.
+
+With ``options["device"] == "cuda"`` every rank joins with NCCL on GPU ``LOCAL_RANK``, and the
+all-to-all bytes come from a counter at the ``torch.distributed`` level (the same for every
+variant; times are not measured there: see ``tools/bench/peers/mcore.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +28,11 @@ import time
 from megatron import compat
 from moe_variants import registry
 
+from . import peers
 from .overlap import direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
 from moe_variants.common.files import write_json
-from .worker_env import init_gloo_from_env, rank_and_world, read_spec_from_argv
+from .worker_env import init_from_env, rank_and_world, read_spec_from_argv
 from moe_variants.common import collectives
 
 __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "main"]
@@ -32,7 +40,7 @@ __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "main"]
 # bench variants that change no config: the harness sets them up at run time. ``semmoe`` places the
 # freshly built model's experts by a Sem-MoE profile and re-schedules every step's samples over the
 # ranks (tools/semmoe/bench.py), so it combines with any preset (``semmoe+bigmac``).
-RUNTIME_VARIANTS = ("semmoe",)
+RUNTIME_VARIANTS = ("semmoe",) + peers.names()
 
 
 def variant_overrides(variant: str) -> dict:
@@ -121,10 +129,27 @@ def run(spec: WorkerSpec) -> RankResult:
         from tools.semmoe.bench import from_worker
 
         semmoe = from_worker(c, tokenizer, pgc, spec.options)
+    device = spec.options.get("device", "cpu")
+    peer, hooks = peers.get(spec.variant), None
+    if peer is not None:
+        reason = peers.refusal(spec.variant, device, world)
+        if reason is not None:
+            raise ValueError(reason)
+        hooks = peer.load().WorkerHooks(c, pgc, {**spec.options, "variant": spec.variant})
+        validate(c.model, c.parallel, world)
+    before_wrap = semmoe.place if semmoe else (hooks.before_wrap if hooks else None)
     chunks, optimizer, scheduler = setup_model_and_optimizer(
         c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
-        before_wrap=semmoe.place if semmoe else None,
+        before_wrap=before_wrap, build_kwargs=hooks.build_kwargs if hooks else None,
     )
+    torch_counter = None
+    if device == "cuda":
+        from tools.bench.peers.mcore import TorchAllToAllCounter
+
+        torch_counter = TorchAllToAllCounter()
+    forward_step_func = None  # a peer's own forward step (the combined 1F1B schedule: fwd/bwd not split)
+    if hooks is not None and hooks.forward_step_factory is not None:
+        forward_step_func = hooks.forward_step_factory()
     _, _, _, train_iter = build_data(
         c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
     )
@@ -134,6 +159,7 @@ def run(spec: WorkerSpec) -> RankResult:
              "exposed_fwd_s": [], "exposed_bwd_s": [], "window_compute_fwd_s": [], "window_compute_bwd_s": []}
     if semmoe:
         extra["semmoe_schedule_s"] = []
+    peer_extra: dict = {}
     trace_dir = spec.options.get("trace_dir")
     total = spec.warmup + spec.steps
     for step in range(total):
@@ -147,9 +173,14 @@ def run(spec: WorkerSpec) -> RankResult:
         start = time.perf_counter()
         m = train_step(
             chunks, optimizer, scheduler, data, model_cfg=c.model, train_cfg=c.training,
-            num_microbatches=num_micro, pg_collection=pgc,
+            num_microbatches=num_micro, pg_collection=pgc, forward_step_func=forward_step_func,
         )
         end = time.perf_counter()
+        if device == "cuda":
+            _synchronized_step_time(m, start)
+            end = time.perf_counter()
+        comm = torch_counter.step_totals() if torch_counter is not None else m.comm
+        step_extra = hooks.step_extra(chunks) if hooks is not None else {}
         if timeline is not None:
             _detach_timeline(chunks)
             if trace_dir and step == total - 1:
@@ -159,7 +190,8 @@ def run(spec: WorkerSpec) -> RankResult:
         directions = direction_totals(events_from_timeline(timeline))
         extra["window_compute_fwd_s"].append(directions["forward"]["window_compute_ms"] / 1e3)
         extra["window_compute_bwd_s"].append(directions["backward"]["window_compute_ms"] / 1e3)
-        comm = m.comm
+        for key, value in step_extra.items():
+            peer_extra.setdefault(key, []).append(value)
         fields["step_time_s"].append(m.step_time_s)
         fields["fwd_time_s"].append(m.fwd_time_s)
         fields["bwd_time_s"].append(m.bwd_time_s)
@@ -179,16 +211,28 @@ def run(spec: WorkerSpec) -> RankResult:
             extra["semmoe_schedule_s"].append(schedule_s)
     if semmoe:
         extra["semmoe"] = semmoe.info
+    if hooks is not None:
+        extra.update(peer_extra)
+        extra["peer"] = getattr(hooks, "info", {"peer": spec.variant})
+    extra["device"] = device
     extra["config"] = c.model.flat()
     collectives.barrier()
     return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
                       extra=extra, **fields)
 
 
+def _synchronized_step_time(m, start: float) -> None:
+    """On GPU the step's host time ends when the last kernel is queued: synchronise, then take it."""
+    import torch
+
+    torch.cuda.synchronize()
+    m.step_time_s = time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     compat.quiet_warnings()
     spec = read_spec_from_argv(argv)
-    init_gloo_from_env(spec.num_threads)
+    init_from_env(spec.num_threads, spec.options.get("device", "cpu"))
     rank, _ = rank_and_world()
     try:
         result = run(spec)

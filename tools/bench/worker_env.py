@@ -5,14 +5,13 @@ A worker is ``python -m <module> <spec.json>``; see :mod:`.schema` for the envir
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from typing import Optional, Sequence
 
 from .schema import WorkerSpec
 
-__all__ = ["read_spec_from_argv", "init_gloo_from_env", "rank_and_world"]
+__all__ = ["read_spec_from_argv", "init_gloo_from_env", "init_from_env", "rank_and_world"]
 
 
 def read_spec_from_argv(argv: Optional[Sequence[str]] = None) -> WorkerSpec:
@@ -32,12 +31,18 @@ def rank_and_world() -> tuple[int, int]:
 
 def init_gloo_from_env(num_threads: int, timeout_s: float = 300.0):
     """``init_process_group("gloo")`` from the launcher's env; returns the default group."""
+    return init_from_env(num_threads, "cpu", timeout_s)
+
+
+def init_from_env(num_threads: int, device: str = "cpu", timeout_s: float = 300.0):
+    """Join the launcher's group: gloo on the CPU, or NCCL on GPU ``LOCAL_RANK`` (``device="cuda"``),
+    through the training application's ``init_from_env`` (it selects the rank's GPU before NCCL)."""
     import torch
     import torch.distributed as dist
 
+    from megatron.training.parallel import init_from_env as init_process_group
+
     torch.set_num_threads(num_threads)
-    rank, world = rank_and_world()
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    rank_and_world()  # a clear exit when not started by the launcher
+    init_process_group("nccl" if device == "cuda" else "gloo", timeout_minutes=max(1, round(timeout_s / 60)))
     return dist.group.WORLD
