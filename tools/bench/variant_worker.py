@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 from megatron import compat
 from moe_variants import registry
@@ -35,7 +36,7 @@ from moe_variants.common.files import write_json
 from .worker_env import init_from_env, rank_and_world, read_spec_from_argv
 from moe_variants.common import collectives
 
-__all__ = ["RUNTIME_VARIANTS", "variant_overrides", "main"]
+__all__ = ["RUNTIME_VARIANTS", "variant_overrides", "worker_configs", "main"]
 
 # bench variants that change no config: the harness sets them up at run time. ``semmoe`` places the
 # freshly built model's experts by a Sem-MoE profile and re-schedules every step's samples over the
@@ -49,7 +50,10 @@ def variant_overrides(variant: str) -> dict:
     return registry.preset_overrides(variant, extra=RUNTIME_VARIANTS)
 
 
-def _configs(spec: WorkerSpec, world: int):
+def worker_configs(spec: WorkerSpec, world: int, fixed: Optional[dict] = None):
+    """The configs a worker runs: ``--config``, the overrides, EP = ``world`` and the local
+    implementation unless set, the variant's preset, the seed, then ``fixed`` (flat fields; default
+    ``train_iters`` = warm-up + measured steps)."""
     from megatron.training.arguments import configs_from_dict, load_yaml
 
     values = load_yaml(spec.config_path) if spec.config_path else {}
@@ -58,7 +62,7 @@ def _configs(spec: WorkerSpec, world: int):
     values.setdefault("transformer_impl", "local")
     values.update(variant_overrides(spec.variant))
     values["seed"] = spec.seed
-    values["train_iters"] = spec.warmup + spec.steps
+    values.update(fixed if fixed is not None else {"train_iters": spec.warmup + spec.steps})
     return configs_from_dict(values)
 
 
@@ -113,7 +117,7 @@ def run(spec: WorkerSpec) -> RankResult:
     from megatron.training.training import setup_model_and_optimizer, train_step
 
     rank, world = rank_and_world()
-    c = _configs(spec, world)
+    c = worker_configs(spec, world)
     c.checkpoint.save = None
     c.data.data_cache_path = c.data.data_cache_path or os.path.join(spec.output_dir, "data_cache")
     c.logging.eval_interval = 0

@@ -1,0 +1,106 @@
+"""Time to quality (scripts/time_to_quality.py): the curve arithmetic on synthetic curves (exact up to
+float rounding, compared with pytest.approx's default 1e-6 relative), the metrics file of a resumed
+run, the plot, and one tiny end-to-end run over loopback (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools import repo_root
+from tools.bench.ttq import Curve, load_curve, plot_curves, summarize_curves, time_to_target
+
+
+def _curve(step_s, evals, done=True):
+    return Curve(step_time_s={s: step_s for s in range(1, max(evals) + 1)}, evals=dict(evals), done=done)
+
+
+def test_clock_is_the_sum_of_step_times_up_to_each_evaluation():
+    c = Curve(step_time_s={1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}, evals={2: 50.0, 4: 40.0}, done=True)
+    assert c.points() == [(2, 3.0, 50.0), (4, 10.0, 40.0)]
+    with pytest.raises(ValueError, match="no time recorded for step 3"):
+        Curve(step_time_s={1: 1.0, 2: 1.0}, evals={4: 1.0}, done=False).points()
+
+
+def test_time_to_target_interpolates_between_the_evaluations_around_the_crossing():
+    points = [(10, 100.0, 60.0), (20, 200.0, 40.0), (30, 300.0, 30.0)]
+    got = time_to_target(points, 50.0)  # halfway from 60 to 40
+    assert got == {"clock_s": pytest.approx(150.0), "step": pytest.approx(15.0), "interpolated": True}
+    assert time_to_target(points, 40.0) == {"clock_s": 200.0, "step": 20.0, "interpolated": False}
+    assert time_to_target(points, 70.0) == {"clock_s": 100.0, "step": 10.0, "interpolated": False}
+    assert time_to_target(points, 29.0) is None
+
+
+def test_summary_speedup_against_the_baselines_best():
+    """standard: 1 s/step, best 30 at step 30 (clock 30 s). fast: 0.5 s/step, worse per step (40, 32,
+    28 at steps 10/20/30): it crosses 30 halfway between step 20 (10 s) and 30 (15 s), at 12.5 s:
+    2.4x faster to standard's best while 2x faster per step. slow never reaches it."""
+    curves = {
+        "standard": _curve(1.0, {10: 50.0, 20: 35.0, 30: 30.0}),
+        "fast": _curve(0.5, {10: 40.0, 20: 32.0, 30: 28.0}),
+        "slow": _curve(2.0, {10: 60.0, 20: 45.0, 30: 31.0}, done=False),
+    }
+    s = summarize_curves(curves)
+    assert s["target_ppl"] == 30.0 and s["baseline"] == "standard"
+    v = s["variants"]
+    assert v["standard"]["to_target"]["clock_s"] == 30.0 and v["standard"]["speedup_to_target"] == 1.0
+    assert v["fast"]["to_target"]["clock_s"] == pytest.approx(12.5)
+    assert v["fast"]["to_target"]["step"] == pytest.approx(25.0)
+    assert v["fast"]["speedup_to_target"] == pytest.approx(30.0 / 12.5)
+    assert v["fast"]["speedup_per_step"] == pytest.approx(2.0)
+    assert v["slow"]["to_target"] is None and v["slow"]["speedup_to_target"] is None and not v["slow"]["done"]
+    assert v["fast"]["best_ppl"] == 28.0 and v["fast"]["clock_s"] == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="baseline"):
+        summarize_curves({"fast": curves["fast"]})
+
+
+def test_metrics_of_a_resumed_run_count_each_step_once_the_last_time(tmp_path):
+    """A run interrupted after step 4 with its last checkpoint at step 2 repeats steps 3-4 when it
+    resumes; the file then holds both sessions and the repeat is what counts."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "step_time_s": 1.0, "a2a_time_s": 0.25} for s in (1, 2)]
+    lines += [{"event": "valid", "step": 2, "loss": 4.0, "ppl": 54.6}]
+    lines += [{"step": s, "step_time_s": 9.0, "a2a_time_s": 0.25} for s in (3, 4)]
+    lines += [{"event": "summary", "step": 4, "interrupted": True}]
+    lines += [{"step": s, "step_time_s": 2.0, "a2a_time_s": 0.5} for s in (3, 4)]
+    lines += [{"event": "valid", "step": 4, "loss": 3.0, "ppl": 20.1}, {"event": "checkpoint", "step": 4}]
+    lines += [{"event": "summary", "step": 4, "interrupted": False}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    c = load_curve(str(path))
+    assert c.done and c.evals == {2: 54.6, 4: 20.1}
+    assert c.points() == [(2, 2.0, 54.6), (4, 6.0, 20.1)]
+    assert c.a2a_share == pytest.approx(0.25)  # median of 0.25, 0.25, 0.25, 0.25 (step 1-2) and 0.25 (3-4)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    s = summarize_curves({"standard": _curve(1.0, {1: 9.0, 2: 8.0}), "bigmac": _curve(0.5, {1: 9.5, 2: 7.0})})
+    path = tmp_path / "ttq.png"
+    plot_curves(s, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "ttq.png.tmp.png").exists()
+
+
+@pytest.mark.slow
+def test_tiny_run_over_loopback_is_resumable_and_writes_the_json(tmp_path):
+    cmd = [sys.executable, os.path.join(repo_root(), "scripts", "time_to_quality.py"), "--out", str(tmp_path),
+           "--no-netns", "--steps", "4", "--eval-interval", "2", "--eval-iters", "1", "--variants", "standard,bigmac",
+           "--set", "num_layers=2", "--set", "hidden_size=32", "--set", "seq_length=32",
+           "--set", "micro_batch_size=2", "--set", "global_batch_size=8"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "ttq.json").read_text())
+    assert data["schema"] == "time_to_quality/1" and data["baseline"] == "standard"
+    assert data["link"]["shaped"] is False and data["link"]["training"]["steps"] == 4
+    for name in ("standard", "bigmac"):
+        v = data["variants"][name]
+        assert v["done"] and v["steps_logged"] == 4 and [e["step"] for e in v["evaluations"]] == [2, 4]
+        assert v["clock_s"] > 0 and v["a2a_share_median"] > 0
+    assert data["variants"]["standard"]["to_target"]["step"] <= 4
+    assert (tmp_path / "ttq.png").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "standard: done earlier" in again.stdout and "bigmac: done earlier" in again.stdout
+    changed = subprocess.run(cmd[:cmd.index("--steps") + 1] + ["6"] + cmd[cmd.index("--steps") + 2:],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert changed.returncode == 2 and "steps differ" in changed.stderr

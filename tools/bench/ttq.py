@@ -1,0 +1,439 @@
+"""``scripts/time_to_quality.py``: validation perplexity against training wall-clock on the shaped link.
+
+BigMac's Fig. 1 question: on the same link, how long does each variant train before it reaches the
+best validation perplexity the standard model reaches? (The paper: BigMac 1.71x faster.) Steps:
+
+1. **Link**: the EP benchmark's namespaces and rate search (``tools.bench.netns``, ``tools.bench.tune``):
+   short probes of ``standard`` with the benchmark's model worker choose the rate at which standard
+   spends ``--target-comm-fraction`` of its step in all-to-all (or ``--link-gbit`` is taken as it
+   is). The rate is stored in ``OUT/link.json`` and reused by every later invocation, so a resumed
+   run trains on the same link.
+2. **Training**: each variant is a pretraining run of the project's loop in the namespaces
+   (``tools.bench.ttq_worker``), ``--steps`` steps, validation perplexity every ``--eval-interval``
+   steps (the same validation batches every time), a checkpoint at each evaluation in
+   ``OUT/<variant>/``. A run whose ``metrics.jsonl`` ends with a summary is done; an interrupted
+   one resumes from its last checkpoint when the command is run again.
+3. **Curves** (pure functions below, tested on synthetic curves): the training clock of a variant is
+   the sum of its step times (rank 0, every step logged; evaluation, checkpointing and start-up
+   excluded, so interruptions do not move it; a step repeated after a resume counts once, its
+   last run). The target is the lowest validation perplexity ``standard`` reaches; each variant's
+   time to target is the clock at which its curve first reaches it (linear interpolation between
+   the two evaluations around the crossing), and its speed-up is standard's time / its time.
+
+Writes ``OUT/ttq.json`` (link, tuning, per-variant curves and results) and ``OUT/ttq.png`` (perplexity
+against hours of training clock, the target as a line; needs matplotlib). Timings on this shared
+2-core machine mean something only when the load is low; the JSON records the load average at
+the start and end of every training launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from moe_variants.common.cli import nonneg_int, positive_int, run_cli
+from moe_variants.common.files import write_json
+
+__all__ = [
+    "Curve",
+    "load_curve",
+    "time_to_target",
+    "summarize_curves",
+    "plot_curves",
+    "build_parser",
+    "main",
+]
+
+PROG = "time_to_quality.py"
+SCHEMA = "time_to_quality/1"
+
+
+@dataclasses.dataclass
+class Curve:
+    """One variant's run: ``steps`` 1..N with their times, and evaluations ``(step, ppl)``."""
+
+    step_time_s: dict  # step -> seconds (the last record of the step)
+    evals: dict  # step -> validation perplexity (the last evaluation at the step)
+    done: bool  # the run ended with a summary event that was not an interruption
+    a2a_share: Optional[float] = None  # median a2a_time_s / step_time_s over the logged steps
+
+    def points(self) -> list[tuple[int, float, float]]:
+        """``(step, training clock in s, ppl)`` per evaluation, in step order. The clock at step s
+        is the sum of the times of steps 1..s; a step without a time record is an error (it means
+        the run did not log every step)."""
+        out, clock, last = [], 0.0, 0
+        for step in sorted(self.evals):
+            for k in range(last + 1, step + 1):
+                if k not in self.step_time_s:
+                    raise ValueError(f"no time recorded for step {k} (runs must log every step)")
+                clock += self.step_time_s[k]
+            last = step
+            out.append((step, clock, self.evals[step]))
+        return out
+
+
+def load_curve(metrics_path: str) -> Curve:
+    """Read a run's ``metrics.jsonl`` (several appended sessions after resumes; the last record of a
+    step wins)."""
+    times, evals, done, shares = {}, {}, False, {}
+    with open(metrics_path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            event = rec.get("event")
+            step = rec.get("step")
+            if event is None and "step_time_s" in rec:
+                times[int(step)] = float(rec["step_time_s"])
+                if rec.get("step_time_s"):
+                    shares[int(step)] = float(rec.get("a2a_time_s", 0.0)) / float(rec["step_time_s"])
+            elif event == "valid" and "ppl" in rec:
+                evals[int(step)] = float(rec["ppl"])
+            elif event == "summary":
+                done = not rec.get("interrupted", False)
+    share = None
+    if shares:
+        values = sorted(shares.values())
+        share = values[len(values) // 2] if len(values) % 2 else 0.5 * (values[len(values) // 2 - 1] + values[len(values) // 2])
+    return Curve(step_time_s=times, evals=evals, done=done, a2a_share=share)
+
+
+def time_to_target(points: Sequence[tuple[int, float, float]], target: float) -> Optional[dict]:
+    """When a curve first reaches ``ppl <= target``: ``{"clock_s", "step", "interpolated"}`` or None.
+
+    Between the last evaluation above the target ``(t0, p0)`` and the first at or below it
+    ``(t1, p1)`` the clock is interpolated linearly in perplexity:
+    ``t0 + (t1 - t0) (p0 - target) / (p0 - p1)``; the step likewise (a fraction). The first
+    evaluation at or below the target gives its own clock.
+    """
+    prev = None
+    for step, clock, ppl in points:
+        if ppl <= target:
+            if prev is None or prev[2] == ppl:
+                return {"clock_s": clock, "step": float(step), "interpolated": False}
+            s0, t0, p0 = prev
+            frac = (p0 - target) / (p0 - ppl)
+            return {"clock_s": t0 + frac * (clock - t0), "step": s0 + frac * (step - s0), "interpolated": frac < 1.0}
+        prev = (step, clock, ppl)
+    return None
+
+
+def summarize_curves(curves: dict, baseline: str = "standard") -> dict:
+    """Per variant: its points, best perplexity, time (and step) to the baseline's best perplexity and
+    the speed-up ``baseline time / variant time`` (None where the target is not reached)."""
+    if baseline not in curves:
+        raise ValueError(f"the baseline {baseline!r} has no curve")
+    base_points = curves[baseline].points()
+    if not base_points:
+        raise ValueError(f"{baseline} has no evaluation yet")
+    target = min(p for _, _, p in base_points)
+    out = {"baseline": baseline, "target_ppl": target, "variants": {}}
+    base = time_to_target(base_points, target)
+    for name, curve in curves.items():
+        points = curve.points()
+        reached = time_to_target(points, target) if points else None
+        steps = sorted(curve.step_time_s)
+        total = sum(curve.step_time_s[s] for s in steps)
+        out["variants"][name] = {
+            "done": curve.done,
+            "evaluations": [{"step": s, "clock_s": t, "ppl": p} for s, t, p in points],
+            "best_ppl": min((p for _, _, p in points), default=None),
+            "steps_logged": len(steps),
+            "clock_s": total,
+            "mean_step_s": total / len(steps) if steps else None,
+            "a2a_share_median": curve.a2a_share,
+            "to_target": reached,
+            "speedup_to_target": (base["clock_s"] / reached["clock_s"]) if reached and reached["clock_s"] > 0 else None,
+            "speedup_per_step": None,
+        }
+    base_step = out["variants"][baseline]["mean_step_s"]
+    for name, v in out["variants"].items():
+        if base_step and v["mean_step_s"]:
+            v["speedup_per_step"] = base_step / v["mean_step_s"]
+    return out
+
+
+def plot_curves(summary: dict, path: str, title: str = "") -> None:
+    """Validation perplexity against the training clock (hours), one line per variant, the target
+    dashed. matplotlib is imported here (an optional dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("the plot needs matplotlib (pip install -e '.[dev]')") from None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, v in summary["variants"].items():
+        ev = v["evaluations"]
+        if ev:
+            ax.plot([e["clock_s"] / 3600 for e in ev], [e["ppl"] for e in ev], marker="o", ms=3, label=name)
+        if v["to_target"]:
+            ax.axvline(v["to_target"]["clock_s"] / 3600, color=ax.lines[-1].get_color(), ls=":", lw=0.8)
+    ax.axhline(summary["target_ppl"], color="k", ls="--", lw=0.8,
+               label=f"{summary['baseline']}'s best ({summary['target_ppl']:.2f})")  # fmt: skip
+    ax.set_xlabel("training clock (h, sum of step times)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title(title or "time to quality on the shaped link")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="run directory (link, per-variant checkpoints and metrics, JSON, PNG)")
+    ap.add_argument("--variants", default="standard,bigmac", help="comma-separated bench presets; standard first "
+                    "is the baseline (e.g. standard,bigmac,farskip)")
+    ap.add_argument("--config", metavar="YAML", help="model, data and schedule (e.g. examples/corpus_moe_cpu.yaml)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
+    ap.add_argument("--steps", type=positive_int, help="training steps per variant (default: the config's train_iters)")
+    ap.add_argument("--eval-interval", type=positive_int, help="evaluate and checkpoint every K steps "
+                    "(default: the config's eval_interval)")
+    ap.add_argument("--eval-iters", type=positive_int, help="validation batches per evaluation (default: config)")
+    ap.add_argument("--ranks", type=positive_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--target-comm-fraction", type=float, metavar="F", default=0.4,
+                    help="choose the link rate giving standard this all-to-all share (default 0.4)")
+    ap.add_argument("--link-gbit", type=float, default=1.0,
+                    help="the rate search's start, or the fixed rate with --fixed-link")
+    ap.add_argument("--fixed-link", action="store_true", help="use --link-gbit as it is (no search)")
+    ap.add_argument("--no-netns", action="store_true", help="unshaped loopback (smoke runs; no search)")
+    ap.add_argument("--probe-steps", type=positive_int, default=3)
+    ap.add_argument("--probe-warmup", type=nonneg_int, default=1)
+    ap.add_argument("--max-probes", type=positive_int, default=8)
+    ap.add_argument("--fraction-tol", type=float, default=0.02)
+    ap.add_argument("--timeout-s", type=float, default=48 * 3600.0, help="wall-clock limit of one training launch")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild ttq.json/ttq.png from the runs so far")
+    return ap
+
+
+def _overrides(items) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-").replace("-", "_")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _schedule(args) -> tuple[int, int, int]:
+    """(steps, eval_interval, eval_iters): the flags, else the config's."""
+    from megatron.training.arguments import load_yaml
+
+    values = load_yaml(args.config) if args.config else {}
+    values.update(_overrides(args.set))
+    steps = args.steps or values.get("train_iters")
+    interval = args.eval_interval or values.get("eval_interval")
+    iters = args.eval_iters or values.get("eval_iters") or 10
+    if not steps:
+        raise ValueError("--steps is needed (the config sets no train_iters)")
+    if not interval:
+        raise ValueError("--eval-interval is needed (the config sets no eval_interval)")
+    if interval > steps:
+        raise ValueError(f"--eval-interval {interval} exceeds --steps {steps}: the curve would have no point")
+    return int(steps), int(interval), int(iters)
+
+
+def _variants(text: str) -> list[str]:
+    from tools.bench.variant_worker import variant_overrides
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or names[0] != "standard":
+        raise ValueError("--variants must start with standard (the baseline whose best perplexity is the target)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variants lists a variant twice: {text}")
+    for v in names:
+        from tools.bench import peers
+
+        if peers.get(v) is not None or "semmoe" in v.split("+"):
+            raise ValueError(f"--variants {v}: time to quality trains the registered variants' presets only")
+        variant_overrides(v)
+    return names
+
+
+def _link(args, net, out_dir, overrides, schedule, log) -> dict:
+    """The link of this run: stored in OUT/link.json on first use (with what the runs train), reused
+    afterwards; a rerun that would train something else in the same directory is refused."""
+    from tools.bench import netns
+    from tools.bench.aggregate import uncontended_comm_fraction, variant_stats
+    from tools.bench.launcher import launch
+    from tools.bench.schema import RankResult, WorkerSpec
+    from tools.bench.tune import find_rate
+
+    path = os.path.join(out_dir, "link.json")
+    training = {"config": os.path.abspath(args.config) if args.config else None, "overrides": overrides,
+                "steps": schedule[0], "eval_interval": schedule[1], "eval_iters": schedule[2], "seed": args.seed}  # fmt: skip
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+        if stored["shaped"] != net.shaped or stored["ranks"] != args.ranks:
+            raise ValueError(f"{path} was made for {stored['ranks']} ranks, shaped={stored['shaped']}; "
+                             "use another --out or the same --ranks/--no-netns")  # fmt: skip
+        if stored.get("training") != training:
+            changed = sorted(k for k in training if stored.get("training", {}).get(k) != training[k])
+            raise ValueError(f"{path}: these runs train with other settings ({', '.join(changed)} differ); "
+                             "use another --out to change them")  # fmt: skip
+        if net.shaped:
+            net.set_link(netns.LinkSpec(**stored["link"]))
+        gbit = (stored.get("link") or {}).get("gbit")
+        log(f"reusing the link of {path}: " + (f"{gbit:.4g} Gbit/s" if gbit else "unshaped loopback"))
+        return stored
+    record = {"shaped": net.shaped, "ranks": args.ranks, "tuning": None, "link": None, "training": training}
+    if net.shaped:
+        link = netns.LinkSpec(args.link_gbit, 0.0, netns.Shaper.tbf.value)
+        if not args.fixed_link:
+            probes = iter(range(10**6))
+
+            def measure(gbit: float) -> float:
+                net.set_link(dataclasses.replace(link, gbit=gbit))
+                n = next(probes)
+                spec = WorkerSpec(variant="standard", output_dir=os.path.join(out_dir, "probes", f"p{n}", "out"),
+                                  warmup=args.probe_warmup, steps=args.probe_steps, seed=args.seed,
+                                  config_path=os.path.abspath(args.config) if args.config else None,
+                                  overrides=overrides, num_threads=args.threads)  # fmt: skip
+                raw = launch(net, "tools.bench.variant_worker", spec, os.path.join(out_dir, "probes", f"p{n}"), 3600.0)
+                return uncontended_comm_fraction(variant_stats([RankResult.from_dict(d) for d in raw]))
+
+            result = find_rate(measure, args.target_comm_fraction, start=args.link_gbit, tol=args.fraction_tol,
+                               max_probes=args.max_probes, log=log)  # fmt: skip
+            record["tuning"] = {**result.as_dict(), "probe_variant": "standard"}
+            link = dataclasses.replace(link, gbit=result.gbit)
+        net.set_link(link)
+        record["link"] = link.as_dict()
+    write_json(path, record)
+    return record
+
+
+def _train(args, net, out_dir, variant, overrides, schedule, log) -> dict:
+    from tools.bench.launcher import launch
+    from tools.bench.schema import WorkerSpec
+
+    steps, interval, iters = schedule
+    save_dir = os.path.join(out_dir, variant)
+    metrics = os.path.join(save_dir, "metrics.jsonl")
+    if os.path.exists(metrics) and load_curve(metrics).done and steps in load_curve(metrics).evals:
+        log(f"{variant}: done earlier ({metrics})")
+        return {"skipped": True}
+    n = 0
+    while os.path.exists(os.path.join(save_dir, "launches", f"l{n}")):
+        n += 1
+    run_dir = os.path.join(save_dir, "launches", f"l{n}")
+    spec = WorkerSpec(
+        variant=variant, output_dir=os.path.join(run_dir, "out"), warmup=0, steps=1, seed=args.seed,
+        config_path=os.path.abspath(args.config) if args.config else None, overrides=overrides,
+        options={"save_dir": save_dir, "steps": steps, "eval_interval": interval, "eval_iters": iters},
+        num_threads=args.threads,
+    )  # fmt: skip
+    load_start = list(os.getloadavg())
+    t0 = time.monotonic()
+    launch(net, "tools.bench.ttq_worker", spec, run_dir, args.timeout_s)
+    took = time.monotonic() - t0
+    log(f"{variant}: launch {n} finished in {took:.0f}s")
+    return {"launch": n, "wall_s": took, "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())}
+
+
+def _report(args, out_dir, variants, record, launches) -> dict:
+    curves = {}
+    for v in variants:
+        path = os.path.join(out_dir, v, "metrics.jsonl")
+        if os.path.exists(path):
+            curves[v] = load_curve(path)
+    if "standard" not in curves:
+        raise ValueError(f"no standard run in {out_dir} yet")
+    summary = summarize_curves(curves, "standard")
+    result = {
+        "schema": SCHEMA,
+        "command": ["python", "scripts/time_to_quality.py", *sys.argv[1:]],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "link": record,
+        "launches": launches,
+        **summary,
+    }
+    write_json(os.path.join(out_dir, "ttq.json"), result)
+    gbit = (record or {}).get("link", {}) or {}
+    plot_curves(summary, os.path.join(out_dir, "ttq.png"),
+                title=f"{', '.join(variants)} on a {gbit.get('gbit', 'unshaped'):.3g} Gbit/s link" if gbit
+                else "time to quality (unshaped loopback)")  # fmt: skip
+    return result
+
+
+def _print(result) -> None:
+    print(f"target: {result['baseline']}'s best validation perplexity {result['target_ppl']:.3f}")
+    print(f"{'variant':<16} {'best ppl':>9} {'step ms':>9} {'a2a %':>6} {'to target s':>12} {'at step':>8} "
+          f"{'speedup':>8} {'per step':>8}")  # fmt: skip
+    for name, v in result["variants"].items():
+        t = v["to_target"]
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        print(f"{name:<16} {fmt(v['best_ppl'], '9.3f')} {fmt(v['mean_step_s'] and v['mean_step_s'] * 1e3, '9.1f')} "
+              f"{fmt(v['a2a_share_median'] and v['a2a_share_median'] * 100, '6.1f')} "
+              f"{fmt(t and t['clock_s'], '12.1f')} {fmt(t and t['step'], '8.1f')} "
+              f"{fmt(v['speedup_to_target'], '8.3f')} {fmt(v['speedup_per_step'], '8.3f')}"
+              + ("" if v["done"] else "  (running)"))  # fmt: skip
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+
+    def body():
+        from tools.bench import netns
+
+        variants = _variants(args.variants)
+        if args.config and not os.path.isfile(args.config):
+            raise ValueError(f"--config {args.config}: no such file")
+        out_dir = os.path.abspath(args.out)
+        os.makedirs(out_dir, exist_ok=True)
+        if args.report_only:
+            link_path = os.path.join(out_dir, "link.json")
+            record = json.load(open(link_path)) if os.path.exists(link_path) else None
+            _print(_report(args, out_dir, variants, record, []))
+            return 0
+        schedule = _schedule(args)
+        overrides = _overrides(args.set)
+        if not args.no_netns and os.geteuid() == 0:
+            netns.cleanup_stale()
+        link = netns.LinkSpec(args.link_gbit, 0.0, netns.Shaper.tbf.value)
+        launches = []
+        with netns.terminate_on_signals(), netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
+            if not net.shaped and not args.no_netns:
+                raise ValueError("network namespaces are unavailable (root and iproute2 needed); "
+                                 "--no-netns runs unshaped smoke tests only")  # fmt: skip
+            record = _link(args, net, out_dir, overrides, schedule, print)
+            for v in variants:
+                launches.append({"variant": v, **_train(args, net, out_dir, v, overrides, schedule, print)})
+        result = _report(args, out_dir, variants, record, launches)
+        _print(result)
+        print(f"wrote {os.path.join(out_dir, 'ttq.json')} and ttq.png")
+        return 0
+
+    from tools.bench.launcher import LaunchError
+
+    return run_cli(PROG, body, user_errors=(ValueError, LaunchError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
