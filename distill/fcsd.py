@@ -82,6 +82,8 @@ class FCSDConfig:
                     raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
         if self.kd_temperature <= 0:
             raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+        if not self.kd_l2_coeff >= 0:  # also NaN
+            raise ValueError(f"--kd-l2-coeff must be >= 0, got {self.kd_l2_coeff}")
         if self.proxy != Proxy.lm_eval:
             for name in ("proxy_task", "proxy_metric", "proxy_limit", "proxy_include_path", "proxy_data_dir"):
                 if getattr(self, name) is not None:

@@ -15,7 +15,9 @@
 #    columns): RUNS_DIR/fcsd_report_<DATA>.json.
 # Finished steps are skipped (a run directory with a summary, a report that exists), so an
 # interrupted demonstration resumes. Environment: PYTHON, TORCHRUN (default: .venv's), NPROC (2),
-# LM_EVAL_LIMIT (500), STEPS (300), DATASETS ("pretrain sharegpt mix"), TEACHER (RUNS_DIR/corpus_moe_cpu).
+# LM_EVAL_LIMIT (500), STEPS (300), DATASETS ("pretrain sharegpt mix"), TEACHER (RUNS_DIR/corpus_moe_cpu);
+# DRY_RUN=1 prints the commands it would run. Shared steps: scripts/fcsd_lib.sh (also used by
+# scripts/fcsd_ablations.sh).
 set -euo pipefail
 
 SHARED=${1:-../shared/data}
@@ -26,53 +28,33 @@ NPROC=${NPROC:-2}
 LM_EVAL_LIMIT=${LM_EVAL_LIMIT:-500}
 STEPS=${STEPS:-300}
 DATASETS=${DATASETS:-pretrain sharegpt mix}
-BPE=data/pretrain/bpe8192
+source "$(dirname "${BASH_SOURCE[0]}")/fcsd_lib.sh"
 for data in $DATASETS; do  # before an hour of teacher training, not after it
-    case $data in
-    pretrain | sharegpt | mix) ;;
-    *) echo "fcsd_demo.sh: error: unknown distillation corpus '$data' in DATASETS (pretrain, sharegpt, mix)" >&2
-       exit 2 ;;
-    esac
+    fcsd_data_flags "$data" || {
+        echo "fcsd_demo.sh: error: unknown distillation corpus '$data' in DATASETS (pretrain, sharegpt, mix)" >&2
+        exit 2
+    }
 done
-[[ $STEPS =~ ^[1-9][0-9]*$ ]] || { echo "fcsd_demo.sh: error: STEPS must be a positive integer, got '$STEPS'" >&2; exit 2; }
+fcsd_check_positive fcsd_demo.sh STEPS "$STEPS"
 
-finished() {  # finished <run dir>: its metrics.jsonl ends with a summary event
-    [[ -f $1/metrics.jsonl ]] && grep -q '"event": "summary"' "$1/metrics.jsonl"
-}
-
-PYTHON=$PYTHON TOKENIZERS=bpe scripts/prepare_pretrain_corpus.sh "$SHARED" data/pretrain
-if [[ ! -f data/sft/sharegpt_text_document.bin ]]; then
-    [[ -f data/sft/sharegpt_all.jsonl ]] || "$PYTHON" scripts/semmoe_prompts.py \
-        --data-dir "$SHARED/prompts" --out-dir data/sft --datasets sharegpt
-    "$PYTHON" scripts/preprocess_data.py --input data/sft/sharegpt_all.jsonl --json-keys text \
-        --output-prefix data/sft/sharegpt --tokenizer-type HuggingFaceTokenizer \
-        --tokenizer-model "$BPE/tokenizer.json" --append-eod --workers 1
-fi
-
+fcsd_prepare_data "$SHARED"
 TEACHER=${TEACHER:-$RUNS/corpus_moe_cpu}
-finished "$TEACHER" || "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m megatron.training.pretrain_gpt \
-    --config examples/corpus_moe_cpu.yaml --save "$TEACHER"
+fcsd_teacher "$TEACHER"
 
 for data in $DATASETS; do
-    data_flags=()
-    case $data in
-    pretrain) ;;  # the checkpoint's own training data
-    sharegpt) data_flags=(--data-path data/sft/sharegpt_text_document) ;;
-    mix) data_flags=(--data-path 0.5 data/sft/sharegpt_text_document 0.282 "$BPE/warpeace_text_document"
-                     0.115 "$BPE/tinyshakespeare_text_document" 0.103 "$BPE/wikitext2_valid_text_document") ;;
-    esac
+    fcsd_data_flags "$data"
     students=()
     for run in "kl all" "sft all" "kl last:2"; do
         read -r kd farskip <<<"$run"
         out=$RUNS/fcsd_${data}_${kd}_${farskip/:/}
-        finished "$out" || "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m distill.fcsd \
+        finished "$out" || run "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m distill.fcsd \
             --config examples/fcsd_tiny_cpu.yaml --load "$TEACHER" --save "$out" --kd-loss "$kd" \
             --farskip "$farskip" --train-iters "$STEPS" "${data_flags[@]}"
         label="FCSD kl"; [[ $kd == sft ]] && label="SFT"
         students+=(--student "$label, $farskip=$out/best")
     done
     report=$RUNS/fcsd_report_$data.json
-    [[ -f $report ]] || "$PYTHON" -m distill.report --teacher "$TEACHER" \
+    [[ -f $report ]] || run "$PYTHON" -m distill.report --teacher "$TEACHER" \
         --text "$SHARED/pretrain/wikitext-2/test.txt" --out "$report" --untrained all --untrained last:2 \
         "${students[@]}" --unigram-data "$BPE"/{warpeace,tinyshakespeare,wikitext2_valid}_text_document \
         --max-windows 300 --lm-eval-tasks local_arc_easy,local_piqa,local_lambada \

@@ -1,0 +1,158 @@
+"""scripts/fcsd_ablations.sh (FarSkip Table 2 + Fig. 3 at demonstration scale) and its table generator.
+
+The script is checked through ``DRY_RUN=1``, which prints every command it would run in order
+(nothing is trained): the rows' flags, the rounding of the layer fractions, the skipping of finished
+runs (resume), and the one-line refusals of bad settings. scripts/fcsd_demo.sh, which now shares its
+data and teacher steps (scripts/fcsd_lib.sh), still plans the same commands. The generator's tables
+are checked on a synthetic report.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from distill.ablation_table import PAPER_TABLE2, fig3_markdown, main as table_main, table2_markdown
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _plan(script, runs, **env):
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", script), "../shared/data", str(runs)], cwd=REPO,
+                          env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    return proc, [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_ablation_plan_has_the_papers_rows(tmp_path):
+    proc, cmds = _plan("fcsd_ablations.sh", tmp_path, L2_COEFFS="0.1 1")
+    assert proc.returncode == 0, proc.stderr
+    teacher = [c for c in cmds if "megatron.training.pretrain_gpt" in c]
+    assert len(teacher) == 1 and _flag(teacher[0], "--num-layers") == "8"
+    assert _flag(teacher[0], "--save") == str(tmp_path / "corpus_moe8_cpu")
+    runs = {os.path.basename(_flag(c, "--save")): c for c in cmds if "distill.fcsd" in c}
+    assert set(runs) == {f"fcsd_abl_mix_{n}" for n in ("kl_last4", "kl_last6", "kl_last7", "kl_all", "kll2_0.1_all",
+                                                       "kll2_1_all", "sft_all", "kl_frozen_all", "kl_bs0.25_all",
+                                                       "kl_bs4_all")}  # fmt: skip
+    for name, cmd in runs.items():
+        assert _flag(cmd, "--load") == str(tmp_path / "corpus_moe8_cpu") and _flag(cmd, "--train-iters") == "300"
+        assert "0.5" in cmd and "data/sft/sharegpt_text_document" in cmd  # the mix corpus
+    assert [_flag(runs[f"fcsd_abl_mix_kl_last{n}"], "--farskip") for n in (4, 6, 7)] == ["last:4", "last:6", "last:7"]
+    assert _flag(runs["fcsd_abl_mix_kll2_0.1_all"], "--kd-loss") == "kl+l2"
+    assert _flag(runs["fcsd_abl_mix_kll2_0.1_all"], "--kd-l2-coeff") == "0.1"
+    assert "--freeze-embeddings" in runs["fcsd_abl_mix_kl_frozen_all"]
+    assert sum("--freeze-embeddings" in c for c in runs.values()) == 1
+    assert _flag(runs["fcsd_abl_mix_sft_all"], "--kd-loss") == "sft"
+    quarter, four = runs["fcsd_abl_mix_kl_bs0.25_all"], runs["fcsd_abl_mix_kl_bs4_all"]
+    assert (_flag(quarter, "--global-batch-size"), _flag(quarter, "--micro-batch-size")) == ("4", "2")
+    assert (_flag(four, "--global-batch-size"), _flag(four, "--micro-batch-size")) == ("64", "8")
+    reports = [c for c in cmds if "distill.report" in c]
+    assert len(reports) == 2
+    labels = [s.rpartition("=")[0] for s in reports[0][1:] if s.startswith(("KL", "SFT"))]
+    assert "KL (FAR 90%) [last:7 of 8]" in labels and "KL * EMBED. [all, embeddings and output layer frozen]" in labels
+    fig3 = [reports[1][i + 1] for i, a in enumerate(reports[1]) if a == "--untrained"]
+    assert fig3 == [f"{side}:{n}" for n in range(1, 8) for side in ("first", "last")] + ["all"]
+    assert "distill.ablation_table" in cmds[-1] and _flag(cmds[-1], "--num-layers") == "8"
+
+
+def test_layer_fractions_round_half_up_at_other_depths(tmp_path):
+    proc, cmds = _plan("fcsd_ablations.sh", tmp_path, LAYERS="10", L2_COEFFS="1")
+    assert proc.returncode == 0, proc.stderr
+    lasts = [_flag(c, "--farskip") for c in cmds if "distill.fcsd" in c and "last:" in _flag(c, "--farskip")]
+    assert lasts == ["last:5", "last:8", "last:9"]  # 50%, 75% (7.5 -> 8), 90%
+
+
+def test_finished_runs_and_reports_are_skipped(tmp_path):
+    done = tmp_path / "fcsd_abl_mix_sft_all"
+    done.mkdir()
+    (done / "metrics.jsonl").write_text(json.dumps({"event": "summary", "step": 300}) + "\n")
+    (tmp_path / "fcsd_fig3.json").write_text("{}")
+    _, cmds = _plan("fcsd_ablations.sh", tmp_path)
+    saves = [_flag(c, "--save") for c in cmds if "distill.fcsd" in c]
+    assert str(done) not in saves and len(saves) == 9
+    reports = [c for c in cmds if "distill.report" in c]
+    assert len(reports) == 1 and any(s.startswith("SFT [all]=") for s in reports[0])  # still scored
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"LAYERS": "1"}, "LAYERS must be at least 2"),
+    ({"DATA": "bogus"}, "unknown distillation corpus DATA='bogus'"),
+    ({"L2_COEFFS": "0.1 x"}, "L2_COEFFS has 'x'"),
+    ({"STEPS": "0"}, "STEPS must be a positive integer"),
+    ({"NPROC": "3"}, "does not split over NPROC=3"),
+])  # fmt: skip
+def test_bad_settings_fail_fast(tmp_path, env, needle):
+    proc, cmds = _plan("fcsd_ablations.sh", tmp_path / "runs", **env)
+    assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert cmds == [] and not (tmp_path / "runs").exists()
+
+
+def test_demo_plans_the_same_commands_after_sharing_its_steps(tmp_path):
+    _, cmds = _plan("fcsd_demo.sh", tmp_path, DATASETS="mix")
+    assert cmds[0][:4] == ["env", "PYTHON=.venv/bin/python", "TOKENIZERS=bpe", "scripts/prepare_pretrain_corpus.sh"]
+    teacher = [c for c in cmds if "megatron.training.pretrain_gpt" in c]
+    assert teacher == [[".venv/bin/torchrun", "--standalone", "--nproc_per_node=2", "-m", "megatron.training.pretrain_gpt",
+                        "--config", "examples/corpus_moe_cpu.yaml", "--save", str(tmp_path / "corpus_moe_cpu")]]  # fmt: skip
+    runs = [(_flag(c, "--kd-loss"), _flag(c, "--farskip")) for c in cmds if "distill.fcsd" in c]
+    assert runs == [("kl", "all"), ("sft", "all"), ("kl", "last:2")]
+    assert len([c for c in cmds if "distill.report" in c]) == 1
+
+
+def _report():
+    rows = [
+        {"model": "teacher", "farskip": "none", "ppl": 100.0, "ppl_gap_to_teacher": 0.0, "kl_to_teacher": 0.0},
+        {"model": "untrained, farskip all", "farskip": "all", "ppl": 210.0, "ppl_gap_to_teacher": 1.1,
+         "kl_to_teacher": 0.8},
+        {"model": "KL (FAR 90%) [last:7 of 8]", "farskip": "last:7", "ppl": 101.5, "ppl_gap_to_teacher": 0.015,
+         "kl_to_teacher": 0.02},
+        {"model": "KL + INTER. L2 [all, coefficient 0.1]", "farskip": "all", "ppl": 104.0, "ppl_gap_to_teacher": 0.04,
+         "kl_to_teacher": 0.05},
+        {"model": "KL + INTER. L2 [all, coefficient 1]", "farskip": "all", "ppl": 106.0, "ppl_gap_to_teacher": 0.06,
+         "kl_to_teacher": 0.07},
+    ]  # fmt: skip
+    return {"rows": rows}
+
+
+def test_table2_puts_ours_beside_the_papers_rows():
+    lines = table2_markdown(_report(), 8).splitlines()
+    by_row = {}
+    for line in lines[2:]:
+        by_row.setdefault(line.split(" | ")[0].lstrip("| "), []).append(line)
+    assert set(PAPER_TABLE2) <= set(by_row)
+    assert by_row["KL (FAR 90%)"] == [
+        "| KL (FAR 90%) | 59.3 | 73.8 | 85.1 | 73.4 | 74.1 | last:7 (87.5%) | 101.50 | +1.5% | 0.020 |"]
+    assert by_row["ORIGINAL"][0].endswith("| none (the teacher) | 100.00 | +0.0% | 0.000 |")
+    assert len(by_row["KL + INTER. L2"]) == 2 and "all (100.0%); coefficient 0.1 | 104.00" in by_row["KL + INTER. L2"][0]
+    assert by_row["KL (FAR 75%)"][0].endswith("| last:6 of 8 (planned) | pending | pending | pending |")
+    assert "| untrained, farskip all |" in lines[-1] and "210.00" in lines[-1]
+
+
+def test_fig3_lists_first_and_last_n_and_pending():
+    rows = [{"model": "teacher", "farskip": "none", "ppl": 100.0, "ppl_gap_to_teacher": 0.0, "kl_to_teacher": 0.0},
+            {"model": "untrained, farskip first:1", "farskip": "first:1", "ppl": 150.0, "ppl_gap_to_teacher": 0.5,
+             "kl_to_teacher": 0.4},
+            {"model": "untrained, farskip last:1", "farskip": "last:1", "ppl": 105.0, "ppl_gap_to_teacher": 0.05,
+             "kl_to_teacher": 0.03},
+            {"model": "untrained, farskip all", "farskip": "all", "ppl": 210.0, "ppl_gap_to_teacher": 1.1,
+             "kl_to_teacher": 0.8}]  # fmt: skip
+    lines = fig3_markdown({"rows": rows}, 3).splitlines()
+    assert lines[2] == "| 1 | 150.00 | 0.400 | 105.00 | 0.030 |"
+    assert lines[3] == "| 2 | pending | pending | pending | pending |"
+    assert lines[4] == "| 3 (all) | 210.00 | 0.800 | 210.00 | 0.800 |"
+    assert lines[5] == "| 0 (the teacher) | 100.00 | 0 | 100.00 | 0 |"
+
+
+def test_generator_command_writes_markdown_and_marks_missing_reports_pending(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_report()))
+    out = tmp_path / "t.md"
+    assert table_main(["--table2", str(report), "--fig3", str(tmp_path / "missing.json"), "--num-layers", "8",
+                       "--out", str(out)]) == 0  # fmt: skip
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    assert "101.50" in text and "| 7 | pending | pending | pending | pending |" in text
