@@ -58,6 +58,17 @@ def test_peers_run_alone_and_deepspeed_needs_the_cpu():
         assert "pip install -e '.[deepspeed]'" in reason
 
 
+def test_cuda_runs_keep_nccl_on_the_shaped_link_and_refuse_the_rate_search(capsys):
+    from tools.bench.cli import NCCL_SHAPED_ENV, _worker_env, build_parser
+
+    args = build_parser().parse_args(["--variants", "standard", "--device", "cuda"])
+    assert _worker_env(args, shaped=True) == NCCL_SHAPED_ENV and NCCL_SHAPED_ENV["NCCL_SOCKET_IFNAME"] == "veth0"
+    assert _worker_env(args, shaped=False) == {}
+    assert _worker_env(build_parser().parse_args(["--variants", "standard"]), shaped=True) == {}
+    assert bench_main(["--variants", "standard", "--device", "cuda", "--no-netns", "--target-comm-fraction", "0.4"]) == 2
+    assert "--device cuda does not measure" in capsys.readouterr().err
+
+
 def test_peer_names_are_bench_variants():
     from tools.bench.variant_worker import RUNTIME_VARIANTS, variant_overrides
 

@@ -251,6 +251,9 @@ def _benchmark(args, argv, work_dir, budget) -> int:
         raise ValueError(f"--config {args.config}: no such file")
     if variants == [SYNTHETIC] and (overrides or args.config):
         log.warning("model options (--config and overrides) are ignored by the synthetic worker")
+    if args.device == "cuda" and args.target_comm_fraction is not None:
+        raise ValueError("--target-comm-fraction searches on all-to-all times, which --device cuda does not "
+                         "measure (NCCL calls return once enqueued): give --link-gbit instead")  # fmt: skip
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = _host_info()
     tuning = None
