@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,data,eval,serve]"
+	$(PY) -m pip install -q -e ".[dev,data,eval,serve,deepspeed]"
 	touch $@
 
 demo: install
