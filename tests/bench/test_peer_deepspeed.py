@@ -29,14 +29,14 @@ def _assert_close_scaled(got, ref, name=""):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
 
 
-def _both_layers(rank, world, topk):
+def _both_layers(rank, world, topk, shared=None):
     from moe_variants.common.comm import CommCounters
     from moe_variants.common.moe_layer import comm_counters, moe_layers
     from tests.helpers import build_and_load
     from tools.bench.peers import deepspeed_moe
 
     cfg = tiny_model_config(num_layers=1, moe_aux_loss_coeff=0.0, moe_router_topk=topk,
-                            moe_shared_expert_intermediate_size=None)  # fmt: skip
+                            moe_shared_expert_intermediate_size=shared)  # fmt: skip
     model, pgc = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
     ours = moe_layers(model)[0]
     gen = torch.Generator().manual_seed(100 + rank)
@@ -70,10 +70,11 @@ def _both_layers(rank, world, topk):
     return results, int(counts.max()), ours_bytes, (ds.routed_rows, ds.buffer_rows), cfg.hidden_size, cfg.num_experts
 
 
-@pytest.mark.parametrize("topk", [2, 3])
-def test_deepspeed_layer_computes_our_function_at_ep2(topk):
-    """top-2 (DeepSpeed's top2gating) and top-3 (its general topkgating): same output and gradients."""
-    for results, capacity, ours_bytes, (routed, buffer), hidden, experts in run_distributed(_both_layers, 2, topk):
+@pytest.mark.parametrize("topk, shared", [(2, None), (3, None), (2, 32)])
+def test_deepspeed_layer_computes_our_function_at_ep2(topk, shared):
+    """top-2 (DeepSpeed's top2gating) and top-3 (its general topkgating), and top-2 with our shared
+    expert kept beside DeepSpeed's routed experts: same output and gradients."""
+    for results, capacity, ours_bytes, (routed, buffer), hidden, experts in run_distributed(_both_layers, 2, topk, shared):
         (o, gx, gw, local, comm_o), (d, gxd, gwd, local_d, comm_d) = results
         _assert_close_scaled(d, o, "output")
         _assert_close_scaled(gxd, gx, "input grad")
