@@ -16,7 +16,7 @@ direct torch.distributed collective" has no exceptions.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ __all__ = [
     "broadcast_object_list",
     "gather_object",
     "barrier",
+    "observe_all_to_all_single",
     "ReduceOp",
 ]
 
@@ -186,3 +187,23 @@ def barrier(group=None) -> None:
     else:
         dist.barrier(group=group)
 
+
+
+def observe_all_to_all_single(callback: Callable[[torch.Tensor, Optional[Sequence[int]], Any], None]):
+    """Call ``callback(input, input_split_sizes, group)`` before every ``torch.distributed.all_to_all_single``
+    of this process, third-party code's included (megatron-core's own token dispatcher, which does not
+    come through this module: the EP benchmark counts the bytes of its upstream peers with it).
+    Returns a function that removes the observer."""
+    original = dist.all_to_all_single
+
+    def observed(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        callback(input, input_split_sizes, group)
+        return original(output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                        group=group, async_op=async_op)  # fmt: skip
+
+    dist.all_to_all_single = observed
+
+    def remove() -> None:
+        dist.all_to_all_single = original
+
+    return remove

@@ -58,15 +58,26 @@ def test_peers_run_alone_and_deepspeed_needs_the_cpu():
         assert "pip install -e '.[deepspeed]'" in reason
 
 
-def test_cuda_runs_keep_nccl_on_the_shaped_link_and_refuse_the_rate_search(capsys):
+def test_cuda_runs_keep_nccl_on_the_shaped_link():
     from tools.bench.cli import NCCL_SHAPED_ENV, _worker_env, build_parser
 
     args = build_parser().parse_args(["--variants", "standard", "--device", "cuda"])
     assert _worker_env(args, shaped=True) == NCCL_SHAPED_ENV and NCCL_SHAPED_ENV["NCCL_SOCKET_IFNAME"] == "veth0"
     assert _worker_env(args, shaped=False) == {}
     assert _worker_env(build_parser().parse_args(["--variants", "standard"]), shaped=True) == {}
-    assert bench_main(["--variants", "standard", "--device", "cuda", "--no-netns", "--target-comm-fraction", "0.4"]) == 2
-    assert "--device cuda does not measure" in capsys.readouterr().err
+
+
+def test_a_peer_without_all_to_all_times_cannot_probe_the_link(monkeypatch, capsys):
+    """The upstream peers count bytes only, so the rate search refuses to probe them (checked
+    before any launch; the GPU refusal is bypassed here to reach it on a CPU machine)."""
+    from tools.bench import netns
+
+    monkeypatch.setattr(peers, "refusal", lambda *a: None)
+    monkeypatch.setattr(netns, "open_network", lambda *a, **k: pytest.fail("no network should be opened"))
+    assert not peers.get("mcore-latent").measures_a2a_time and peers.get("deepspeed-moe").measures_a2a_time
+    assert bench_main(["--variants", "standard,mcore-latent", "--device", "cuda", "--target-comm-fraction", "0.4",
+                       "--probe-variant", "mcore-latent"]) == 2  # fmt: skip
+    assert "--probe-variant mcore-latent: its all-to-all times are not measured" in capsys.readouterr().err
 
 
 def test_peer_names_are_bench_variants():
@@ -99,8 +110,8 @@ def test_torch_level_counter_books_off_rank_rows_by_kind(monkeypatch):
     from tools.bench.peers.mcore import TorchAllToAllCounter
 
     original = dist.all_to_all_single
+    counter = TorchAllToAllCounter()
     try:
-        counter = TorchAllToAllCounter()
         assert dist.all_to_all_single is not original
         hidden = torch.zeros(10, 8)  # 4 bytes x 8 per row
         counter.record(hidden, [3, 7], 2, 0)  # dispatch: 7 rows off-rank
@@ -113,7 +124,32 @@ def test_torch_level_counter_books_off_rank_rows_by_kind(monkeypatch):
         assert totals["bytes_meta"] == 7 * 4 and totals["bytes_backward"] == 5 * 32
         assert totals["time_fwd_s"] == 0 and counter.step_totals()["bytes_dispatch"] == 0
     finally:
-        dist.all_to_all_single = original
+        counter.remove()
+    assert dist.all_to_all_single is original
+
+
+def _observed(rank, world):
+    import torch.distributed as dist
+
+    from moe_variants.common import collectives
+
+    seen = []
+    remove = collectives.observe_all_to_all_single(lambda t, splits, group: seen.append((tuple(t.shape), splits)))
+    out = torch.empty(4)
+    splits = [3, 1] if rank == 0 else [1, 3]  # 3 rows stay, 1 goes to the other rank
+    collectives.all_to_all_single(out, torch.full((4,), float(rank)), splits, splits)
+    dist.all_to_all_single(out, torch.full((4,), float(rank)))  # as megatron-core's own dispatcher calls it
+    remove()
+    dist.all_to_all_single(out, torch.full((4,), float(rank)))  # no longer observed
+    return seen, out.tolist()
+
+
+def test_observer_sees_the_projects_and_third_party_all_to_alls():
+    from megatron.training.testing import run_distributed
+
+    (seen0, out0), (seen1, _) = run_distributed(_observed, 2)
+    assert seen0 == [((4,), [3, 1]), ((4,), None)] and seen1 == [((4,), [1, 3]), ((4,), None)]
+    assert out0 == [0.0, 0.0, 1.0, 1.0]  # the collective still ran
 
 
 def _build_upstream(rank, world):

@@ -251,9 +251,14 @@ def _benchmark(args, argv, work_dir, budget) -> int:
         raise ValueError(f"--config {args.config}: no such file")
     if variants == [SYNTHETIC] and (overrides or args.config):
         log.warning("model options (--config and overrides) are ignored by the synthetic worker")
-    if args.device == "cuda" and args.target_comm_fraction is not None:
-        raise ValueError("--target-comm-fraction searches on all-to-all times, which --device cuda does not "
-                         "measure (NCCL calls return once enqueued): give --link-gbit instead")  # fmt: skip
+    probe_variant = args.probe_variant or ("standard" if "standard" in variants else variants[0])
+    if args.target_comm_fraction is not None:
+        if probe_variant not in variants:
+            raise ValueError(f"--probe-variant {probe_variant} is not one of --variants")
+        probe_peer = peers.get(probe_variant)
+        if probe_peer is not None and not probe_peer.measures_a2a_time:
+            raise ValueError(f"--probe-variant {probe_variant}: its all-to-all times are not measured, so "
+                             "the rate search cannot probe it (probe one of ours)")  # fmt: skip
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = _host_info()
     tuning = None
@@ -262,9 +267,6 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             if not net.shaped:
                 raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); "
                                  "it cannot be used with --no-netns or loopback")  # fmt: skip
-            probe_variant = args.probe_variant or ("standard" if "standard" in variants else variants[0])
-            if probe_variant not in variants:
-                raise ValueError(f"--probe-variant {probe_variant} is not one of --variants")
             counter = itertools.count()
 
             def measure(gbit: float) -> float:

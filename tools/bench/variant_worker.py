@@ -14,9 +14,10 @@ The peers (``tools/bench/peers``: ``deepspeed-moe``, ``mcore-latent``, ``mcore-e
 runtime variants too: the same configs, with another stack's MoE layer or schedule swapped in
 through hooks (build arguments, ``before_wrap``, forward step); they run alone.
 
-With ``options["device"] == "cuda"`` every rank joins with NCCL on GPU ``LOCAL_RANK``, and the
-all-to-all bytes come from a counter at the ``torch.distributed`` level (the same for every
-variant; times are not measured there: see ``tools/bench/peers/mcore.py``).
+With ``options["device"] == "cuda"`` every rank joins with NCCL on GPU ``LOCAL_RANK``; the step
+timers and our counters then use CUDA events (``moe_variants/common/timing.py``). The upstream peers'
+layers keep no counters of ours: their bytes are counted at the ``torch.distributed`` level and
+their all-to-all times are not measured (``tools/bench/peers/mcore.py``).
 """
 
 from __future__ import annotations
@@ -146,11 +147,6 @@ def run(spec: WorkerSpec) -> RankResult:
         c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
         before_wrap=before_wrap, build_kwargs=hooks.build_kwargs if hooks else None,
     )
-    torch_counter = None
-    if device == "cuda":
-        from tools.bench.peers.mcore import TorchAllToAllCounter
-
-        torch_counter = TorchAllToAllCounter()
     forward_step_func = None  # a peer's own forward step (the combined 1F1B schedule: fwd/bwd not split)
     if hooks is not None and hooks.forward_step_factory is not None:
         forward_step_func = hooks.forward_step_factory()
@@ -180,10 +176,8 @@ def run(spec: WorkerSpec) -> RankResult:
             num_microbatches=num_micro, pg_collection=pgc, forward_step_func=forward_step_func,
         )
         end = time.perf_counter()
-        if device == "cuda":
-            _synchronized_step_time(m, start)
-            end = time.perf_counter()
-        comm = torch_counter.step_totals() if torch_counter is not None else m.comm
+        # upstream peers' layers keep no counters of ours: their hooks count at the torch level
+        comm = hooks.comm_totals(m) if hasattr(hooks, "comm_totals") else m.comm
         step_extra = hooks.step_extra(chunks) if hooks is not None else {}
         if timeline is not None:
             _detach_timeline(chunks)
@@ -223,14 +217,6 @@ def run(spec: WorkerSpec) -> RankResult:
     collectives.barrier()
     return RankResult(rank=rank, world_size=world, variant=spec.variant, peak_rss_mb=peak_rss_mb(),
                       extra=extra, **fields)
-
-
-def _synchronized_step_time(m, start: float) -> None:
-    """On GPU the step's host time ends when the last kernel is queued: synchronise, then take it."""
-    import torch
-
-    torch.cuda.synchronize()
-    m.step_time_s = time.perf_counter() - start
 
 
 def main(argv=None) -> int:

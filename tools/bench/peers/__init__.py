@@ -41,6 +41,7 @@ class Peer:
     module: str
     summary: str
     device: str  # the --device it runs on
+    measures_a2a_time: bool  # False: only bytes are counted (it cannot be the rate search's probe)
 
     def load(self):
         return importlib.import_module(self.module)
@@ -50,12 +51,13 @@ PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
         Peer("deepspeed-moe", "tools.bench.peers.deepspeed_moe",
-             "DeepSpeed-MoE layer (deepspeed.moe.layer.MoE) in place of each MoE layer's routed part", "cpu"),
+             "DeepSpeed-MoE layer (deepspeed.moe.layer.MoE) in place of each MoE layer's routed part", "cpu", True),
         Peer("mcore-latent", "tools.bench.peers.mcore",
-             "megatron-core's own latent MoE (moe_latent_size, Transformer Engine spec): the BigMac peer", "cuda"),
+             "megatron-core's own latent MoE (moe_latent_size, Transformer Engine spec): the BigMac peer", "cuda",
+             False),
         Peer("mcore-ep-overlap", "tools.bench.peers.mcore",
              "megatron-core's own EP all-to-all overlap (combined 1F1B + delayed wgrad): the FarSkip peer",
-             "cuda"),
+             "cuda", False),
     )
 }  # fmt: skip
 

@@ -18,17 +18,16 @@ recomputation (``transformer_config.py:1852-1920``); ``delay_wgrad_compute`` nee
 GEMM. The peer therefore sets ``bf16`` and needs >= 2 GPUs (one per rank) and at least two
 micro-batches per step (one runs alone; the overlap is between the others).
 
-Counting on GPU: the all-to-alls are upstream's (``tensor_parallel.mappings.all_to_all`` ->
-``torch.distributed.all_to_all_single``), not our counted dispatcher's, so for every variant of a
-``--device cuda`` run (ours included, so the columns are measured alike) the worker wraps
-``torch.distributed.all_to_all_single`` in its own process (:class:`TorchAllToAllCounter`) and
+Counting: the all-to-alls are upstream's (``tensor_parallel.mappings.all_to_all`` ->
+``torch.distributed.all_to_all_single``), not our counted dispatcher's, so for these peers the
+worker observes ``torch.distributed.all_to_all_single`` in its process
+(``moe_variants.common.collectives.observe_all_to_all_single``, :class:`TorchAllToAllCounter`) and
 counts the off-rank bytes from the split sizes: 2-D hidden-state tensors in forward alternate
-dispatch, combine; calls made with grad mode off (autograd's backward) are backward; 1-D tensors
-are routing probabilities (metadata). All-to-all *time* is not measured on GPU: NCCL calls return
-once enqueued (host timestamps read about zero) and our dispatchers' calls are asynchronous, so
-CUDA events around the call would not bracket the transfer either; ``a2a_time_s`` and
-``exposed_comm_s`` read 0 there, and the comparison is the step time (synchronised) and the bytes.
-A profiler (Nsight Systems) shows the overlap.
+dispatch, combine; calls made with grad mode off (autograd's backward) are backward; 1-D tensors are
+routing probabilities (metadata). Their all-to-all *time* is not measured (the calls are upstream's,
+on its streams, where our CUDA events are not): ``a2a_time_s`` and ``exposed_comm_s`` read 0 for
+them; compare step times (CUDA events, as for every variant) and bytes, and use Nsight Systems for
+the overlap. Our variants on the same run keep their own counters (CUDA-event times on GPU).
 """
 
 from __future__ import annotations
@@ -114,9 +113,10 @@ def schedule_plan_forward_step(timer=None):
 
 
 class TorchAllToAllCounter:
-    """Counts the bytes of every ``torch.distributed.all_to_all_single`` of this process (GPU runs; see
-    the module docstring). ``step_totals()`` returns the step's counters in ``comm_totals``' keys
-    (times 0: not measured on GPU) and resets them."""
+    """Counts the bytes of every ``torch.distributed.all_to_all_single`` of this process through
+    ``moe_variants.common.collectives.observe_all_to_all_single`` (see the module docstring).
+    ``step_totals()`` returns the step's counters in ``comm_totals``' keys (times 0: not measured)
+    and resets them; ``remove()`` stops observing."""
 
     KEYS = ("bytes_dispatch", "bytes_combine", "bytes_backward", "bytes_meta", "time_fwd_s", "time_bwd_s",
             "exposed_fwd_s", "exposed_bwd_s")  # fmt: skip
@@ -125,17 +125,13 @@ class TorchAllToAllCounter:
         import torch
         import torch.distributed as dist
 
+        from moe_variants.common.collectives import observe_all_to_all_single
+
         self._torch = torch
-        self._original = dist.all_to_all_single
         self._reset()
-        counter = self
-
-        def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-            counter.record(input, input_split_sizes, dist.get_world_size(group), dist.get_rank(group))
-            return counter._original(output, input, output_split_sizes, input_split_sizes, group=group,
-                                     async_op=async_op)  # fmt: skip
-
-        dist.all_to_all_single = counted
+        self.remove = observe_all_to_all_single(
+            lambda tensor, splits, group: self.record(tensor, splits, dist.get_world_size(group),
+                                                      dist.get_rank(group)))  # fmt: skip
 
     def _reset(self):
         self.totals = {k: 0 for k in self.KEYS}
@@ -184,7 +180,14 @@ class WorkerHooks:
                              f"it needs >= 2 micro-batches per step (--global-batch-size), got {num_micro}")
         self.build_kwargs = {"upstream_moe": True, "config_overrides": overrides}
         self.forward_step_factory = schedule_plan_forward_step if self.variant == OVERLAP else None
-        self.info = {"peer": self.variant, "transformer_config_overrides": overrides}
+        self.info = {"peer": self.variant, "transformer_config_overrides": overrides,
+                     "a2a_time_measured": False}
+        self.counter = TorchAllToAllCounter()
+
+    def comm_totals(self, step_metrics) -> dict:
+        """This step's all-to-all counters (replacing ``step_metrics.comm``, which upstream's layers
+        do not fill): bytes from the torch-level observer, times 0."""
+        return self.counter.step_totals()
 
     def before_wrap(self, model) -> None:
         pass
