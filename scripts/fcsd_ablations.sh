@@ -17,7 +17,8 @@
 #    paper's rows beside ours: RUNS_DIR/fcsd_ablations.md (python -m distill.ablation_table).
 # Finished steps are skipped (a run with a summary, a report that exists): rerun to resume.
 # Environment: PYTHON, TORCHRUN (default: .venv's), NPROC (2), LAYERS (8), TEACHER
-# (RUNS_DIR/corpus_moe<LAYERS>_cpu), DATA (mix: pretrain | sharegpt | mix), STEPS (300),
+# (RUNS_DIR/corpus_moe<LAYERS>_cpu), TEACHER_ITERS (the config's 1500), DATA (mix: pretrain |
+# sharegpt | mix), STEPS (300),
 # L2_COEFFS ("0.1 1"), MAX_WINDOWS (300), DRY_RUN=1 (print the commands only).
 set -euo pipefail
 
@@ -41,6 +42,8 @@ fcsd_check_positive $PROG STEPS "$STEPS"
 fcsd_check_positive $PROG LAYERS "$LAYERS"
 fcsd_check_positive $PROG NPROC "$NPROC"
 fcsd_check_positive $PROG MAX_WINDOWS "$MAX_WINDOWS"
+TEACHER_ITERS=${TEACHER_ITERS:-1500}
+fcsd_check_positive $PROG TEACHER_ITERS "$TEACHER_ITERS"
 ((LAYERS >= 2)) || { echo "$PROG: error: LAYERS must be at least 2 (first-N vs last-N), got $LAYERS" >&2; exit 2; }
 fcsd_data_flags "$DATA" || { echo "$PROG: error: unknown distillation corpus DATA='$DATA' (pretrain, sharegpt, mix)" >&2; exit 2; }
 for c in $L2_COEFFS; do
@@ -57,7 +60,7 @@ last_n() {  # last_n PERCENT: the number of last layers that is PERCENT of LAYER
 
 fcsd_prepare_data "$SHARED"
 TEACHER=${TEACHER:-$RUNS/corpus_moe${LAYERS}_cpu}
-fcsd_teacher "$TEACHER" --num-layers "$LAYERS"
+fcsd_teacher "$TEACHER" --num-layers "$LAYERS" --train-iters "$TEACHER_ITERS"
 
 students=()
 student() {  # student LABEL NAME FLAGS...: one FCSD run into RUNS/fcsd_abl_<DATA>_<NAME>, scored as LABEL
