@@ -115,3 +115,14 @@ WGRAD_SITES = [
     ("distributed/param_and_grad_buffer.py", 531, "assert self.grad_reduce_handle is not None, ("),
     ("transformer/transformer_config.py", 1911, "self.overlap_moe_expert_parallel_comm"),
 ]
+
+# The in-process checkpoint writer (dist_ckpt.py): the Manager-owned results queue read through a
+# module global, the per-save writer processes, and the shape of the save function it rebinds.
+DIST_CKPT_WRITER_SITES = [
+    ("dist_checkpointing/strategies/filesystem_async.py", 48, "_results_queue = None"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 55, "_results_queue = ctx.Manager().Queue()"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 185, "self.results_queue = _get_write_results_queue()"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 206,
+     "partial(self.write_preloaded_data_multiproc, transform_list, self.use_msc),"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 266, 'ctx = mp.get_context("fork")'),
+]
