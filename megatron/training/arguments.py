@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import re
 import sys
 import typing
 from typing import Any, Optional, Sequence, Union
@@ -21,7 +22,7 @@ import yaml
 
 from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 from moe_variants import registry
-from moe_variants.config import ModelConfig, ParallelConfig, plain_fields
+from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
 
 __all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict", "option_names"]
 
@@ -76,6 +77,25 @@ def _cli_fields(cls) -> list:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
+def _default_of(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _help(field: dataclasses.Field, extra: str = "") -> str:
+    """The flag's help: the field's ``metadata["help"]`` and its default (the parser itself uses
+    SUPPRESS defaults, so argparse cannot show them)."""
+    text = field.metadata.get("help", "")
+    default = plain(_default_of(field))
+    shown = "unset" if default is None else (
+        json.dumps(default) if isinstance(default, (list, dict)) else str(default))
+    text = f"{text} (default: {shown}{extra})" if text else f"(default: {shown}{extra})"
+    return text.replace("%", "%%")
+
+
 def _add_field(group, field: dataclasses.Field, hint) -> None:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -83,25 +103,35 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
         hint, origin, args = args[0], typing.get_origin(args[0]), list(typing.get_args(args[0]))
     flag = _flag(field.name)
     if hint is bool:
-        group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction)
+        if field.name.startswith("no_") and _default_of(field) is False:
+            # Megatron-LM's --no-load-optim style: a plain switch (never --no-no-load-optim)
+            group.add_argument(flag, dest=field.name, action="store_true", help=_help(field))
+        else:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=_help(field))
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-        group.add_argument(flag, dest=field.name, choices=[m.value for m in hint], metavar=hint.__name__.upper())
+        group.add_argument(flag, dest=field.name, choices=[m.value for m in hint], help=_help(field))
     elif hint is list or origin is list:
-        group.add_argument(flag, dest=field.name, nargs="+")
+        group.add_argument(flag, dest=field.name, nargs="+", help=_help(field))
     elif origin is Union:  # moe_layer_freq: int or list
-        group.add_argument(flag, dest=field.name, type=_parse_layer_freq)
+        group.add_argument(flag, dest=field.name, type=_parse_layer_freq, help=_help(field), metavar="N|[0,1,..]")
     elif hint in (int, float, str):
-        group.add_argument(flag, dest=field.name, type=hint)
+        group.add_argument(flag, dest=field.name, type=hint, help=_help(field),
+                           metavar={int: "N", float: "X", str: "STR"}[hint])
     elif isinstance(hint, type) and hasattr(hint, "parse"):  # a typed value parsed from its text
-        group.add_argument(flag, dest=field.name, type=str)
+        group.add_argument(flag, dest=field.name, type=str, help=_help(field), metavar="STR")
     else:
         raise TypeError(f"no CLI mapping for {field.name}: {hint}")
 
 
-def build_parser(prog: str, extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
-    """Parser with every config field as a flag; values absent from the command line stay unset."""
-    parser = OneLineParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    parser.add_argument("--config", dest="config", help="YAML file with the same keys as the flags")
+def build_parser(prog: str, extra_sections: Optional[dict] = None,
+                 description: Optional[str] = None) -> argparse.ArgumentParser:
+    """Parser with every config field as a flag (its help text and default shown by ``--help``);
+    values absent from the command line stay unset."""
+    parser = OneLineParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                           description=description, usage="%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", dest="config", metavar="FILE.yaml",
+                        help="YAML file with the same keys as the flags (either spelling); flags override it")
     for name, cls in _all_sections(extra_sections).items():
         group = parser.add_argument_group(name)
         hints = typing.get_type_hints(cls)
@@ -143,11 +173,12 @@ def parse_configs(
     prog: str = "pretrain_gpt",
     extra_sections: Optional[dict] = None,
     defaults: Optional[dict] = None,
+    description: Optional[str] = None,
 ) -> Configs:
     """Parse flags (+ optional YAML) into the config dataclasses. Raises ``ValueError`` (or exits 2
     on a malformed command line) naming the bad option."""
     sections = _all_sections(extra_sections)
-    parser = build_parser(prog, extra_sections)
+    parser = build_parser(prog, extra_sections, description)
     flags = vars(parser.parse_args(list(sys.argv[1:] if argv is None else argv)))
     config_path = flags.pop("config", None)
     values = dict(defaults or {})
@@ -157,21 +188,93 @@ def parse_configs(
         unknown = sorted(k for k in from_yaml if k not in owner)
         if unknown:
             raise ValueError(f"--config {config_path}: unknown option(s): {', '.join(unknown)}")
-        values.update(from_yaml)
+        hints = _hints(sections)
+        values.update({k: _coerce(k, v, hints[k], f"--config {config_path}: ") for k, v in from_yaml.items()})
     values.update(flags)
     return configs_from_dict(values, extra_sections)
 
 
-def configs_from_dict(values: dict, extra_sections: Optional[dict] = None) -> Configs:
-    """Build the dataclasses from one flat dict of field values (validated by their constructors);
-    the variants' sections become ``model.variants``."""
+_INT = re.compile(r"^[-+]?\d+$")
+
+
+def _coerce(name: str, value, hint, where: str = ""):
+    """A config value of the field's type, or ``ValueError`` naming the option. YAML 1.1 (PyYAML)
+    reads ``3e-3`` as a string, so numbers written that way are accepted as floats."""
+    label = f"{where}{name}" if where else _flag(name)
+    optional = type(None) in typing.get_args(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin is Union and len(args) == 1:
+        hint, origin = args[0], typing.get_origin(args[0])
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{label}: needs a value")
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value  # checked against the choices by the dataclass
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{label}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and _INT.match(value.strip()):
+            return int(value)
+        raise ValueError(f"{label}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{label}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{label}: expected a string, got {value!r}")
+    if hint is list or origin is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            return value.split()
+        raise ValueError(f"{label}: expected a list, got {value!r}")
+    if origin is Union:  # moe_layer_freq: int or list of ints
+        if isinstance(value, str):
+            try:
+                return _parse_layer_freq(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{label}: {e}") from None
+        if (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            return value
+        raise ValueError(f"{label}: expected an int or a list like [0,1,1], got {value!r}")
+    return value
+
+
+def _hints(sections: dict) -> dict:
+    out = {}
+    for cls in sections.values():
+        out.update(typing.get_type_hints(cls))
+    return out
+
+
+def configs_from_dict(values: dict, extra_sections: Optional[dict] = None, *, where: str = "") -> Configs:
+    """Build the dataclasses from one flat dict of field values: each value is checked against its
+    field's type (``ValueError`` naming the option, prefixed by ``where``), then validated by the
+    dataclass constructors; the variants' sections become ``model.variants``."""
     sections = _all_sections(extra_sections)
     owner = _field_owner(sections)
+    hints = _hints(sections)
     per_section: dict[str, dict[str, Any]] = {name: {} for name in sections}
     for key, value in values.items():
         if key not in owner:
             raise ValueError(f"unknown option: {_flag(key)}")
-        per_section[owner[key]][key] = value
+        per_section[owner[key]][key] = _coerce(key, value, hints[key], where)
     variant_sections = registry.config_sections()
     built = {}
     for name, cls in sections.items():

@@ -2,7 +2,7 @@
 
 Field names are Megatron-LM's flag names with ``-`` -> ``_``. The model's own configs
 (``ModelConfig``, ``ParallelConfig`` and the variants' sections) live in the model library,
-``moe_variants.config``.
+``moe_variants.config``. ``metadata={"help": ...}`` is the flag's ``--help`` text.
 """
 
 from __future__ import annotations
@@ -22,33 +22,62 @@ class LRDecayStyle(str, enum.Enum):
     WSD = "WSD"
 
 
+def _opt(default, help: str, **kw):
+    """A dataclass field with ``--help`` text."""
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
 @dataclasses.dataclass
 class TrainingConfig:
     """Optimisation and schedule (Megatron-LM flag names)."""
 
-    micro_batch_size: int = 4
-    global_batch_size: Optional[int] = None  # default: micro_batch_size x data-parallel size
-    train_iters: int = 100
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # default: train_iters
-    lr_decay_style: LRDecayStyle = LRDecayStyle.cosine
-    lr_wsd_decay_iters: Optional[int] = None
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    optimizer: str = "adam"
-    use_distributed_optimizer: bool = False
+    micro_batch_size: int = _opt(4, "sequences per micro-batch on each data-parallel rank")
+    global_batch_size: Optional[int] = _opt(
+        None, "sequences per optimizer step over all ranks (gradient accumulation makes up the rest); "
+        "default: micro-batch size x data-parallel size")
+    train_iters: int = _opt(100, "optimizer steps to train for (a resumed run continues up to this)")
+    lr: float = _opt(3e-4, "peak learning rate")
+    min_lr: float = _opt(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = _opt(0, "steps of linear warm-up from 0 to --lr")
+    lr_decay_iters: Optional[int] = _opt(None, "steps over which the learning rate decays; default: --train-iters")
+    lr_decay_style: LRDecayStyle = _opt(LRDecayStyle.cosine, "shape of the learning-rate decay")
+    lr_wsd_decay_iters: Optional[int] = _opt(None, "WSD: steps of the final decay phase")
+    weight_decay: float = _opt(0.01, "AdamW weight decay")
+    adam_beta1: float = _opt(0.9, "Adam beta1")
+    adam_beta2: float = _opt(0.95, "Adam beta2")
+    adam_eps: float = _opt(1e-8, "Adam epsilon")
+    clip_grad: float = _opt(1.0, "global gradient-norm clipping threshold (0: off)")
+    optimizer: str = _opt("adam", "megatron-core optimizer (adam or sgd)")
+    use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
     # megatron-core DDP: reduce each gradient bucket during the backward as soon as it is complete
     # (off by default, as in Megatron-LM); turns FarSkip's deferred weight gradients off
-    overlap_grad_reduce: bool = False
-    seed: int = 1234
+    overlap_grad_reduce: bool = _opt(
+        False, "reduce each gradient bucket during the backward as soon as it is complete (turns "
+        "FarSkip's deferred weight gradients off)")
+    seed: int = _opt(1234, "random seed (initialisation, data order, dropout)")
+    distributed_timeout_minutes: float = _opt(
+        10.0, "timeout of torch.distributed collectives: a rank that waits longer on a hung or dead "
+        "peer fails instead of blocking (Megatron-LM's flag)")
 
     def __post_init__(self):
         coerce_enums(self)
+        _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _check(self.global_batch_size is None or self.global_batch_size >= 1,
+               f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        _check(self.train_iters >= 1, f"--train-iters must be a positive number of steps, got {self.train_iters}")
+        _check(self.lr >= 0 and self.min_lr >= 0, f"--lr and --min-lr must be >= 0, got {self.lr} and {self.min_lr}")
+        _check(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        _check(self.lr_decay_iters is None or self.lr_decay_iters >= 1,
+               f"--lr-decay-iters must be >= 1, got {self.lr_decay_iters}")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _check(self.distributed_timeout_minutes > 0,
+               f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -70,37 +99,64 @@ class DataConfig:
     """Where tokens come from. With no ``data_path`` the embedded tiny-shakespeare corpus and its
     tokenizer are used (preprocessed on first use into ``data_cache_path``)."""
 
-    data_path: Optional[list] = None  # a prefix, or "w1 p1 w2 p2" weighted blend
-    split: str = "969,30,1"
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    data_cache_path: Optional[str] = None
-    num_workers: int = 0
-    heldout_text: Optional[list] = None  # text files scored for perplexity at the end (e.g. WikiText-2 test)
+    data_path: Optional[list] = _opt(
+        None, "indexed dataset prefix (scripts/preprocess_data.py), or a weighted blend W1 P1 W2 P2; "
+        "default: the embedded tiny-shakespeare corpus")
+    split: str = _opt("969,30,1", "train,valid,test proportions of each dataset")
+    tokenizer_type: Optional[str] = _opt(
+        None, "HuggingFaceTokenizer, GPT2BPETokenizer or NullTokenizer; default: the embedded BPE")
+    tokenizer_model: Optional[str] = _opt(None, "tokenizer.json (or its directory) of a HuggingFaceTokenizer")
+    vocab_file: Optional[str] = _opt(None, "GPT2BPETokenizer vocabulary")
+    merge_file: Optional[str] = _opt(None, "GPT2BPETokenizer merges")
+    data_cache_path: Optional[str] = _opt(None, "where dataset indices are cached; default: SAVE/data_cache")
+    num_workers: int = _opt(0, "data-loader worker processes per rank")
+    heldout_text: Optional[list] = _opt(
+        None, "text files scored for perplexity at the end of training (e.g. WikiText-2 test)")
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    keep_last_checkpoints: Optional[int] = 2
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False  # load weights only; start at iteration 0 with fresh data order
+    save: Optional[str] = _opt(
+        None, "directory for checkpoints, metrics.jsonl and config.yaml; one run writes there at a time")
+    load: Optional[str] = _opt(
+        None, "resume from the newest checkpoint of this directory (or this iter_ directory); the same "
+        "directory as --save resumes if it holds a checkpoint and starts from scratch if not")
+    save_interval: Optional[int] = _opt(None, "save a checkpoint every N steps (and always at the end)")
+    keep_last_checkpoints: Optional[int] = _opt(
+        2, "keep only this run's newest N checkpoints (0 or unset: keep all); other runs' are never deleted")
+    no_load_optim: bool = _opt(False, "load weights, iteration and data position but restart the optimizer")
+    no_load_rng: bool = _opt(False, "do not restore the random-number generator states")
+    finetune: bool = _opt(False, "load weights only: start at iteration 0 with a fresh optimizer and data order")
+    load_fallback: bool = _opt(
+        False, "if the newest checkpoint under --load is incomplete or corrupt, report it and load the "
+        "newest good one before it (the bad one is moved aside, never deleted, at the next save)")
+    overwrite_save: bool = _opt(
+        False, "let this run write into a --save directory that holds another run's checkpoints, "
+        "deleting them (and their metrics.jsonl) at start-up")
+
+    def __post_init__(self):
+        _check(self.save_interval is None or self.save_interval >= 1,
+               f"--save-interval must be >= 1, got {self.save_interval}")
+        _check(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 0,
+               f"--keep-last-checkpoints must be >= 0, got {self.keep_last_checkpoints}")
 
 
 @dataclasses.dataclass
 class LoggingConfig:
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_iters: int = 10
-    metrics_file: Optional[str] = None  # default SAVE/metrics.jsonl
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_mode: str = "offline"
-    wandb_save_dir: Optional[str] = None
-    log_progress: bool = True
+    log_interval: int = _opt(10, "print and record a step line every N steps")
+    eval_interval: int = _opt(100, "validate every N steps (0: only at the end)")
+    eval_iters: int = _opt(10, "validation batches per evaluation (0: no validation)")
+    metrics_file: Optional[str] = _opt(None, "JSON-lines metrics file; default: SAVE/metrics.jsonl")
+    tensorboard_dir: Optional[str] = _opt(None, "also write TensorBoard scalars here (needs the log extra)")
+    wandb_project: Optional[str] = _opt(None, "also log to this Weights & Biases project (needs the log extra)")
+    wandb_exp_name: Optional[str] = _opt(None, "Weights & Biases run name")
+    wandb_mode: str = _opt("offline", "Weights & Biases mode (offline, online, disabled)")
+    wandb_save_dir: Optional[str] = _opt(None, "Weights & Biases local directory")
+    log_progress: bool = _opt(True, "print the step lines")
+    print_config: bool = _opt(
+        False, "print the resolved configuration before training (it is always written to SAVE/config.yaml)")
+
+    def __post_init__(self):
+        _check(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
+        _check(self.eval_interval >= 0, f"--eval-interval must be >= 0, got {self.eval_interval}")
+        _check(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
