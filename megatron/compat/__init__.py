@@ -37,6 +37,10 @@ _QUIET = [
     r".*TransformerEngine.*not installed.*",
     r".*full scope is deprecated.*",
     r".*`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*",
+    # every checkpoint load: megatron-core 0.16.1's torch_dist strategy calls torch's deprecated
+    # `load_state_dict` on ShardedTensors (dist_checkpointing/strategies/torch.py:799)
+    r".*`load_state_dict` is deprecated and will be removed in future versions.*",
+    r".*Please use DTensor instead and we are deprecating ShardedTensor.*",
 ]
 
 

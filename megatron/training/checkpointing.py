@@ -4,15 +4,30 @@ Layout on disk::
 
     SAVE/
       latest_checkpointed_iteration.txt    written (temp + rename) after a checkpoint is complete
+      writer.lock                          the running writer's pid/host (save_dir.py)
       iter_0000100/
         .metadata, __*_*.distcp, common.pt, metadata.json    megatron-core torch_dist format
-        manifest.json                      ours: iteration, layout, configs, every file's size+sha256
+        manifest.json                      ours: iteration, layout, configs, lineage, config hash,
+                                           every file's size+sha256
+      iter_0000200.corrupt-20250101-120000 a bad checkpoint moved aside (never deleted)
 
-A checkpoint is written into a hidden temporary directory and renamed to ``iter_N`` only when every
-rank has finished and the manifest is written, so an interrupted save never leaves a directory that
-looks complete, and an existing ``iter_N`` is never written into. On load the manifest is checked
-(file sizes and hashes) before anything is read, so a truncated or corrupt checkpoint is reported by
-name instead of half-loaded.
+A checkpoint is written into a hidden temporary directory (``.tmp-iter_N-*``) by this process
+(``megatron/compat/dist_ckpt.py``: no writer processes a signal could kill) and renamed to
+``iter_N`` only when every rank has finished and the manifest is written, so an interrupted save
+never leaves a directory that looks complete, and an existing ``iter_N`` is never written into.
+The latest pointer is written after the rename and only ever names a complete checkpoint.
+
+Every run has a *lineage* (a random id recorded in its manifests and inherited when it resumes);
+``--keep-last-checkpoints`` prunes only checkpoints of the saving run's lineage, so another run's
+checkpoints in the same directory are never deleted (``save_dir.prepare_save_dir`` refuses such a
+directory at start-up anyway).
+
+On load the newest checkpoint is checked before anything is read: its manifest (file sizes and
+hashes), its pickled parts through restricted readers (``checkpoint_safety``: a crafted
+``.metadata`` fails instead of running code) and its model tensors' names and shapes against the
+model being loaded (a different architecture is one line naming the differing config fields). An
+incomplete or corrupt newest checkpoint is an error naming it; an older one is used only when
+``--load`` names it or with ``fallback`` (``--load-fallback``).
 
 Model weights reshard across TP/EP/PP through ``dist_checkpointing``. Optimizer state is restored
 only at the same parallel layout: megatron-core 0.16.1 splits expert and dense parameters into two
@@ -24,6 +39,7 @@ optimizer restarts, with a warning.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -32,6 +48,7 @@ import random
 import re
 import secrets
 import shutil
+import time
 from typing import Optional
 
 import numpy as np
@@ -40,6 +57,7 @@ import torch.distributed as dist
 
 from megatron import compat
 from moe_variants.common import collectives
+from moe_variants.common.files import write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +66,27 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "find_latest_checkpoint",
+    "checkpoint_candidates",
     "read_manifest",
     "LoadedCheckpoint",
+    "config_hash",
+    "new_lineage",
+    "move_aside",
+    "one_line_error",
 ]
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-iter_"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+# config sections that do not change what a checkpoint holds (left out of its config hash)
+_RUN_SECTIONS = ("parallel", "training", "data", "checkpoint", "logging")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, corrupt, incompatible)."""
+    """A checkpoint that cannot be used (missing, incomplete, corrupt, incompatible, unsafe) or
+    cannot be written (full disk, read-only directory)."""
 
 
 @dataclasses.dataclass
@@ -69,10 +96,65 @@ class LoadedCheckpoint:
     consumed_samples: int
     manifest: dict
     optimizer_loaded: bool
+    skipped: list = dataclasses.field(default_factory=list)  # newer bad checkpoints passed over (fallback)
 
 
 def _iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def iteration_of(path: str) -> Optional[int]:
+    match = _ITER_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def new_lineage() -> str:
+    """A fresh lineage id (a run that does not resume another run's checkpoint starts one)."""
+    return secrets.token_hex(8)
+
+
+def config_hash(configs: dict) -> str:
+    """A short hash of what a checkpoint holds: the model's sections and the tokenizer (not the
+    optimisation, data, checkpoint or logging settings, which a resumed run may change)."""
+    held = {k: v for k, v in configs.items() if k not in _RUN_SECTIONS}
+    return hashlib.sha256(json.dumps(held, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_differences(a: dict, b: dict, limit: int = 5) -> list[str]:
+    """``field X (there) vs Y (here)`` for the model-defining fields that differ between two
+    ``configs`` dicts (as stored in manifests)."""
+    out = []
+    for section in sorted(set(a) | set(b)):
+        if section in _RUN_SECTIONS:
+            continue
+        sa, sb = a.get(section) or {}, b.get(section) or {}
+        if not isinstance(sa, dict) or not isinstance(sb, dict):
+            continue
+        for key in sorted(set(sa) | set(sb)):
+            if sa.get(key) != sb.get(key):
+                out.append(f"{key} {sa.get(key)!r} vs {sb.get(key)!r}")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def one_line_error(err: BaseException) -> str:
+    """The most useful single line of an exception from a save or load: the operating-system error
+    at its root when there is one (``[Errno 28] No space left on device``), else its first line."""
+    seen = set()
+    cur = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return f"{os.strerror(cur.errno)} ({cur.filename})" if cur.filename else os.strerror(cur.errno)
+        failures = getattr(cur, "failures", None)  # torch's CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            if isinstance(inner, BaseException):
+                text = one_line_error(inner)
+                if text:
+                    return text
+        cur = cur.__cause__ or cur.__context__
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _sha256(path: str) -> str:
@@ -95,13 +177,42 @@ def _file_table(directory: str) -> dict:
     return table
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def move_aside(path: str, why: str) -> str:
+    """Rename a bad checkpoint directory to ``iter_N.corrupt-<time>`` (never deleted); returns the
+    new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = f"{path}.corrupt-{stamp}"
+    n = 1
+    while os.path.exists(target):
+        target = f"{path}.corrupt-{stamp}-{n}"
+        n += 1
+    os.rename(path, target)
+    logger.warning("checkpoint %s is %s: moved aside to %s", path, why, os.path.basename(target))
+    return target
+
+
+def write_latest(save_dir: str, iteration: Optional[int]) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``iteration`` (a complete checkpoint), or
+    remove it when there is none."""
+    path = os.path.join(save_dir, LATEST_FILE)
+    if iteration is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    write_text(path, f"{iteration}\n")
 
 
 def _broadcast_object(obj, src: int = 0):
@@ -170,6 +281,7 @@ def layout_of(parallel, train_cfg, world_size: int) -> dict:
     }
 
 
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -182,28 +294,41 @@ def save_checkpoint(
     configs: dict,
     keep_last: Optional[int] = None,
     tokenizer_files: Optional[dict] = None,
+    lineage: Optional[str] = None,
 ) -> str:
     """Save a checkpoint collectively (every rank calls it). Returns the final directory.
 
     ``configs`` (plain, JSON-serialisable dicts: model, parallel, training, data...) is stored in the
     manifest so other tools (evaluation, distillation, placement) can rebuild the model from the
     checkpoint alone. ``tokenizer_files`` ({role: path}, e.g. ``{"tokenizer_model": ...}``) are
-    copied into ``iter_N/tokenizer/`` so the checkpoint is self-contained. Refuses to overwrite an
-    existing ``iter_N``.
+    copied into ``iter_N/tokenizer/`` so the checkpoint is self-contained. ``lineage`` (default: a
+    new one) is recorded in the manifest; ``keep_last`` then prunes older checkpoints of that
+    lineage only. A complete ``iter_N`` that already exists is never overwritten (an error); an
+    incomplete one is moved aside first. Any failure (a full disk, a read-only directory) is a
+    one-line ``CheckpointError`` on every rank, and the temporary directory is removed.
     """
     from megatron.core import dist_checkpointing
 
+    from megatron.compat.dist_ckpt import in_process_save_strategy
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    lineage = lineage or new_lineage()
     final = os.path.join(save_dir, _iter_name(iteration))
     error = None
     tmp = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(final):
-            error = f"refusing to overwrite the existing checkpoint {final}"
-        else:
-            tmp = os.path.join(save_dir, f".tmp-{_iter_name(iteration)}-{secrets.token_hex(4)}")
-            os.makedirs(tmp)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            if os.path.exists(final):
+                if os.path.isfile(os.path.join(final, MANIFEST)):
+                    error = f"refusing to overwrite the existing checkpoint {final}"
+                else:
+                    move_aside(final, "incomplete (no manifest.json)")
+            if error is None:
+                tmp = os.path.join(save_dir, f".tmp-{_iter_name(iteration)}-{secrets.token_hex(4)}")
+                os.makedirs(tmp)
+        except OSError as e:
+            error = f"cannot save checkpoint {final}: {one_line_error(e)}"
     error, tmp = _broadcast_object((error, tmp))
     if error:
         raise CheckpointError(error)
@@ -214,70 +339,176 @@ def save_checkpoint(
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     try:
-        dist_checkpointing.save(state, tmp)
+        try:
+            dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot save checkpoint {final}: {one_line_error(e)}") from e
         collectives.barrier()
+        error = None
         if rank == 0:
-            copied = {}
-            if tokenizer_files:
-                os.makedirs(os.path.join(tmp, "tokenizer"))
-                for role, src in tokenizer_files.items():
-                    dst = os.path.join("tokenizer", os.path.basename(src))
-                    shutil.copyfile(src, os.path.join(tmp, dst))
-                    copied[role] = dst
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "iteration": iteration,
-                "consumed_samples": consumed_samples,
-                "layout": layout,
-                "has_optimizer": optimizer is not None,
-                "configs": configs,
-                "tokenizer_files": copied,
-                "files": _file_table(tmp),
-            }
-            _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, default=str))
-            os.rename(tmp, final)
-            _write_atomic(os.path.join(save_dir, LATEST_FILE), f"{iteration}\n")
-            if keep_last:
-                _prune(save_dir, keep_last)
+            try:
+                _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs,
+                             optimizer is not None, tokenizer_files, lineage, keep_last)
+            except OSError as e:
+                error = f"cannot save checkpoint {final}: {one_line_error(e)}"
+        error = _broadcast_object(error)
+        if error:
+            raise CheckpointError(error)
     except BaseException:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    collectives.barrier()
     return final
 
 
-def _complete_iterations(save_dir: str) -> list[int]:
-    out = []
+def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
+                 tokenizer_files, lineage, keep_last) -> None:
+    """Rank 0, once every rank has written its shards: tokenizer files, manifest, rename, latest
+    pointer, pruning (in that order, so the pointer only ever names a complete checkpoint)."""
+    copied = {}
+    if tokenizer_files:
+        os.makedirs(os.path.join(tmp, "tokenizer"))
+        for role, src in tokenizer_files.items():
+            dst = os.path.join("tokenizer", os.path.basename(src))
+            shutil.copyfile(src, os.path.join(tmp, dst))
+            copied[role] = dst
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "layout": layout,
+        "has_optimizer": has_optimizer,
+        "configs": configs,
+        "config_hash": config_hash(configs),
+        "lineage": lineage,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "tokenizer_files": copied,
+        "files": _file_table(tmp),
+    }
+    write_json(os.path.join(tmp, MANIFEST), manifest, default=str)
+    os.rename(tmp, final)
+    _fsync_dir(save_dir)
+    write_latest(save_dir, iteration)
+    if keep_last:
+        prune(save_dir, keep_last, lineage, keep=final)
+
+
+def _read_manifest_quietly(path: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        return manifest if isinstance(manifest, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def prune(save_dir: str, keep_last: int, lineage: str, keep: Optional[str] = None) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints of ``lineage`` in ``save_dir``
+    (never ``keep``, never another lineage's). A checkpoint is first renamed to a ``.tmp-`` name,
+    so a crash mid-delete leaves a temporary directory (cleaned at the next start), not a
+    half-deleted ``iter_N``. Returns the deleted paths."""
+    ours = []
     for name in os.listdir(save_dir):
-        match = _ITER_DIR.match(name)
-        if match and os.path.isfile(os.path.join(save_dir, name, MANIFEST)):
-            out.append(int(match.group(1)))
-    return sorted(out)
+        iteration = iteration_of(name)
+        path = os.path.join(save_dir, name)
+        if iteration is None or not os.path.isdir(path):
+            continue
+        manifest = _read_manifest_quietly(path)
+        if manifest is not None and manifest.get("lineage") == lineage:
+            ours.append((iteration, path))
+    ours.sort()
+    deleted = []
+    for _, path in ours[:-keep_last] if keep_last > 0 else []:
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        doomed = os.path.join(save_dir, f"{TMP_PREFIX}{os.path.basename(path)[len('iter_'):]}-pruned")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(path)
+    return deleted
 
 
-def _prune(save_dir: str, keep_last: int) -> None:
-    for iteration in _complete_iterations(save_dir)[:-keep_last]:
-        shutil.rmtree(os.path.join(save_dir, _iter_name(iteration)), ignore_errors=True)
+def checkpoint_candidates(load_dir: str) -> list[tuple[int, str, Optional[str]]]:
+    """``(iteration, path, problem)`` of the checkpoints under a run directory, newest first.
 
-
-def find_latest_checkpoint(load_dir: str) -> Optional[str]:
-    """Directory of the newest complete checkpoint under ``load_dir`` (or ``load_dir`` itself if it
-    is a checkpoint directory); None if there is none."""
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir}: no such directory")
-    if os.path.isfile(os.path.join(load_dir, MANIFEST)):
-        return load_dir
+    ``problem`` is None for a directory with a manifest (complete as far as the directory tells;
+    ``read_manifest`` verifies it), else why it cannot be loaded: no manifest, or named by the
+    latest pointer but missing.
+    """
+    found = {}
+    for name in os.listdir(load_dir):
+        iteration = iteration_of(name)
+        path = os.path.join(load_dir, name)
+        if iteration is None or not os.path.isdir(path):
+            continue
+        found[iteration] = (path, None if os.path.isfile(os.path.join(path, MANIFEST))
+                            else f"incomplete (no {MANIFEST})")
     latest = os.path.join(load_dir, LATEST_FILE)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            text = f.read().strip()
-        if text.isdigit():
-            path = os.path.join(load_dir, _iter_name(int(text)))
-            if os.path.isfile(os.path.join(path, MANIFEST)):
-                return path
-    complete = _complete_iterations(load_dir)
-    return os.path.join(load_dir, _iter_name(complete[-1])) if complete else None
+        try:
+            with open(latest) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text.isdigit() and int(text) not in found:
+            found[int(text)] = (os.path.join(load_dir, _iter_name(int(text))),
+                                f"missing (named by {LATEST_FILE})")
+    return [(it, path, problem) for it, (path, problem) in sorted(found.items(), reverse=True)]
+
+
+def leftover_temporaries(directory: str) -> list[str]:
+    """The ``.tmp-iter_*`` directories interrupted saves (or prunes) left in a run directory."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names
+                  if n.startswith(TMP_PREFIX) and os.path.isdir(os.path.join(directory, n)))
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST)) or iteration_of(path) is not None
+
+
+def find_latest_checkpoint(load_dir: str, *, fallback: bool = False) -> Optional[str]:
+    """Directory of the newest checkpoint under ``load_dir`` (or ``load_dir`` itself if it is a
+    checkpoint directory); None if there is none.
+
+    An incomplete newest checkpoint (no manifest, or named by the latest pointer but missing) is a
+    ``CheckpointError`` naming it; with ``fallback`` it is reported and the next older complete
+    one is returned. Leftover temporary directories of interrupted saves are reported.
+    """
+    path, _ = _select(load_dir, fallback=fallback)
+    return path
+
+
+def _select(load_dir: str, *, fallback: bool):
+    """(path or None, [(bad path, problem)...] passed over)."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    if _is_checkpoint_dir(load_dir):
+        if not os.path.isfile(os.path.join(load_dir, MANIFEST)):
+            raise CheckpointError(f"checkpoint {load_dir} is incomplete (no {MANIFEST})")
+        return load_dir, []
+    for tmp in leftover_temporaries(load_dir):
+        logger.warning("%s is a leftover of an interrupted save (not a checkpoint; the next run "
+                       "saving to %s removes it)", tmp, load_dir)
+    skipped = []
+    for _, path, problem in checkpoint_candidates(load_dir):
+        if problem is None:
+            return path, skipped
+        if not fallback:
+            raise CheckpointError(_bad_newest_message(path, problem, load_dir))
+        logger.warning("checkpoint %s is %s: skipped (--load-fallback)", path, problem)
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def _bad_newest_message(path: str, problem: str, load_dir: str) -> str:
+    return (f"newest checkpoint {path} is {problem}: resume from an older one with --load "
+            f"{load_dir}/iter_NNNNNNN, or pass --load-fallback to use the newest good one")
 
 
 def read_manifest(path: str, verify: bool = True) -> dict:
@@ -290,6 +521,8 @@ def read_manifest(path: str, verify: bool = True) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{manifest_path} is not a checkpoint manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format_version')}")
     if verify:
@@ -307,6 +540,84 @@ def read_manifest(path: str, verify: bool = True) -> dict:
     return manifest
 
 
+def verify_checkpoint(path: str, *, verify: bool = True):
+    """Everything checked before a checkpoint's tensors are read: the manifest (sizes and hashes
+    when ``verify``) and its pickled parts through the restricted readers. Returns ``(manifest,
+    {tensor key: shape})``; raises ``CheckpointError``."""
+    from megatron.training.checkpoint_safety import UnsafeCheckpoint, check_checkpoint_files, tensor_shapes
+
+    manifest = read_manifest(path, verify=verify)
+    try:
+        metadata = check_checkpoint_files(path, set(manifest["files"]))
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"unsafe checkpoint: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: {one_line_error(e)}") from None
+    return manifest, tensor_shapes(metadata)
+
+
+def _pick_and_verify(load_dir: str, *, verify: bool, fallback: bool):
+    """Rank 0: the checkpoint to load, verified, and the bad newer ones passed over (fallback)."""
+    path, skipped = _select(load_dir, fallback=fallback)
+    explicit = _is_checkpoint_dir(load_dir)
+    while path is not None:
+        try:
+            manifest, shapes = verify_checkpoint(path, verify=verify)
+            return path, manifest, shapes, skipped
+        except CheckpointError as e:
+            if explicit:
+                raise
+            if not fallback:
+                raise CheckpointError(f"{e} (resume from an older one with --load {load_dir}/iter_NNNNNNN, "
+                                      "or pass --load-fallback to use the newest good one)") from None
+            logger.warning("%s: skipped (--load-fallback)", e)
+            skipped.append((path, str(e)))
+            older = [p for it, p, problem in checkpoint_candidates(load_dir)
+                     if problem is None and it < iteration_of(path)]
+            path = older[0] if older else None
+    return None, None, None, skipped
+
+
+_OPTIMIZER_KEY = re.compile(r"(^|\.)optimizer\.")
+
+
+def _model_tensor_shapes(model_sd) -> dict:
+    """``{key: global shape or None}`` of a model sharded state dict's tensors (None where a
+    factory builds the stored tensors: only the key is compared)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for value in nested_values(model_sd):
+        if isinstance(value, ShardedTensor):
+            out[value.key] = tuple(value.global_shape)
+        elif isinstance(value, ShardedTensorFactory):
+            out.setdefault(value.key, None)
+    return out
+
+
+def _architecture_problem(path: str, manifest: dict, ckpt_shapes: dict, model_shapes: dict,
+                          expected_configs: Optional[dict]) -> Optional[str]:
+    """One line when the checkpoint's model tensors do not match the model's, naming the config
+    fields that differ (from the manifest) and the first tensor that does not fit."""
+    stored = {k: s for k, s in ckpt_shapes.items() if not _OPTIMIZER_KEY.search(k)}
+    first = None
+    for key in sorted(model_shapes):
+        if key not in stored:
+            first = f"{key} is not in the checkpoint"
+            break
+        if model_shapes[key] is not None and tuple(stored[key]) != tuple(model_shapes[key]):
+            first = f"{key} is {list(stored[key])} there, {list(model_shapes[key])} here"
+            break
+    if first is None:
+        extra = sorted(set(stored) - set(model_shapes))
+        if not extra:
+            return None
+        first = f"{extra[0]} is in the checkpoint but not in this model"
+    fields = config_differences(manifest.get("configs") or {}, expected_configs or {}) if expected_configs else []
+    what = f": {', '.join(fields)} (checkpoint vs this run)" if fields else ""
+    return f"checkpoint {path} holds a different model{what}; {first}"
+
 def load_checkpoint(
     load_dir: str,
     model_chunks,
@@ -317,11 +628,16 @@ def load_checkpoint(
     load_optimizer: bool = True,
     load_rng: bool = True,
     verify: bool = True,
+    fallback: bool = False,
+    expected_configs: Optional[dict] = None,
 ) -> Optional[LoadedCheckpoint]:
-    """Load the newest complete checkpoint under ``load_dir`` collectively. None if there is none.
+    """Load the newest checkpoint under ``load_dir`` collectively. None if there is none.
 
-    Rank 0 verifies the manifest and every rank learns the verdict, so a corrupt checkpoint fails
-    on all ranks with the same one-line message before any tensor is read.
+    Rank 0 picks and verifies the checkpoint (manifest, restricted reads of its pickled parts,
+    ``fallback`` past bad newer ones) and every rank learns the verdict; the model's tensor names
+    and shapes are then compared with the checkpoint's (``expected_configs``, the run's configs
+    dict, names the differing fields). So a corrupt, unsafe or different-architecture checkpoint
+    fails on all ranks with the same one-line ``CheckpointError`` before any tensor is read.
     """
     from megatron.core import dist_checkpointing
 
@@ -329,12 +645,11 @@ def load_checkpoint(
     verdict = None
     if rank == 0:
         try:
-            path = find_latest_checkpoint(load_dir)
-            manifest = read_manifest(path, verify=verify) if path else None
-            verdict = ("ok", path, manifest)
+            path, manifest, shapes, skipped = _pick_and_verify(load_dir, verify=verify, fallback=fallback)
+            verdict = ("ok", path, manifest, shapes, skipped)
         except CheckpointError as e:
-            verdict = ("error", str(e), None)
-    status, path, manifest = _broadcast_object(verdict)
+            verdict = ("error", str(e), None, None, None)
+    status, path, manifest, ckpt_shapes, skipped = _broadcast_object(verdict)
     if status == "error":
         raise CheckpointError(path)
     if path is None:
@@ -354,10 +669,25 @@ def load_checkpoint(
         model_chunks, optimizer, scheduler, is_loading=True, rank=rank, world=world,
         with_optimizer=with_optimizer, with_rng=with_rng,
     )
+    gathered = [None] * world if rank == 0 else None
+    collectives.gather_object(_model_tensor_shapes(state["model"]), gathered, dst=0)
+    problem = None
+    if rank == 0:
+        model_shapes = {}
+        for shapes in gathered:
+            for key, shape in shapes.items():
+                if model_shapes.get(key) is None:
+                    model_shapes[key] = shape
+        problem = _architecture_problem(path, manifest, ckpt_shapes, model_shapes, expected_configs)
+    problem = _broadcast_object(problem)
+    if problem:
+        raise CheckpointError(problem)
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as e:  # surface megatron-core's multi-line errors as one line
-        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {one_line_error(e)}") from e
     model_sd = loaded["model"]
     if len(model_chunks) == 1:
         _unwrap(model_chunks[0]).load_state_dict(model_sd, strict=True)
@@ -382,4 +712,5 @@ def load_checkpoint(
         consumed_samples=int(manifest["consumed_samples"]),
         manifest=manifest,
         optimizer_loaded=with_optimizer,
+        skipped=[p for p, _ in skipped],
     )

@@ -49,6 +49,7 @@ __all__ = [
     "PretrainingSampler",
     "build_data_iterator",
     "build_heldout_windows",
+    "check_token_ids",
 ]
 
 DOCUMENT_BOUNDARIES = ("blank-line", "file")
@@ -396,6 +397,31 @@ def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
                 f"with no tokens ({len(lengths)} documents in all); give it a larger share, or 0"
             )
     return int(lengths.sum())
+
+
+def check_token_ids(prefixes: Sequence[str], vocab_size: int, chunk: int = 1 << 24) -> None:
+    """``ValueError`` naming the dataset when a token id is ``>= vocab_size`` (a corpus tokenized
+    with another tokenizer): otherwise the embedding lookup fails mid-step with a long traceback on
+    one rank. Reads each ``.bin`` once, ``chunk`` tokens at a time."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        index = IndexedDataset(prefix)
+        dtype = np.dtype(index.index.dtype)
+        del index
+        bin_path = indexed_dataset_paths(prefix)[0]
+        if os.path.getsize(bin_path) == 0:
+            continue
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+        top = 0
+        for start in range(0, len(tokens), chunk):
+            top = max(top, int(tokens[start:start + chunk].max()))
+        del tokens
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data-path {prefix}: holds token id {top}, but the tokenizer has {vocab_size} ids "
+                "(was it preprocessed with another tokenizer or --vocab-size?)"
+            )
 
 
 _BUILDER_CLASS = None

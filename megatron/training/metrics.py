@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["MetricsWriter", "peak_rss_mb", "format_step_line"]
+__all__ = ["MetricsWriter", "peak_rss_mb", "format_step_line", "format_duration"]
 
 
 def peak_rss_mb() -> float:
@@ -31,8 +31,19 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def format_step_line(record: dict, train_iters: int) -> str:
-    """The one-line console summary of a logged step."""
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_step_line(record: dict, train_iters: int, elapsed_s: Optional[float] = None,
+                     eta_s: Optional[float] = None) -> str:
+    """The one-line console summary of a logged step (with the run's elapsed time and ETA)."""
     parts = [
         f"iter {record['step']:>6}/{train_iters}",
         f"loss {record['loss']:.4f}",
@@ -49,6 +60,8 @@ def format_step_line(record: dict, train_iters: int) -> str:
     if a2a:
         parts.append(f"a2a {_fmt_bytes(a2a)} in {record.get('a2a_time_s', 0.0):.3f} s")
     parts.append(f"rss {record['peak_rss_mb']:.0f} MB")
+    if elapsed_s is not None:
+        parts.append(f"elapsed {format_duration(elapsed_s)}" + (f" ETA {format_duration(eta_s)}" if eta_s is not None else ""))
     return " | ".join(parts)
 
 

@@ -60,7 +60,7 @@ def initialize_parallel(
     *,
     seed: int = 1234,
     backend: Optional[str] = None,
-    timeout_minutes: int = 10,
+    timeout_minutes: float = 10,
 ):
     """Initialise torch.distributed (if needed), megatron-core's model-parallel groups and seeds.
 

@@ -6,10 +6,19 @@ Without ``--data-path`` it trains on the embedded tiny-shakespeare corpus with t
 
     torchrun --nproc_per_node=2 -m megatron.training.pretrain_gpt --config examples/tiny_moe_cpu.yaml
 
-Per ``--log-interval`` rank 0 prints a line and appends a JSON object to ``SAVE/metrics.jsonl``
-(``--metrics-file``); validation loss/perplexity every ``--eval-interval``; checkpoints every
-``--save-interval`` and at the end (resume with ``--load``). SIGTERM/SIGINT finish the current
-step, save a checkpoint and exit.
+Per ``--log-interval`` rank 0 prints a line (with elapsed time and ETA) and appends a JSON object
+to ``SAVE/metrics.jsonl`` (``--metrics-file``); validation loss/perplexity every
+``--eval-interval``; checkpoints every ``--save-interval`` and at the end; the resolved
+configuration goes to ``SAVE/config.yaml`` (``--print-config`` prints it too).
+
+Resuming: ``--save DIR --load DIR`` continues from DIR's newest checkpoint, or starts from scratch
+when there is none yet. A ``--save`` directory holding another run's checkpoints is refused at
+start-up (``--load`` it, use a new ``--save``, or ``--overwrite-save``); one run writes to a
+directory at a time (``SAVE/writer.lock``).
+
+SIGTERM/SIGINT (to torchrun or to the ranks) finish the current step, save a checkpoint and exit.
+Exit codes: 0 finished, 75 stopped by a signal after saving (run again to resume), 2 bad input
+(one line), 1 a crash or a lost rank.
 """
 
 from __future__ import annotations
@@ -17,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Callable, Optional
 
@@ -25,35 +33,13 @@ import torch
 import torch.distributed as dist
 
 from megatron import compat
+from megatron.training.arguments import Configs, configs_to_dict, parse_configs
 from megatron.training.parallel import destroy_parallel
 from moe_variants.common.cli import run_cli
-from megatron.training.arguments import Configs, configs_to_dict, parse_configs
-from moe_variants.common import collectives
 
 logger = logging.getLogger("megatron.training")
 
 __all__ = ["main", "run_pretraining", "resolve_tokenizer", "build_data"]
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT; checked (and agreed on by all ranks) between steps."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal = None
-
-    def install(self):
-        def handler(signum, frame):
-            self.requested = True
-            self.signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
 
 
 def resolve_tokenizer(c: Configs):
@@ -169,6 +155,57 @@ def _step_record(step: int, m, rss_mb: float) -> dict:
     }
 
 
+def _on_rank0(fn, rank: int):
+    """Run ``fn`` on rank 0 only; every rank returns its (picklable) result or raises its one-line
+    error, so a refusal never leaves the other ranks waiting in a collective."""
+    from megatron.training.checkpointing import CheckpointError, _broadcast_object
+
+    out = None
+    if rank == 0:
+        try:
+            out = ("ok", fn())
+        except CheckpointError as e:
+            out = ("checkpoint", str(e))
+        except ValueError as e:
+            out = ("value", str(e))
+    kind, value = _broadcast_object(out)
+    if kind == "checkpoint":
+        raise CheckpointError(value)
+    if kind == "value":
+        raise ValueError(value)
+    return value
+
+
+def _has_checkpoint(directory: str) -> bool:
+    from megatron.training.checkpointing import MANIFEST, checkpoint_candidates
+
+    if not os.path.isdir(directory):
+        return False
+    return os.path.isfile(os.path.join(directory, MANIFEST)) or bool(checkpoint_candidates(directory))
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def config_yaml(config_dict: dict, prog: str) -> str:
+    """The resolved configuration as flat YAML, loadable again with ``--config``."""
+    import yaml
+
+    lines = [f"# The resolved configuration of this {prog} run; `--config` accepts this file as is."]
+    for section, fields in config_dict.items():
+        if section == "tokenizer" or not fields:
+            continue
+        lines += ["", f"# {section}", yaml.safe_dump(fields, sort_keys=False).rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    from megatron.training.metrics import format_duration
+
+    return format_duration(seconds)
+
+
 def run_pretraining(
     c: Configs,
     *,
@@ -177,22 +214,28 @@ def run_pretraining(
     evaluate_hook: Optional[Callable] = None,
     after_setup: Optional[Callable] = None,
     before_wrap: Optional[Callable] = None,
+    lineage: Optional[str] = None,
 ) -> dict:
-    """The training loop. Returns the final summary (also written as a JSONL event).
+    """The training loop. Returns the final summary (also written as a JSONL event); its
+    ``interrupted`` entry is true when a signal stopped the run (after saving).
 
     ``forward_step_factory(timer)`` replaces the next-token forward step (FCSD distillation);
     ``evaluate_hook(iteration, model_chunks) -> dict`` adds metrics at each evaluation (a true
     ``"stop"`` entry, identical on all ranks, ends training early), ``after_setup(model_chunks,
     configs)`` runs once the model is built and loaded, and ``before_wrap(model)`` on the bare model
-    before DDP and the optimizer are built.
+    before DDP and the optimizer are built. ``lineage`` fixes the run's lineage id (default: the
+    resumed checkpoint's, else a new one).
     """
+    import time
+
     from megatron.core import parallel_state
 
-    from megatron.training.checkpointing import layout_of, load_checkpoint, save_checkpoint
-    from moe_variants.config import validate
-    from megatron.training.data import build_heldout_windows
+    from megatron.training.checkpointing import layout_of, load_checkpoint, new_lineage, save_checkpoint
+    from megatron.training.data import build_heldout_windows, check_token_ids, parse_data_path
     from megatron.training.metrics import MetricsWriter, format_step_line, peak_rss_mb
     from megatron.training.parallel import initialize_parallel
+    from megatron.training.save_dir import SaveDirLock, prepare_save_dir
+    from megatron.training.signals import StopFlag, stop_with_launcher
     from megatron.training.training import (
         Timer,
         evaluate,
@@ -201,171 +244,259 @@ def run_pretraining(
         setup_model_and_optimizer,
         train_step,
     )
+    from moe_variants.common.files import write_text
+    from moe_variants.config import validate
 
+    started = time.monotonic()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    ck = c.checkpoint
     validate(c.model, c.parallel, world)
-    if c.checkpoint.save_interval is not None and c.checkpoint.save_interval < 1:
-        raise ValueError("--save-interval must be >= 1")
-    if c.checkpoint.save_interval and not c.checkpoint.save:
+    if ck.save_interval and not ck.save:
         raise ValueError("--save-interval needs --save DIR")
+    if ck.overwrite_save and not ck.save:
+        raise ValueError("--overwrite-save needs --save DIR")
     check_data_paths(c)
     tokenizer = resolve_tokenizer(c)
-    pgc = initialize_parallel(c.parallel, seed=c.training.seed)
-    rank = dist.get_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    num_micro = c.training.num_microbatches(dp_size)
-    global_batch = c.training.resolved_global_batch_size(dp_size)
-    chunks, optimizer, scheduler = setup_model_and_optimizer(
-        c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
-        before_wrap=before_wrap,
-    )
-    config_dict = configs_to_dict(c)
-    tokenizer_files = tokenizer_files_of(c)
-    config_dict["tokenizer"] = {
-        "type": c.data.tokenizer_type or "HuggingFaceTokenizer", "vocab_size": tokenizer.vocab_size,
-    }
-    layout = layout_of(c.parallel, c.training, world)
-
-    iteration, consumed = 0, 0
-    if c.checkpoint.load:
-        loaded = load_checkpoint(
-            c.checkpoint.load, chunks, optimizer, scheduler, layout=layout,
-            load_optimizer=not (c.checkpoint.no_load_optim or c.checkpoint.finetune),
-            load_rng=not (c.checkpoint.no_load_rng or c.checkpoint.finetune),
+    stop = StopFlag().install()
+    stop_with_launcher()
+    lock = None
+    try:
+        pgc = initialize_parallel(c.parallel, seed=c.training.seed,
+                                  timeout_minutes=c.training.distributed_timeout_minutes)
+        rank = dist.get_rank()
+        if ck.save:  # one writer per directory, refused before anything is built
+            def take_lock():
+                nonlocal lock
+                lock = SaveDirLock(ck.save).acquire()
+            _on_rank0(take_lock, rank)
+        if c.data.data_path is not None:
+            prefixes = parse_data_path(c.data.data_path)[0]
+            _on_rank0(lambda: check_token_ids(prefixes, tokenizer.vocab_size), rank)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        num_micro = c.training.num_microbatches(dp_size)
+        global_batch = c.training.resolved_global_batch_size(dp_size)
+        chunks, optimizer, scheduler = setup_model_and_optimizer(
+            c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
+            before_wrap=before_wrap,
         )
-        if loaded is None:
-            if rank == 0:
-                print(f"{prog}: no checkpoint in {c.checkpoint.load}; starting from scratch", flush=True)
-        elif not c.checkpoint.finetune:
-            iteration, consumed = loaded.iteration, loaded.consumed_samples
-            if not loaded.optimizer_loaded:
-                scheduler.step(increment=iteration)  # keep the LR schedule's position
-    if after_setup is not None:
-        after_setup(chunks, c)
+        config_dict = configs_to_dict(c)
+        tokenizer_files = tokenizer_files_of(c)
+        config_dict["tokenizer"] = {
+            "type": c.data.tokenizer_type or "HuggingFaceTokenizer", "vocab_size": tokenizer.vocab_size,
+        }
+        layout = layout_of(c.parallel, c.training, world)
 
-    metrics_path = c.logging.metrics_file or (
-        os.path.join(c.checkpoint.save, "metrics.jsonl") if c.checkpoint.save else None
-    )
-    writer = MetricsWriter(
-        enabled=rank == world - 1 if c.parallel.pipeline_model_parallel_size > 1 else rank == 0,
-        jsonl_path=metrics_path,
-        tensorboard_dir=c.logging.tensorboard_dir,
-        wandb_project=c.logging.wandb_project,
-        wandb_exp_name=c.logging.wandb_exp_name,
-        wandb_mode=c.logging.wandb_mode,
-        wandb_save_dir=c.logging.wandb_save_dir,
-        config=config_dict,
-    )
-    writer.print(f"{prog}: resolved configuration\n" + json.dumps(config_dict, indent=1))
-    writer.print(
-        f"{prog}: world size {world} (data-parallel {dp_size}), {num_micro} micro-batch(es) of "
-        f"{c.training.micro_batch_size} per step, global batch {global_batch}, starting at iteration {iteration}"
-    )
-
-    train_ds, valid_ds, test_ds, train_iter = build_data(
-        c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, global_batch=global_batch
-    )
-
-    def save(step):
-        path = save_checkpoint(
-            c.checkpoint.save, step, chunks, optimizer, scheduler, consumed_samples=consumed,
-            layout=layout, configs=config_dict, keep_last=c.checkpoint.keep_last_checkpoints,
-            tokenizer_files=tokenizer_files,
-        )
-        writer.log_event("checkpoint", step, path=path)
-        writer.print(f"{prog}: saved checkpoint {path}")
-
-    def run_eval(step, split="valid", dataset=None):
-        dataset = valid_ds if dataset is None else dataset
-        result = {}
-        if dataset is not None and c.logging.eval_iters > 0:
-            result = evaluate(
-                chunks, _eval_iter(dataset, c, dp_rank, dp_size), model_cfg=c.model,
-                train_cfg=c.training, eval_iters=c.logging.eval_iters,
-                num_microbatches=num_micro, pg_collection=pgc,
+        iteration, consumed, loaded = 0, 0, None
+        load = ck.load
+        if load and _same_dir(load, ck.save) and not _on_rank0(lambda: _has_checkpoint(load), rank):
+            if rank == 0:  # Megatron-LM's `--save DIR --load DIR` idiom on a first run
+                print(f"{prog}: no checkpoint in {load} yet; starting from scratch", flush=True)
+            load = None
+        if load:
+            loaded = load_checkpoint(
+                load, chunks, optimizer, scheduler, layout=layout,
+                load_optimizer=not (ck.no_load_optim or ck.finetune),
+                load_rng=not (ck.no_load_rng or ck.finetune),
+                fallback=ck.load_fallback, expected_configs=config_dict,
             )
-        if evaluate_hook is not None:
-            result.update(evaluate_hook(step, chunks))
-        if result:
-            writer.log_event(split, step, **result)
-            writer.print(
-                f"{prog}: {split} at iter {step}: "
-                + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
-            )
-        return result
+            if loaded is None:
+                if rank == 0:
+                    print(f"{prog}: no checkpoint in {load}; starting from scratch", flush=True)
+            elif not ck.finetune:
+                iteration, consumed = loaded.iteration, loaded.consumed_samples
+                if not loaded.optimizer_loaded:
+                    scheduler.step(increment=iteration)  # keep the LR schedule's position
+        resumed_from = loaded.path if loaded is not None and not ck.finetune else None
+        if lineage is None:
+            lineage = (loaded.manifest.get("lineage") if resumed_from else None) or new_lineage()
+        start_iteration = iteration
+        metrics_path = c.logging.metrics_file or (os.path.join(ck.save, "metrics.jsonl") if ck.save else None)
+        if ck.save:
+            default_metrics = None if c.logging.metrics_file else metrics_path
+            _on_rank0(lambda: prepare_save_dir(
+                ck.save, resumed_from=resumed_from, start_iteration=iteration, lineage=lineage,
+                configs=config_dict, overwrite=ck.overwrite_save, run_files=(default_metrics,),
+            ), rank)
+        if after_setup is not None:
+            after_setup(chunks, c)
 
-    stop = _StopFlag()
-    stop.install()
-    timer_factory = forward_step_factory or (lambda timer: lm_forward_step(timer))
-    last_record = None
-    interrupted = False
-    summary_stop = None
-    while iteration < c.training.train_iters:
-        timer = Timer()
-        m = train_step(
-            chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
-            num_microbatches=num_micro, pg_collection=pgc, forward_step_func=timer_factory(timer),
+        writer = MetricsWriter(
+            enabled=rank == world - 1 if c.parallel.pipeline_model_parallel_size > 1 else rank == 0,
+            jsonl_path=metrics_path,
+            tensorboard_dir=c.logging.tensorboard_dir,
+            wandb_project=c.logging.wandb_project,
+            wandb_exp_name=c.logging.wandb_exp_name,
+            wandb_mode=c.logging.wandb_mode,
+            wandb_save_dir=c.logging.wandb_save_dir,
+            config=config_dict,
         )
-        m.fwd_time_s = timer.forward_s
-        m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
-        iteration += 1
-        consumed += global_batch
-        if iteration % c.logging.log_interval == 0 or iteration == c.training.train_iters:
-            last_record = _step_record(iteration, m, peak_rss_mb())
-            writer.log_step(last_record)
-            writer.print(format_step_line(last_record, c.training.train_iters))
-        if c.logging.eval_interval and iteration % c.logging.eval_interval == 0 and iteration < c.training.train_iters:
-            if run_eval(iteration).get("stop"):
-                writer.print(f"{prog}: early stop at iteration {iteration}")
-                summary_stop = iteration
+        dump = config_yaml(config_dict, prog)
+        config_file = os.path.join(ck.save, "config.yaml") if ck.save else None
+        if config_file and rank == 0:
+            write_text(config_file, dump)
+        if c.logging.print_config:
+            writer.print(f"{prog}: resolved configuration\n{dump}")
+        writer.print(
+            f"{prog}: world size {world} (data-parallel {dp_size}), {num_micro} micro-batch(es) of "
+            f"{c.training.micro_batch_size} per step, global batch {global_batch}, starting at iteration "
+            f"{iteration}" + (f"; configuration in {config_file}" if config_file else "")
+        )
+
+        train_ds, valid_ds, test_ds, train_iter = build_data(
+            c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, global_batch=global_batch
+        )
+        in_save_dir = bool(resumed_from) and _same_dir(os.path.dirname(resumed_from), ck.save)
+        last_saved = {"iteration": iteration if in_save_dir else None, "path": resumed_from if in_save_dir else None}
+
+        def save(step):
+            path = save_checkpoint(
+                ck.save, step, chunks, optimizer, scheduler, consumed_samples=consumed,
+                layout=layout, configs=config_dict, keep_last=ck.keep_last_checkpoints,
+                tokenizer_files=tokenizer_files, lineage=lineage,
+            )
+            last_saved.update(iteration=step, path=path)
+            writer.log_event("checkpoint", step, path=path)
+            writer.print(f"{prog}: saved checkpoint {path}")
+
+        def run_eval(step, split="valid", dataset=None):
+            dataset = valid_ds if dataset is None else dataset
+            result = {}
+            if dataset is not None and c.logging.eval_iters > 0:
+                result = evaluate(
+                    chunks, _eval_iter(dataset, c, dp_rank, dp_size), model_cfg=c.model,
+                    train_cfg=c.training, eval_iters=c.logging.eval_iters,
+                    num_microbatches=num_micro, pg_collection=pgc,
+                )
+            if evaluate_hook is not None:
+                result.update(evaluate_hook(step, chunks))
+            if result:
+                writer.log_event(split, step, **result)
+                writer.print(
+                    f"{prog}: {split} at iter {step}: "
+                    + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+                )
+            return result
+
+        timer_factory = forward_step_factory or (lambda timer: lm_forward_step(timer))
+        last_record = None
+        interrupted = False
+        summary_stop = None
+        loop_start = time.monotonic()
+        while iteration < c.training.train_iters:
+            if stop.agreed():
+                interrupted = True
+                writer.print(f"{prog}: {stop.name} received; saving and exiting after iteration {iteration}")
                 break
-        if stop.agreed():
-            interrupted = True
-            writer.print(f"{prog}: signal received; saving and exiting after iteration {iteration}")
-            break
-        if c.checkpoint.save and c.checkpoint.save_interval and iteration % c.checkpoint.save_interval == 0:
-            save(iteration)
+            timer = Timer()
+            m = train_step(
+                chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
+                num_microbatches=num_micro, pg_collection=pgc, forward_step_func=timer_factory(timer),
+            )
+            m.fwd_time_s = timer.forward_s
+            m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
+            iteration += 1
+            consumed += global_batch
+            if iteration % c.logging.log_interval == 0 or iteration == c.training.train_iters:
+                last_record = _step_record(iteration, m, peak_rss_mb())
+                elapsed = time.monotonic() - loop_start
+                done = iteration - start_iteration
+                last_record["elapsed_s"] = elapsed
+                writer.log_step(last_record)
+                if c.logging.log_progress:
+                    writer.print(format_step_line(
+                        last_record, c.training.train_iters, elapsed_s=elapsed,
+                        eta_s=elapsed / done * (c.training.train_iters - iteration),
+                    ))
+            if c.logging.eval_interval and iteration % c.logging.eval_interval == 0 and iteration < c.training.train_iters:
+                if run_eval(iteration).get("stop"):
+                    writer.print(f"{prog}: early stop at iteration {iteration}")
+                    summary_stop = iteration
+                    break
+            if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
+                save(iteration)
 
-    summary = {"iteration": iteration, "interrupted": interrupted, "early_stop": summary_stop}
-    if c.checkpoint.save and (interrupted or not os.path.isdir(
-        os.path.join(c.checkpoint.save, f"iter_{iteration:07d}")
-    )):
-        save(iteration)
-    if not interrupted:
-        summary["valid"] = run_eval(iteration, "valid")
-        if test_ds is not None and c.logging.eval_iters > 0:
-            summary["test"] = run_eval(iteration, "test", test_ds)
-        for path in c.data.heldout_text or []:
-            windows = build_heldout_windows(path, tokenizer, c.model.seq_length)
-            result = evaluate_windows(
-                chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
-                pg_collection=pgc,
-            )
-            result["file"] = path
-            summary.setdefault("heldout", []).append(result)
-            writer.log_event("heldout", iteration, **result)
-            writer.print(
-                f"{prog}: held-out {path}: loss {result['loss']:.4f} | ppl {result['ppl']:.2f} "
-                f"over {result['tokens']} tokens"
-            )
-    if last_record is not None:
-        summary["last_step"] = last_record
-    summary["peak_rss_mb"] = peak_rss_mb()
-    writer.log_event("summary", iteration, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-    writer.close()
-    return summary
+        summary = {"iteration": iteration, "interrupted": interrupted, "early_stop": summary_stop}
+        if interrupted:
+            summary["signal"] = stop.name
+        if ck.save and iteration > start_iteration and last_saved["iteration"] != iteration:
+            save(iteration)
+        if not interrupted:
+            summary["valid"] = run_eval(iteration, "valid")
+            if test_ds is not None and c.logging.eval_iters > 0:
+                summary["test"] = run_eval(iteration, "test", test_ds)
+            for path in c.data.heldout_text or []:
+                windows = build_heldout_windows(path, tokenizer, c.model.seq_length)
+                result = evaluate_windows(
+                    chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
+                    pg_collection=pgc,
+                )
+                result["file"] = path
+                summary.setdefault("heldout", []).append(result)
+                writer.log_event("heldout", iteration, **result)
+                writer.print(
+                    f"{prog}: held-out {path}: loss {result['loss']:.4f} | ppl {result['ppl']:.2f} "
+                    f"over {result['tokens']} tokens"
+                )
+        if last_record is not None:
+            summary["last_step"] = last_record
+        summary["peak_rss_mb"] = peak_rss_mb()
+        summary["checkpoint"] = last_saved["path"] if ck.save else None
+        summary["metrics_file"] = metrics_path
+        summary["wall_time_s"] = time.monotonic() - started
+        writer.log_event("summary", iteration, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+        writer.print(_closing_line(prog, summary, c, start_iteration))
+        writer.close()
+        return summary
+    finally:
+        if lock is not None:
+            lock.release()
+        stop.restore()
+
+
+def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:
+    from megatron.training.signals import PREEMPTED_EXIT_CODE
+
+    took = _duration(summary["wall_time_s"])
+    ckpt = summary.get("checkpoint") or ("none (no --save)" if not c.checkpoint.save else "none")
+    where = f"checkpoint {ckpt}; metrics {summary.get('metrics_file') or 'not written (no --save)'}"
+    steps = summary["iteration"] - start_iteration
+    if summary["interrupted"]:
+        return (f"{prog}: stopped by {summary.get('signal', 'a signal')} at iteration {summary['iteration']} "
+                f"after {steps} step(s) in {took}; {where}; resume with --load {c.checkpoint.save or 'DIR'} "
+                f"(exit code {PREEMPTED_EXIT_CODE})")
+    return f"{prog}: finished at iteration {summary['iteration']} ({steps} step(s)) in {took}; {where}"
 
 
 def main(argv=None, prog: str = "pretrain_gpt") -> int:
+    from megatron.training.signals import PREEMPTED_EXIT_CODE
+
     compat.quiet_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.training.checkpointing import CheckpointError
 
     def body():
-        run_pretraining(parse_configs(argv, prog=prog), prog=prog)
+        configs = parse_configs(argv, prog=prog, description=__doc__)
+        try:
+            summary = run_pretraining(configs, prog=prog)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+            return 130
+        except dist.DistBackendError as e:  # a peer rank died or hung past --distributed-timeout-minutes
+            print(f"{prog}: error: lost contact with another rank ({str(e).strip().splitlines()[0]})",
+                  file=sys.stderr, flush=True)
+            return 1
+        return PREEMPTED_EXIT_CODE if summary["interrupted"] else 0
 
-    return run_cli(prog, body, user_errors=(ValueError, CheckpointError, FileNotFoundError), cleanup=destroy_parallel)
+    return run_cli(prog, body, user_errors=user_errors(), cleanup=destroy_parallel)
+
+
+def user_errors() -> tuple:
+    """The exceptions the training entry points report as one line (exit 2)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron.training.checkpointing import CheckpointError
+
+    return (ValueError, CheckpointError, FileNotFoundError, CheckpointException)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,18 @@ def test_loss_falls_and_metrics_written(run_a):
     assert all(r["a2a_bytes_dispatch"] > 0 for r in steps)
     valid = [r for r in records if r.get("event") == "valid"]
     assert valid and valid[-1]["ppl"] > 1
-    assert "resolved configuration" in proc.stdout
-    assert sorted(os.listdir(save)) >= ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    # the resolved configuration goes to SAVE/config.yaml (loadable with --config), not the console
+    assert "resolved configuration" not in proc.stdout
+    from megatron.training.arguments import parse_configs
+
+    again = parse_configs(["--config", str(save / "config.yaml")])
+    assert again.model.num_layers == 2 and again.training.train_iters == 6 and again.checkpoint.save == str(save)
+    assert {"iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt", "config.yaml"} <= set(os.listdir(save))
+    assert "writer.lock" not in os.listdir(save)  # released at exit
+    # the closing line says where the checkpoint and the metrics are; step lines carry elapsed/ETA
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("pretrain_gpt: finished at iteration 6") and "iter_0000006" in last and "metrics.jsonl" in last
+    assert "ETA" in next(l for l in proc.stdout.splitlines() if l.startswith("iter "))
 
 
 def test_exact_resume(run_a):
@@ -114,17 +124,24 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(run_a):
     assert _tree_digest(bad) == before
 
 
-def test_incomplete_checkpoints_are_skipped(run_a):
-    """An interrupted save (hidden temp dir, or iter_N without a manifest) is never loaded."""
-    from megatron.training.checkpointing import find_latest_checkpoint
+def test_incomplete_newest_checkpoint_is_reported(run_a, caplog):
+    """An interrupted save's temp dir is never loaded (and is reported); an incomplete newest
+    iter_N is an error naming it, not silently skipped; --load-fallback passes over it."""
+    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
 
     root, save, _ = run_a
     d = root / "partial"
     shutil.copytree(save / "iter_0000003", d / "iter_0000003")
-    (d / "iter_0000009").mkdir()  # killed before the manifest was written
+    (d / "iter_0000009").mkdir()  # no manifest
     (d / ".tmp-iter_0000012-abcd").mkdir()
     (d / "latest_checkpointed_iteration.txt").write_text("9\n")
-    assert find_latest_checkpoint(str(d)) == str(d / "iter_0000003")
+    with pytest.raises(CheckpointError, match="iter_0000009 is incomplete"):
+        find_latest_checkpoint(str(d))
+    assert ".tmp-iter_0000012-abcd is a leftover of an interrupted save" in caplog.text
+    assert find_latest_checkpoint(str(d), fallback=True) == str(d / "iter_0000003")
+    (d / "iter_0000009").rmdir()  # the pointer names a missing iteration: reported the same way
+    with pytest.raises(CheckpointError, match="iter_0000009 is missing"):
+        find_latest_checkpoint(str(d))
 
 
 def test_sigterm_saves_and_resumes(tmp_path):
