@@ -13,7 +13,8 @@ trained with the pretraining loop (megatron-core DDP, optimizer, schedule) on
 (``kl+l2``), or plain next-token loss (``sft``, the baseline). Model shape flags default to the
 checkpoint's. Every ``--eval-interval`` steps a proxy (held-out KL to the teacher, held-out
 perplexity, or a metric of an lm-eval task through ``megatron.training.lm_eval_adapter``, its
-direction taken from the task's ``higher_is_better``: accuracy up, perplexity down) is evaluated; the
+direction taken from the task's ``higher_is_better``: accuracy up, perplexity down) is evaluated, on
+``--proxy-text``, else the first ``--heldout-text``, else the training data's validation split; the
 best student is kept in ``SAVE/best`` and training stops after ``--patience`` evaluations without a ``--min-delta`` (relative) improvement (paper: patience 20,
 delta 2%). Tensor/expert/data parallelism as in pretraining; pipeline parallelism is not supported
 (teacher and student would have to be pipelined together).
@@ -53,23 +54,27 @@ class Proxy(str, enum.Enum):
     lm_eval = "lm-eval"  # --proxy-task's main metric through the lm-eval adapter (the paper: MBPP+)
 
 
+def _opt(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class FCSDConfig:
-    kd_loss: KDLoss = KDLoss.kl
-    kd_temperature: float = 1.0
-    kd_l2_coeff: float = 1.0
-    freeze_embeddings: bool = False
-    teacher_load: Optional[str] = None  # default: --load
-    proxy: Proxy = Proxy.heldout_kl
-    proxy_text: Optional[str] = None  # default: the first --heldout-text
-    proxy_max_windows: Optional[int] = 64
-    proxy_task: Optional[str] = None  # --proxy lm-eval: the task (e.g. local_arc_easy)
-    proxy_metric: Optional[str] = None  # --proxy lm-eval: metric[,filter] (default: the task's main metric)
-    proxy_limit: Optional[float] = None  # --proxy lm-eval: examples (or fraction) per evaluation
-    proxy_include_path: Optional[str] = None  # --proxy lm-eval: task YAML directory
-    proxy_data_dir: Optional[str] = None  # --proxy lm-eval: data of the offline local_* tasks
-    patience: int = 20
-    min_delta: float = 0.02
+    kd_loss: KDLoss = _opt(KDLoss.kl, "distillation loss: KL to the teacher, KL plus hidden-state L2, or plain next-token loss (the SFT baseline)")
+    kd_temperature: float = _opt(1.0, "softmax temperature of the KL")
+    kd_l2_coeff: float = _opt(1.0, "kl+l2: weight of the hidden-state L2 term")
+    freeze_embeddings: bool = _opt(False, "keep the input embedding and output layer frozen")
+    teacher_load: Optional[str] = _opt(None, "teacher checkpoint; default: --load")
+    proxy: Proxy = _opt(Proxy.heldout_kl, "early-stopping proxy: held-out KL to the teacher, held-out perplexity, or an lm-eval task's metric")
+    proxy_text: Optional[str] = _opt(None, "text scored by the proxy; default: the first --heldout-text, else the training data's validation split")
+    proxy_max_windows: Optional[int] = _opt(64, "windows of the proxy text scored per evaluation")
+    proxy_task: Optional[str] = _opt(None, "--proxy lm-eval: the task (e.g. local_arc_easy)")
+    proxy_metric: Optional[str] = _opt(None, "--proxy lm-eval: metric[,filter]; default: the task's main metric")
+    proxy_limit: Optional[float] = _opt(None, "--proxy lm-eval: examples (or a fraction) per evaluation")
+    proxy_include_path: Optional[str] = _opt(None, "--proxy lm-eval: task YAML directory")
+    proxy_data_dir: Optional[str] = _opt(None, "--proxy lm-eval: data of the offline local_* tasks")
+    patience: int = _opt(20, "evaluations without a --min-delta improvement before stopping")
+    min_delta: float = _opt(0.02, "relative improvement that counts (paper: 2%)")
 
     def __post_init__(self):
         for name, enum_type in (("kd_loss", KDLoss), ("proxy", Proxy)):
@@ -171,7 +176,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from distill.early_stopping import EarlyStopping
-    from megatron.training.checkpointing import find_latest_checkpoint, save_checkpoint
+    from megatron.training.checkpointing import find_latest_checkpoint, new_lineage, read_manifest, save_checkpoint
     from megatron.training.data import build_heldout_windows
     from megatron.training.loading import load_model
     from megatron.training.pretrain_gpt import run_pretraining
@@ -179,15 +184,17 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     if c.parallel.pipeline_model_parallel_size != 1:
         raise ValueError("FCSD needs --pipeline-model-parallel-size 1 (teacher and student run side by side)")
     teacher_path = fcsd.teacher_load or c.checkpoint.load
-    resume = c.checkpoint.save and os.path.isdir(c.checkpoint.save) and find_latest_checkpoint(c.checkpoint.save)
-    if resume:  # continue this distillation run
+    resume = None
+    if c.checkpoint.save and os.path.isdir(c.checkpoint.save):
+        resume = find_latest_checkpoint(c.checkpoint.save, fallback=c.checkpoint.load_fallback)
+    if resume:  # continue this distillation run (its lineage: the best/ saves prune the same run's)
         c.checkpoint.load, c.checkpoint.finetune = c.checkpoint.save, False
+        lineage = read_manifest(resume, verify=False).get("lineage") or new_lineage()
     else:  # start from the pretrained weights: new optimizer, iteration 0
         c.checkpoint.finetune = True
+        lineage = new_lineage()
     proxy_text = fcsd.proxy_text or (c.data.heldout_text or [None])[0]
     lm_eval_spec = _lm_eval_proxy(fcsd, c.training.micro_batch_size) if fcsd.proxy == Proxy.lm_eval else None
-    if proxy_text is None and lm_eval_spec is None:
-        raise ValueError("FCSD early stopping needs --proxy-text FILE (or --heldout-text)")
     if proxy_text is not None and not os.path.isfile(proxy_text):
         raise ValueError(f"--proxy-text {proxy_text}: no such file")
     mode = "min"
@@ -204,8 +211,10 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
         windows = None
         if proxy_text is not None:
             windows = build_heldout_windows(proxy_text, tokenizer, configs.model.seq_length)
-            if fcsd.proxy_max_windows:
-                windows = windows[: fcsd.proxy_max_windows]
+        elif lm_eval_spec is None:  # the training data's own validation split
+            windows = validation_windows(configs, fcsd.proxy_max_windows or 64)
+        if windows is not None and fcsd.proxy_max_windows:
+            windows = windows[: fcsd.proxy_max_windows]
         state.update(teacher=teacher, windows=windows, pgc=ProcessGroupCollection.use_mpu_process_groups(),
                      tokenizer=tokenizer, seq_length=configs.model.seq_length)
         before = evaluate(0, chunks)
@@ -250,18 +259,38 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
             configs = configs_to_dict(c)
             configs["tokenizer"] = {"type": c.data.tokenizer_type or "HuggingFaceTokenizer"}
             save_checkpoint(best_dir, iteration, chunks, None, None, layout=layout_of(c.parallel, c.training, dist.get_world_size()),
-                            configs=configs, keep_last=1, tokenizer_files=tokenizer_files_of(c))
+                            configs=configs, keep_last=1, tokenizer_files=tokenizer_files_of(c), lineage=lineage)
         return result
 
     summary = run_pretraining(
         c, prog=prog, forward_step_factory=make_forward_step_factory(_TeacherRef(state), fcsd),
         evaluate_hook=evaluate, after_setup=after_setup,
-        before_wrap=_freeze_embeddings if fcsd.freeze_embeddings else None,
+        before_wrap=_freeze_embeddings if fcsd.freeze_embeddings else None, lineage=lineage,
     )
     summary["before"] = state.get("before")
     summary["best"] = {"step": stopper.best_step, "value": stopper.best, "proxy": fcsd.proxy.value}
     summary["early_stopping_history"] = stopper.history
     return summary
+
+
+def validation_windows(c, max_windows: int) -> torch.Tensor:
+    """``[N, S+1]`` windows of the training data's validation split (the proxy's text when no
+    ``--proxy-text``/``--heldout-text`` is given): the first ``max_windows`` samples, identical on
+    every rank. Collective (the dataset indices are built rank-0-first)."""
+    from megatron.training.data import build_pretraining_datasets, ensure_embedded_dataset
+    from megatron.training.pretrain_gpt import resolve_tokenizer
+
+    cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
+    data_path = c.data.data_path if c.data.data_path is not None else [ensure_embedded_dataset(cache)]
+    _, valid, _ = build_pretraining_datasets(
+        data_path, c.data.split, c.model.seq_length, c.training.seed, (1, max_windows, 1),
+        resolve_tokenizer(c), cache)
+    if valid is None or len(valid) == 0:
+        raise ValueError(f"FCSD early stopping needs --proxy-text FILE, --heldout-text FILE or a validation "
+                         f"split of the data (--split {c.data.split} has none)")
+    samples = [valid[i] for i in range(min(len(valid), max_windows))]
+    return torch.stack([torch.cat([torch.as_tensor(s["tokens"]), torch.as_tensor(s["labels"])[-1:]]).long()
+                        for s in samples])
 
 
 def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
@@ -329,22 +358,30 @@ def _checkpoint_model_defaults(argv) -> dict:
 
 
 def main(argv=None) -> int:
+    import logging
+
+    from megatron.training.pretrain_gpt import user_errors
+    from megatron.training.signals import PREEMPTED_EXIT_CODE
+
     compat.quiet_warnings()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megatron.training.arguments import parse_configs
-    from megatron.training.checkpointing import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body():
-        defaults = _checkpoint_model_defaults(argv)
-        configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults)
+        wants_help = any(a in ("-h", "--help") for a in argv)
+        defaults = {} if wants_help else _checkpoint_model_defaults(argv)
+        configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults,
+                                description=__doc__)
         if FarSkipConfig.of(configs.model).farskip.empty and configs.extra["fcsd"].kd_loss != KDLoss.sft:
             raise ValueError("--farskip none: nothing to convert (choose all, first:N, last:N or A-B)")
         summary = run_fcsd(configs, configs.extra["fcsd"])
         if dist.get_rank() == 0:
             print("fcsd: summary " + json.dumps({k: summary.get(k) for k in ("before", "best", "iteration", "early_stop")}), flush=True)
+        return PREEMPTED_EXIT_CODE if summary["interrupted"] else 0
 
-    return run_cli("fcsd", body, user_errors=(ValueError, CheckpointError, FileNotFoundError), cleanup=destroy_parallel)
+    return run_cli("fcsd", body, user_errors=user_errors(), cleanup=destroy_parallel)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ standard lm-eval (hub) tasks are available by their usual names (``--tasks arc_e
 
 Every rank runs the same evaluation (see ``lm_eval_adapter`` for how ranks share the work and stay
 in lockstep); rank 0 prints the table and writes ``--output`` atomically (temporary file, then
-rename). Bad input (missing checkpoint, unknown task, missing data directory, existing output,
-lm-eval not installed) is a one-line ``error: ...`` with exit status 2, and nothing is written.
+rename). Bad input (missing, corrupt or unsafe checkpoint, unknown task, missing data directory,
+existing output, lm-eval not installed) is a one-line ``evaluate_lm: error: ...`` with exit status 2, and
+nothing is written.
 """
 
 from __future__ import annotations
@@ -320,13 +321,16 @@ def _moe_traffic(lm, scheduler) -> dict:
 def main(argv=None) -> int:
     from megatron import compat
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     compat.quiet_warnings()
 
     def body():
         args = build_parser().parse_args(argv)
         evaluate(args, check_inputs(args))
 
-    return run_cli("evaluate_lm", body, user_errors=(ValueError, CheckpointError))
+    # a corrupt, unsafe or mismatched checkpoint is one line too (torch's CheckpointException is a BaseException)
+    return run_cli("evaluate_lm", body, user_errors=(ValueError, CheckpointError, CheckpointException))
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
     tokenizer = load_tokenizer(manifest, ckpt)
     vocab = manifest["configs"].get("tokenizer", {}).get("vocab_size", tokenizer.vocab_size)
     model = build_model(configs.model, configs.parallel, vocab_size=vocab, pg_collection=pg_collection)
+    from megatron.training.arguments import configs_to_dict
+
     load_checkpoint(ckpt, [model], None, None, layout=None, load_optimizer=False, load_rng=False,
-                    verify=verify)
+                    verify=verify, expected_configs=configs_to_dict(configs))
     model.eval()
     return model, configs, tokenizer, manifest
 

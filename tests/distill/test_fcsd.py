@@ -179,11 +179,11 @@ def test_lm_eval_scores_restore_rng_and_repeat(tmp_path):
 @pytest.mark.slow
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
-    parameters never need gradients, the best checkpoint is kept, early stopping reports."""
+    parameters never need gradients, the best checkpoint is kept, early stopping reports. No
+    --proxy-text: the proxy scores the training data's validation split."""
     import hashlib
     import os
 
-    from megatron.training.tokenizer import DEFAULT_CORPUS
     from tests.helpers import read_jsonl, torchrun
 
     teacher = teacher_ckpt / "teacher" / "iter_0000004"
@@ -196,14 +196,16 @@ def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
         "--load", teacher_ckpt / "teacher", "--farskip", "all", "--farskip-impl", "overlapped",
         "--expert-model-parallel-size", 2, "--save", out, "--train-iters", 4, "--eval-interval", 2,
         "--eval-iters", 0, "--log-interval", 1, "--micro-batch-size", 4, "--global-batch-size", 16,
-        "--proxy-text", DEFAULT_CORPUS, "--proxy-max-windows", 8, "--patience", 5,
+        "--proxy-max-windows", 8, "--patience", 5,
         "--data-cache-path", teacher_ckpt / "cache", "--lr", 1e-3])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert digest() == before
     records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "event" not in r]
     assert len(steps) == 4 and all("kd_loss" in r for r in steps)
-    assert os.path.isdir(out / "best") and any(n.startswith("iter_") for n in os.listdir(out / "best"))
+    assert [r["step"] for r in records if r.get("event") == "valid" and "heldout_kl" in r] == [2, 4]
+    best = [n for n in os.listdir(out / "best") if n.startswith("iter_")]
+    assert len(best) == 1  # keep_last=1 prunes the earlier best (same lineage)
     assert "student before distillation" in proc.stdout
 
 

@@ -151,3 +151,33 @@ def test_local_tasks_end_to_end_two_ranks_equal_one(ckpt_dir, tmp_path):
     assert sum(two["moe"]["requests_per_rank"]) == sum(one["moe"]["requests_per_rank"])
     assert two["moe"]["request_scheduling"] == "round-robin" and "local activation rate" in stdout
     assert [p for p in os.listdir(tmp_path) if p.startswith(".results-")] == []
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "crafted_metadata"])
+def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, capsys):
+    """A checkpoint that fails its manifest, or whose .metadata would run code, is a one-line
+    error (no traceback, nothing written, the payload never runs)."""
+    import shutil
+
+    from tests.training.test_reliability import _craft_metadata
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ckpt_dir["standard"], ckpt)
+    it = next(p for p in ckpt.iterdir() if p.name.startswith("iter_"))
+    if damage == "truncated_shard":
+        shard = next(p for p in sorted(it.iterdir()) if p.suffix == ".distcp")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+        expect = f"is corrupt: {shard.name} has"
+    else:
+        _craft_metadata(str(it), tmp_path / "PWNED")
+        expect = "unsafe checkpoint"
+    out = tmp_path / "results.json"
+    tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))
+    from megatron.training.evaluate_lm import main
+
+    code = main([str(a) for a in _args(ckpt, out, **tasks)])
+    err = capsys.readouterr().err
+    lines = [l for l in err.strip().splitlines() if l.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
+    assert not out.exists() and not (tmp_path / "PWNED").exists()
