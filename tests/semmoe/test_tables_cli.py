@@ -72,7 +72,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert rc == 2 and err.startswith("python -m tools.semmoe: error: ") and err.count("\n") == 1
     save_profile(synthetic_profile(CFG, seed=0), tmp_path / "p.npz")
     rc = main(["solve", "--profile", str(tmp_path / "p.npz"), "--ep", "3", "--out", str(tmp_path / "t")])
-    assert rc == 2 and "--ep 3" in capsys.readouterr().err
+    assert rc == 2 and "--expert-model-parallel-size 3" in capsys.readouterr().err
 
 
 def test_commands_are_registered():

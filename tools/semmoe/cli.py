@@ -36,10 +36,12 @@ def _configure_solve(p: argparse.ArgumentParser) -> None:
 
     d = SolverConfig()
     p.add_argument("--profile", required=True, help="profile .npz (from `profile`, `synth` or `split`)")
-    p.add_argument("--ep", type=positive_int, required=True, help="expert-parallel size D (must divide the experts)")
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", metavar="D", type=positive_int, required=True,
+                   help="expert-parallel size D (must divide the experts); --ep is an alias")
     p.add_argument("--method", default="semmoe", choices=sorted(METHODS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="tables directory to write")
+    p.add_argument("--out", required=True, help="tables directory to write (refused if it exists)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--verbose", action="store_true", help="print per-layer objective terms (semmoe)")
     g = p.add_argument_group("Algorithm 1 (semmoe, milp)")
     g.add_argument("--n-steps", type=positive_int, default=d.n_steps)
@@ -59,9 +61,14 @@ def _solve(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.methods import place
     from moe_variants.semmoe.profile import load_profile
     from moe_variants.semmoe.solver import SolverConfig, solve
+    from moe_variants.common.files import refuse_existing
     from moe_variants.semmoe.tables import save_tables
 
+    refuse_existing(args.out, "--out", args.overwrite)
     profile = load_profile(args.profile)
+    if profile.num_experts % args.ep:
+        raise ValueError(f"--expert-model-parallel-size {args.ep} must divide the number of experts "
+                         f"({profile.num_experts})")
     config = SolverConfig(
         n_steps=args.n_steps,
         ft_steps=args.ft_steps,
