@@ -149,7 +149,7 @@ def _parse_algorithm(s: str) -> dict:
 @command("fit", "fit alpha-beta constants to measured collectives", _configure_fit)
 def _fit(args) -> int:
     from moe_variants.common.files import write_json
-    from .fit import fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
+    from .fit import check_rows, fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
 
     if not args.csv and not args.nccl:
         raise ValueError("fit: give at least one --csv or --nccl file")
@@ -160,6 +160,7 @@ def _fit(args) -> int:
         raise ValueError("--statistic applies to bench_ep CSVs only")
     for f in args.nccl:
         rows += read_nccl_tests(f, args.op, args.ranks)
+    check_rows(rows)
     bw = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None
     bw_src = "--bandwidth-gbps"
     if bw is None:

@@ -40,6 +40,7 @@ __all__ = [
     "Measurement",
     "FitResult",
     "read_csv",
+    "check_rows",
     "read_nccl_tests",
     "read_sidecar_bandwidth",
     "read_bench_sidecar",
@@ -77,28 +78,37 @@ def _parse_op(s: str, where: str) -> Collective:
     return op
 
 
+def _csv_rows(path: Path, reader) -> list[Measurement]:
+    cols = set(reader.fieldnames or ())
+    missing = {"op", "ranks", "bytes", "seconds"} - cols
+    if missing:
+        raise ValueError(f"{path}: missing CSV column(s) {', '.join(sorted(missing))} "
+                         f"(need op,ranks,bytes,seconds; have {', '.join(sorted(cols)) or 'none'})")  # fmt: skip
+    rows = []
+    for i, r in enumerate(reader, start=2):
+        where = f"{path}:{i}"
+        try:
+            m = Measurement(_parse_op(r["op"], where), int(r["ranks"]), float(r["bytes"]), float(r["seconds"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: bad row ({e})") from None
+        if m.ranks < 2 or m.bytes <= 0 or not m.seconds > 0:
+            raise ValueError(f"{where}: need ranks >= 2, bytes > 0 and seconds > 0")
+        rows.append(m)
+    return rows
+
+
 def read_csv(path: str | os.PathLike) -> list[Measurement]:
     """Rows of a ``op,ranks,bytes,seconds`` CSV (header required; extra columns are ignored)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such CSV file")
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        cols = set(reader.fieldnames or ())
-        missing = {"op", "ranks", "bytes", "seconds"} - cols
-        if missing:
-            raise ValueError(f"{path}: missing CSV column(s) {', '.join(sorted(missing))} "
-                             f"(need op,ranks,bytes,seconds; have {', '.join(sorted(cols)) or 'none'})")  # fmt: skip
-        rows = []
-        for i, r in enumerate(reader, start=2):
-            where = f"{path}:{i}"
-            try:
-                m = Measurement(_parse_op(r["op"], where), int(r["ranks"]), float(r["bytes"]), float(r["seconds"]))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{where}: bad row ({e})") from None
-            if m.ranks < 2 or m.bytes <= 0 or not m.seconds > 0:
-                raise ValueError(f"{where}: need ranks >= 2, bytes > 0 and seconds > 0")
-            rows.append(m)
+    try:
+        with open(path, newline="") as f:
+            rows = _csv_rows(path, csv.DictReader(f))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text CSV file (undecodable byte at offset {e.start})") from None
+    except csv.Error as e:
+        raise ValueError(f"{path}: not a CSV file ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no measurements")
     return rows
@@ -199,6 +209,17 @@ def read_nccl_tests(path: str | os.PathLike, op: Optional[str] = None, ranks: Op
     if not rows:
         raise ValueError(f"{path}: no data rows (expected nccl-tests output with a '# size ... time' header)")
     return rows
+
+
+def check_rows(rows: Sequence[Measurement]) -> None:
+    """``ValueError`` unless the rows can be fitted: latency and bandwidth can be told apart only
+    from measurements at two or more message sizes (one size gives an unbounded bandwidth)."""
+    if not rows:
+        raise ValueError("no measurements to fit")
+    sizes = {m.bytes for m in rows}
+    if len(sizes) < 2:
+        raise ValueError(f"fit: {len(rows)} measurement(s), all at {int(next(iter(sizes)))} bytes: latency and "
+                         "bandwidth can be told apart only from two or more message sizes")
 
 
 def _fit_network(topology: Topology, ranks: int, bandwidth: float, constants: AlphaBeta) -> Network:
@@ -354,8 +375,7 @@ def _fit(rows, topology, bandwidth, algorithm, burst: float, max_iters: int) -> 
     if topology not in FIT_TOPOLOGIES:
         raise ValueError(f"--topology {topology.value}: fit one network tier at a time "
                          f"(choose from {', '.join(t.value for t in FIT_TOPOLOGIES)})")  # fmt: skip
-    if not rows:
-        raise ValueError("no measurements to fit")
+    check_rows(rows)
     if bandwidth is not None and not bandwidth > 0:
         raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
     allowed = {Collective(k): v for k, v in (algorithm or {}).items()}
