@@ -19,9 +19,11 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[dev,data,eval,serve,deepspeed]"
 	touch $@
 
+# --load of the --save directory (Megatron-LM's idiom): a second `make demo` resumes (and, when the
+# first one finished, only evaluates) instead of colliding with the first run's checkpoints
 demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m megatron.training.pretrain_gpt \
-		--config examples/tiny_moe_cpu.yaml
+		--config examples/tiny_moe_cpu.yaml --load runs/tiny_moe_cpu
 
 test: install
 	$(PY) -m pytest -q

@@ -11,17 +11,20 @@
 #   OUT_DIR/gpt2/{warpeace,tinyshakespeare,wikitext2_valid}_text_document.{bin,idx}
 # Documents are blank-line separated blocks (paragraphs, speeches), each ended by <|endoftext|>.
 # Outputs that already exist are kept (delete OUT_DIR to start afresh), so re-running is cheap.
-# Environment: VOCAB_SIZE (default 8192), WORKERS (default 2), PYTHON (default python),
-# TOKENIZERS ("bpe gpt2" by default; "bpe" or "gpt2" for one of them).
+# Environment: VOCAB_SIZE (default 8192), WORKERS (default 2), PYTHON (default: the repository's
+# .venv/bin/python when it exists, else python), TOKENIZERS ("bpe gpt2" by default; "bpe" or "gpt2").
 set -euo pipefail
 
 SHARED=${1:-../shared/data}
 OUT=${2:-data/pretrain}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 WORKERS=${WORKERS:-2}
-PYTHON=${PYTHON:-python}
 TOKENIZERS=${TOKENIZERS:-bpe gpt2}
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python
+    [[ -x $SCRIPTS/../.venv/bin/python ]] && PYTHON=$SCRIPTS/../.venv/bin/python
+fi
 
 P=$SHARED/pretrain
 NAMES=(warpeace tinyshakespeare wikitext2_valid)
@@ -32,6 +35,12 @@ GPT2=$SHARED/tokenizers/gpt2
 for f in "${FILES[@]}" "$HELDOUT"; do
     [[ -f $f ]] || { echo "prepare_pretrain_corpus.sh: error: missing $f (is $SHARED the shared data directory?)" >&2; exit 2; }
 done
+
+if ! "$PYTHON" -c "import megatron.core, tokenizers" 2>/dev/null; then
+    echo "prepare_pretrain_corpus.sh: error: $PYTHON cannot import megatron.core and tokenizers; run \`make install\`" \
+         "and use .venv/bin/python (or set PYTHON)" >&2
+    exit 2
+fi
 
 preprocess() {  # preprocess <out_dir> <tokenizer flags...>
     local dir=$1; shift

@@ -148,10 +148,10 @@ def one_line_error(err: BaseException) -> str:
         failures = getattr(cur, "failures", None)  # torch's CheckpointException: {rank: exception}
         if isinstance(failures, dict) and failures:
             inner = next(iter(failures.values()))
+            if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+                inner = inner[0]  # torch's WRAPPED_EXCEPTION: (exception, stack summary)
             if isinstance(inner, BaseException):
-                text = one_line_error(inner)
-                if text:
-                    return text
+                return one_line_error(inner)
         cur = cur.__cause__ or cur.__context__
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
