@@ -178,8 +178,37 @@ def test_corrupt_newest_reported_fallback_and_moved_aside(tmp_path, cache):
 
 
 # ------------------------------------------------------------------------------------------------
-# The checkpoint writer and the save-directory lock (item 2)
+# Preemption, the checkpoint writer and the save-directory lock (item 2)
 # ------------------------------------------------------------------------------------------------
+
+
+def _signal_after_first_step(rank, world, argv, metrics, signum):
+    import threading
+
+    def send():
+        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, daemon=True).start()
+    return _main_rank(rank, world, argv)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_exits_with_the_preempted_code(tmp_path, cache, signum):
+    """A signalled run saves where it stopped and exits 75 (not 0, which means finished)."""
+    from megatron.training.testing import run_distributed
+
+    save = tmp_path / "run"
+    argv = [str(a) for a in SHORT + ["--train-iters", 1000, "--save", save, "--data-cache-path", cache]]
+    code, out, err = run_distributed(_signal_after_first_step, 1, argv, str(save / "metrics.jsonl"), signum,
+                                     timeout_s=240)[0]
+    assert code == 75, err
+    summary = [r for r in read_jsonl(save / "metrics.jsonl") if r.get("event") == "summary"][-1]
+    step = summary["iteration"]
+    assert summary["interrupted"] and 1 <= step < 1000
+    assert _iters(save) == [f"iter_{step:07d}"]
+    assert f"stopped by {signal.Signals(signum).name} at iteration {step}" in out
 
 
 def _save_and_list_children(rank, world, path):
