@@ -13,8 +13,8 @@ run() {  # run CMD...: execute, or print it (shell-quoted) under DRY_RUN
     fi
 }
 
-finished() {  # finished <run dir>: its metrics.jsonl ends with a summary event
-    [[ -f $1/metrics.jsonl ]] && grep -q '"event": "summary"' "$1/metrics.jsonl"
+finished() {  # finished <run dir>: its metrics.jsonl has a summary event of a run that was not interrupted
+    [[ -f $1/metrics.jsonl ]] && grep '"event": "summary"' "$1/metrics.jsonl" | grep -qv '"interrupted": true'
 }
 
 fcsd_check_positive() {  # fcsd_check_positive PROG NAME VALUE: a one-line error unless VALUE is a positive integer
@@ -34,10 +34,11 @@ fcsd_prepare_data() {  # fcsd_prepare_data SHARED: the pretraining corpus and th
 }
 
 fcsd_teacher() {  # fcsd_teacher DIR [FLAGS...]: pretrain examples/corpus_moe_cpu.yaml (+ FLAGS) into DIR
+    # (--save DIR --load DIR: an interrupted teacher resumes; its directory would be refused otherwise)
     local dir=$1
     shift
     finished "$dir" || run "$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m megatron.training.pretrain_gpt \
-        --config examples/corpus_moe_cpu.yaml "$@" --save "$dir"
+        --config examples/corpus_moe_cpu.yaml "$@" --save "$dir" --load "$dir"
 }
 
 fcsd_data_flags() {  # fcsd_data_flags CORPUS: set the array data_flags for pretrain | sharegpt | mix

@@ -97,7 +97,8 @@ def test_demo_plans_the_same_commands_after_sharing_its_steps(tmp_path):
     assert cmds[0][:4] == ["env", "PYTHON=.venv/bin/python", "TOKENIZERS=bpe", "scripts/prepare_pretrain_corpus.sh"]
     teacher = [c for c in cmds if "megatron.training.pretrain_gpt" in c]
     assert teacher == [[".venv/bin/torchrun", "--standalone", "--nproc_per_node=2", "-m", "megatron.training.pretrain_gpt",
-                        "--config", "examples/corpus_moe_cpu.yaml", "--save", str(tmp_path / "corpus_moe_cpu")]]  # fmt: skip
+                        "--config", "examples/corpus_moe_cpu.yaml", "--save", str(tmp_path / "corpus_moe_cpu"),
+                        "--load", str(tmp_path / "corpus_moe_cpu")]]  # fmt: skip
     runs = [(_flag(c, "--kd-loss"), _flag(c, "--farskip")) for c in cmds if "distill.fcsd" in c]
     assert runs == [("kl", "all"), ("sft", "all"), ("kl", "last:2")]
     assert len([c for c in cmds if "distill.report" in c]) == 1
