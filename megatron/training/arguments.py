@@ -96,6 +96,10 @@ def _help(field: dataclasses.Field, extra: str = "") -> str:
     return text.replace("%", "%%")
 
 
+# string fields whose choices come from the variant registry (shown by --help, checked by argparse)
+_DYNAMIC_CHOICES = {"moe_variant": lambda: list(registry.moe_layer_choices())}
+
+
 def _add_field(group, field: dataclasses.Field, hint) -> None:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -114,6 +118,8 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
         group.add_argument(flag, dest=field.name, nargs="+", help=_help(field))
     elif origin is Union:  # moe_layer_freq: int or list
         group.add_argument(flag, dest=field.name, type=_parse_layer_freq, help=_help(field), metavar="N|[0,1,..]")
+    elif field.name in _DYNAMIC_CHOICES:  # a string whose values are registered at run time
+        group.add_argument(flag, dest=field.name, choices=_DYNAMIC_CHOICES[field.name](), help=_help(field))
     elif hint in (int, float, str):
         group.add_argument(flag, dest=field.name, type=hint, help=_help(field),
                            metavar={int: "N", float: "X", str: "STR"}[hint])

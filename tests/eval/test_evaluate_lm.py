@@ -178,6 +178,6 @@ def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, c
 
     code = main([str(a) for a in _args(ckpt, out, **tasks)])
     err = capsys.readouterr().err
-    lines = [l for l in err.strip().splitlines() if l.startswith("error: ")]
+    lines = [l for l in err.strip().splitlines() if l.startswith("evaluate_lm: error: ")]
     assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
     assert not out.exists() and not (tmp_path / "PWNED").exists()

@@ -491,7 +491,7 @@ def test_semmoe_expert_model_parallel_size_and_out_refused(tmp_path, capsys):
     capsys.readouterr()
     assert main(base + ["--ep", "4"]) == 2  # the alias; an existing --out is refused
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: --out {tmp_path / 't'} exists (pass --overwrite to replace it)"]
+    assert err == [f"python -m tools.semmoe: error: --out {tmp_path / 't'} exists (pass --overwrite to replace it)"]
     assert (tmp_path / "t" / "tables.npz").read_bytes() == written
     assert main(base + ["--ep", "4", "--overwrite"]) == 0
     assert (tmp_path / "t" / "tables.npz").read_bytes() != written
