@@ -171,7 +171,10 @@ def serve(args) -> int:
 
 
 def main(argv=None) -> int:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from megatron import compat
+    from megatron.training.checkpointing import CheckpointError
     from moe_variants.common.cli import run_cli
 
     compat.quiet_warnings()
@@ -181,7 +184,8 @@ def main(argv=None) -> int:
         _check_args(args)
         return serve(args)
 
-    return run_cli("megatron.inference.serve", body)
+    # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too
+    return run_cli("megatron.inference.serve", body, user_errors=(ValueError, CheckpointError, CheckpointException))
 
 
 if __name__ == "__main__":
