@@ -73,6 +73,8 @@ __all__ = [
     "new_lineage",
     "move_aside",
     "one_line_error",
+    "broadcast_object",
+    "read_manifest_quietly",
 ]
 
 FORMAT_VERSION = 1
@@ -215,7 +217,8 @@ def write_latest(save_dir: str, iteration: Optional[int]) -> None:
     write_text(path, f"{iteration}\n")
 
 
-def _broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0):
+    """``obj`` of rank ``src`` on every rank (collective)."""
     box = [obj]
     collectives.broadcast_object_list(box, src=src)
     return box[0]
@@ -329,7 +332,7 @@ def save_checkpoint(
                 os.makedirs(tmp)
         except OSError as e:
             error = f"cannot save checkpoint {final}: {one_line_error(e)}"
-    error, tmp = _broadcast_object((error, tmp))
+    error, tmp = broadcast_object((error, tmp))
     if error:
         raise CheckpointError(error)
     state = _sharded_state(
@@ -353,7 +356,7 @@ def save_checkpoint(
                              optimizer is not None, tokenizer_files, lineage, keep_last)
             except OSError as e:
                 error = f"cannot save checkpoint {final}: {one_line_error(e)}"
-        error = _broadcast_object(error)
+        error = broadcast_object(error)
         if error:
             raise CheckpointError(error)
     except BaseException:
@@ -395,7 +398,8 @@ def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, conf
         prune(save_dir, keep_last, lineage, keep=final)
 
 
-def _read_manifest_quietly(path: str) -> Optional[dict]:
+def read_manifest_quietly(path: str) -> Optional[dict]:
+    """A checkpoint directory's manifest, unverified; None when it is missing or unreadable."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -415,7 +419,7 @@ def prune(save_dir: str, keep_last: int, lineage: str, keep: Optional[str] = Non
         path = os.path.join(save_dir, name)
         if iteration is None or not os.path.isdir(path):
             continue
-        manifest = _read_manifest_quietly(path)
+        manifest = read_manifest_quietly(path)
         if manifest is not None and manifest.get("lineage") == lineage:
             ours.append((iteration, path))
     ours.sort()
@@ -649,7 +653,7 @@ def load_checkpoint(
             verdict = ("ok", path, manifest, shapes, skipped)
         except CheckpointError as e:
             verdict = ("error", str(e), None, None, None)
-    status, path, manifest, ckpt_shapes, skipped = _broadcast_object(verdict)
+    status, path, manifest, ckpt_shapes, skipped = broadcast_object(verdict)
     if status == "error":
         raise CheckpointError(path)
     if path is None:
@@ -679,7 +683,7 @@ def load_checkpoint(
                 if model_shapes.get(key) is None:
                     model_shapes[key] = shape
         problem = _architecture_problem(path, manifest, ckpt_shapes, model_shapes, expected_configs)
-    problem = _broadcast_object(problem)
+    problem = broadcast_object(problem)
     if problem:
         raise CheckpointError(problem)
     try:

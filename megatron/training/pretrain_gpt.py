@@ -158,7 +158,7 @@ def _step_record(step: int, m, rss_mb: float) -> dict:
 def _on_rank0(fn, rank: int):
     """Run ``fn`` on rank 0 only; every rank returns its (picklable) result or raises its one-line
     error, so a refusal never leaves the other ranks waiting in a collective."""
-    from megatron.training.checkpointing import CheckpointError, _broadcast_object
+    from megatron.training.checkpointing import CheckpointError, broadcast_object
 
     out = None
     if rank == 0:
@@ -168,7 +168,7 @@ def _on_rank0(fn, rank: int):
             out = ("checkpoint", str(e))
         except ValueError as e:
             out = ("value", str(e))
-    kind, value = _broadcast_object(out)
+    kind, value = broadcast_object(out)
     if kind == "checkpoint":
         raise CheckpointError(value)
     if kind == "value":

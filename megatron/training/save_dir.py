@@ -44,7 +44,7 @@ from megatron.training.checkpointing import (
     one_line_error,
     read_manifest,
     write_latest,
-    _read_manifest_quietly,
+    read_manifest_quietly,
 )
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def _listing(save_dir: str):
         iteration = iteration_of(name)
         path = os.path.join(save_dir, name)
         if iteration is not None and os.path.isdir(path):
-            out.append((iteration, path, _read_manifest_quietly(path)))
+            out.append((iteration, path, read_manifest_quietly(path)))
     return sorted(out)
 
 
