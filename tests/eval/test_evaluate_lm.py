@@ -174,10 +174,11 @@ def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, c
         expect = "unsafe checkpoint"
     out = tmp_path / "results.json"
     tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))
-    from megatron.training.evaluate_lm import main
+    from megatron.training.testing import run_distributed
+    from tests.training.test_reliability import main_in_rank
 
-    code = main([str(a) for a in _args(ckpt, out, **tasks)])
-    err = capsys.readouterr().err
+    argv = [str(a) for a in _args(ckpt, out, **tasks)]
+    code, _, err = run_distributed(main_in_rank, 1, "megatron.training.evaluate_lm", argv, timeout_s=240)[0]
     lines = [l for l in err.strip().splitlines() if l.startswith("evaluate_lm: error: ")]
     assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
     assert not out.exists() and not (tmp_path / "PWNED").exists()

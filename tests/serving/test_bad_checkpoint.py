@@ -8,9 +8,9 @@ import pytest
 
 
 @pytest.mark.parametrize("damage", ["truncated_shard", "crafted_metadata"])
-def test_bad_checkpoint_is_one_line(damage, serve_ckpts, tmp_path, capsys):
-    from megatron.inference.serve import main
-    from tests.training.test_reliability import _craft_metadata
+def test_bad_checkpoint_is_one_line(damage, serve_ckpts, tmp_path):
+    from megatron.training.testing import run_distributed
+    from tests.training.test_reliability import _craft_metadata, main_in_rank
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(serve_ckpts["standard"], ckpt)
@@ -23,8 +23,8 @@ def test_bad_checkpoint_is_one_line(damage, serve_ckpts, tmp_path, capsys):
     else:
         _craft_metadata(str(it), tmp_path / "PWNED")
         expect = "unsafe checkpoint"
-    code = main(["--load", str(ckpt), "--port", "0", "--ready-file", str(tmp_path / "ready.json")])
-    err = capsys.readouterr().err
+    argv = ["--load", str(ckpt), "--port", "0", "--ready-file", str(tmp_path / "ready.json")]
+    code, _, err = run_distributed(main_in_rank, 1, "megatron.inference.serve", argv, timeout_s=240)[0]
     lines = [l for l in err.strip().splitlines() if l.startswith("megatron.inference.serve: error: ")]
     assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
     assert not (tmp_path / "ready.json").exists() and not (tmp_path / "PWNED").exists()

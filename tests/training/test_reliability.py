@@ -24,6 +24,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHORT = [str(a) for a in SMALL_PRETRAIN_ARGS] + ["--eval-iters", "1", "--log-interval", "1"]
 
 
+def main_in_rank(rank, world, module, argv):
+    """``<module>.main(argv)`` in a forked rank (so the pytest process itself never builds a model:
+    an OpenMP pool used before a fork can hang the forked ranks of later tests); (exit code,
+    stdout, stderr)."""
+    import importlib
+    import logging
+
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    return code, out.getvalue(), err.getvalue()
+
+
 def _main_rank(rank, world, argv):
     """``pretrain_gpt.main(argv)`` in a rank; (exit code, stdout, stderr)."""
     import logging
