@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Optional
 
 import torch
@@ -205,6 +206,8 @@ class RankEngine:
         self.tokens_forwarded = 0  # real (unpadded) tokens through the model
         self.steps = 0
         self.dummy_steps = 0
+        self.busy_s = 0.0  # wall time inside engine steps and dummy forwards
+        self.comm = {"a2a_bytes": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested counters
 
     # --- requests ---------------------------------------------------------------------------
     def add(self, request_id: int, prompt: list, *, max_tokens: int, temperature: float, top_p: float,
@@ -249,10 +252,12 @@ class RankEngine:
     def step(self) -> list:
         """One engine step; the token deltas of this rank's requests."""
         engine = self.engine
+        start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
         self.tokens_forwarded += int(self.context.active_token_count)
         result = engine.step_modern()
         self.steps += 1
+        self._harvest(start)
         updates = []
         for rid in result["active_request_ids"]:
             entry = engine.requests.get(rid)
@@ -280,16 +285,30 @@ class RankEngine:
     def dummy_step(self) -> None:
         """The forward an idle expert-parallel rank runs while its peers have work (upstream's
         ``run_engine_with_coordinator`` does the same: ``controller.dummy_forward()``)."""
+        start = time.perf_counter()
         self.controller.dummy_forward()
         self.dummy_steps += 1
+        self._harvest(start)
+
+    def _harvest(self, start: float) -> None:
+        """Add the step's wall time and its all-to-all counters to the rank's totals and reset the
+        layers' counters: their in-flight union keeps every interval, so summing the whole history
+        at each ``stats()`` would cost more every step."""
+        from moe_variants.common.comm import CommCounters
+
+        self.busy_s += time.perf_counter() - start
+        if self.counters:
+            step = CommCounters.total(self.counters)
+            self.comm["a2a_bytes"] += int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
+            self.comm["a2a_time_s"] += float(step["time_fwd_s"])
+            self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
+            for counters in self.counters:
+                counters.reset()
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """This rank's engine and all-to-all counters (plain numbers, for the frontend's metrics)."""
-        from moe_variants.common.comm import CommCounters
-
         allocator = self.context.block_allocator
-        total = CommCounters.total(self.counters) if self.counters else CommCounters().as_dict()
         return {
             "requests_active": int(self.context.get_active_request_count()),
             "requests_waiting": len(self.engine.waiting_request_ids),
@@ -298,9 +317,8 @@ class RankEngine:
             "tokens_forwarded": int(self.tokens_forwarded),
             "steps": self.steps,
             "dummy_steps": self.dummy_steps,
-            "a2a_bytes": int(total["bytes_dispatch"] + total["bytes_combine"] + total["bytes_meta"]),
-            "a2a_time_s": float(total["time_fwd_s"]),
-            "a2a_exposed_s": float(total["exposed_fwd_s"]),
+            "busy_s": float(self.busy_s),
+            **self.comm,
         }
 
 

@@ -45,6 +45,7 @@ class Submit:
     top_p: float
     top_k: int
     seed: Optional[int]
+    ignore_eos: bool = False  # generate exactly max_tokens (the end-of-document token does not stop it)
 
 
 @dataclasses.dataclass
@@ -257,7 +258,7 @@ class Frontend:
         self.metrics.running = self.in_flight
         watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
         self.commands.put(("submit", Submit(rid, req.prompt_tokens, req.max_tokens, req.temperature, req.top_p,
-                                            req.top_k, req.seed)))
+                                            req.top_k, req.seed, req.ignore_eos)))
         try:
             await self._respond(rid, req, stream, send, chat, arrival)
         finally:
@@ -306,7 +307,7 @@ class Frontend:
                 break
             now = time.perf_counter()
             new = list(update.tokens)
-            if update.finished and new and new[-1] == eod:
+            if update.finished and new and new[-1] == eod and not req.ignore_eos:
                 new, finish = new[:-1], "stop"
             if update.failed:
                 failed = update.failed

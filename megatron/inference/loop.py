@@ -75,7 +75,8 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
             if assignment[submit.request_id] == dp_rank:
                 rank_engine.add(submit.request_id, submit.prompt, max_tokens=submit.max_tokens,
                                 temperature=submit.temperature, top_p=submit.top_p, top_k=submit.top_k,
-                                termination_id=rank_engine.controller.tokenizer.eod, seed=submit.seed)
+                                termination_id=-1 if submit.ignore_eos else rank_engine.controller.tokenizer.eod,
+                                seed=submit.seed)
         for rid in cmds.cancels:
             update = rank_engine.cancel(rid)
             if update is not None and reports:

@@ -113,6 +113,8 @@ class ServingMetrics:
             ("moe_serve_tokens_forwarded_total", "counter", "Real tokens through the rank's model.", "tokens_forwarded"),
             ("moe_serve_engine_steps_total", "counter", "Engine steps with work.", "steps"),
             ("moe_serve_dummy_forwards_total", "counter", "Forwards of an idle expert-parallel rank.", "dummy_steps"),
+            ("moe_serve_engine_busy_seconds_total", "counter",
+             "Wall time in engine steps and dummy forwards.", "busy_s"),
             ("moe_serve_all_to_all_bytes_total", "counter", "Expert all-to-all bytes sent to other ranks.", "a2a_bytes"),
             ("moe_serve_all_to_all_seconds_total", "counter", "Wall time with an expert all-to-all in flight.", "a2a_time_s"),
             ("moe_serve_all_to_all_exposed_seconds_total", "counter",

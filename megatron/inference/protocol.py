@@ -42,7 +42,7 @@ MAX_STOP_STRINGS = 4
 # Fields accepted with their default (a request giving another value for a field we do not
 # implement is refused rather than silently ignored).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-           "stream_options", "n", "user", "return_token_ids", "logprobs", "presence_penalty",
+           "stream_options", "n", "user", "return_token_ids", "ignore_eos", "logprobs", "presence_penalty",
            "frequency_penalty", "logit_bias"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -76,6 +76,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    ignore_eos: bool = False
     chat: bool = False
 
 
@@ -139,12 +140,15 @@ def _common(body: dict, allowed: set, served_model: str) -> dict:
     token_ids = body.get("return_token_ids", False)
     if not isinstance(token_ids, bool):
         raise BadRequest("'return_token_ids' must be true or false", param="return_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be true or false", param="ignore_eos")
     return dict(
         temperature=float(_number(body, "temperature", 1.0, lo=0.0, hi=2.0)),
         top_p=float(_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
         top_k=int(_number(body, "top_k", 0, lo=0, integer=True)),
         seed=seed, stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)),
-        return_token_ids=token_ids,
+        return_token_ids=token_ids, ignore_eos=ignore_eos,
     )
 
 

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (see --ready-file)")
+    p.add_argument("--variant", default=None, metavar="PRESET",
+                   help="load the checkpoint with a registered variant preset applied (moe_variants.registry; "
+                        "'+' combines): only presets that keep its parameters, e.g. farskip on a standard "
+                        "checkpoint (the serving benchmark's --load runs)")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: the --load directory's name)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefills are chunked to fit)")
     p.add_argument("--max-requests", type=int, default=16, help="requests decoding at once per data-parallel rank")
@@ -88,6 +92,30 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
+def variant_load_overrides(preset) -> dict:
+    """Config overrides of ``--variant PRESET`` (the registry's benchmark presets), or {}."""
+    if not preset:
+        return {}
+    from moe_variants import registry
+
+    try:
+        return registry.preset_overrides(preset)
+    except ValueError as err:
+        raise ValueError(str(err).replace("--variants:", "--variant:")) from None
+
+
+def check_keeps_parameters(ckpt: str, preset: str, overrides: dict, *, flag: str = "--variant", hint: str = "",
+                           **build) -> None:
+    """``ValueError`` when a preset changes the checkpoint's parameters (it needs its own checkpoint)."""
+    from megatron.training.loading import parameter_changes
+
+    changes = parameter_changes(ckpt, overrides, **build)
+    if changes:
+        raise ValueError(f"{flag} {preset} changes the parameters of {ckpt} ({len(changes)} tensors, e.g. "
+                         f"{changes[0]}): only connectivity-only variants (e.g. farskip, farskip-simple) load "
+                         f"another variant's checkpoint{hint}")
+
+
 def chat_renderer(tokenizer_dir: str | None):
     """The checkpoint tokenizer's chat template, else the simple documented one; and its name."""
     from megatron.inference.protocol import ChatTemplate, SIMPLE_CHAT_TEMPLATE, simple_chat_prompt
@@ -115,7 +143,8 @@ def serve(args) -> int:
     with contextlib.ExitStack() as stack:
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
-        configs, manifest, ckpt = checkpoint_configs(args.load)
+        overrides = variant_load_overrides(args.variant)
+        configs, manifest, ckpt = checkpoint_configs(args.load, overrides)
         parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                   expert_model_parallel_size=args.expert_model_parallel_size)
         validate(configs.model, parallel, world)
@@ -123,7 +152,10 @@ def serve(args) -> int:
             raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                              f"the {world} ranks")
         pgc = initialize_parallel(parallel, seed=args.seed)
-        model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, pg_collection=pgc)
+        if overrides:
+            check_keeps_parameters(args.load, args.variant, overrides, parallel=parallel, pg_collection=pgc)
+        model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
+                                                         pg_collection=pgc)
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
         rank_engine = RankEngine(engine, controller, context, model)
 

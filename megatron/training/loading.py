@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["find_checkpoint", "checkpoint_configs", "load_tokenizer", "load_model", "save_model"]
+__all__ = ["find_checkpoint", "checkpoint_configs", "load_tokenizer", "load_model", "save_model", "parameter_changes"]
 
 
 def find_checkpoint(path: str):
@@ -83,6 +83,37 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
                     verify=verify, expected_configs=configs_to_dict(configs))
     model.eval()
     return model, configs, tokenizer, manifest
+
+
+def parameter_changes(path: str, overrides: dict, *, parallel=None, pg_collection=None) -> list[str]:
+    """Parameters of the checkpoint's model that ``overrides`` would add, drop or reshape, as
+    ``name`` or ``name: shape -> shape`` (empty: the overrides change only connectivity, like
+    FarSkip's, and the checkpoint's weights load as they are).
+
+    Both models are built on the meta device (no memory, no weights) at ``parallel`` (default
+    TP = EP = PP = 1, which needs ``initialize_parallel`` at that layout first).
+    """
+    import dataclasses
+
+    import torch
+
+    from moe_variants.builder import build_model
+    from moe_variants.config import ParallelConfig, TransformerImpl
+
+    parallel = parallel or ParallelConfig()
+    shapes = []
+    for extra in ({}, overrides):
+        configs, manifest, _ = checkpoint_configs(path, extra)
+        model_cfg = dataclasses.replace(configs.model, transformer_impl=TransformerImpl.local)
+        vocab = manifest["configs"].get("tokenizer", {}).get("vocab_size") or 1024
+        with torch.device("meta"):
+            model = build_model(model_cfg, parallel, vocab_size=vocab, pg_collection=pg_collection)
+        shapes.append({name: tuple(p.shape) for name, p in model.named_parameters()})
+        del model
+    before, after = shapes
+    out = [f"{n} (dropped)" for n in before if n not in after] + [f"{n} (new)" for n in after if n not in before]
+    out += [f"{n}: {list(before[n])} -> {list(after[n])}" for n in before if n in after and before[n] != after[n]]
+    return out
 
 
 def save_model(save_dir: str, model, configs, *, iteration: int = 0, tokenizer_files: Optional[dict] = None,

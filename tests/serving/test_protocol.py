@@ -26,6 +26,7 @@ def test_completion_defaults_and_fields():
                        "seed": 7, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert (req.prompt_tokens, req.max_tokens, req.temperature, req.seed, req.stop, req.include_usage) == \
         ([5, 6], 3, 0.0, 7, ["x"], True)
+    assert not req.ignore_eos and _completion({"prompt": "a", "ignore_eos": True}).ignore_eos
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -44,6 +45,7 @@ def test_completion_defaults_and_fields():
     ({"prompt": "a", "n": 2}, 400, "n"),
     ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
     ({"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": "a", "ignore_eos": 1}, 400, "ignore_eos"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ])
 def test_bad_completion_requests(body, status, param):
@@ -106,11 +108,12 @@ def test_histogram_and_metrics_render():
     m = ServingMetrics("m")
     m.finished("completed", prompt_tokens=3, generation_tokens=4, ttft_s=0.2, tpot_s=0.01, e2e_s=0.3)
     m.rank_stats = [dict(requests_active=1, requests_waiting=0, kv_blocks_used=2, kv_blocks_total=10,
-                         tokens_forwarded=100, steps=5, dummy_steps=0, a2a_bytes=1000, a2a_time_s=0.5,
-                         a2a_exposed_s=0.25)] * 2
+                         tokens_forwarded=100, steps=5, dummy_steps=0, busy_s=2.0, a2a_bytes=1000,
+                         a2a_time_s=0.5, a2a_exposed_s=0.25)] * 2
     parsed = parse_metrics(m.render())
     assert parsed['moe_serve_requests_total{status="completed"}'] == 1
     assert parsed['moe_serve_kv_cache_blocks_used{rank="1"}'] == 2
     assert parsed["moe_serve_kv_cache_usage_ratio"] == 0.2
     assert parsed["moe_serve_all_to_all_bytes_per_token"] == 10.0
+    assert parsed['moe_serve_engine_busy_seconds_total{rank="0"}'] == 2.0
     assert parsed["moe_serve_time_to_first_token_seconds_count"] == 1

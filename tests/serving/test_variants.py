@@ -90,3 +90,35 @@ def test_converted_hf_model_equals_transformers_generate(tmp_path):
             expected.append([t for t in out if t != 2][:H.NEW_TOKENS] if 2 not in out else out[:out.index(2)])
     tokens, _ = _engine(ckpt, prompts, H.NEW_TOKENS)
     assert tokens == expected
+
+
+def test_server_variant_flag_applies_connectivity_only_presets(serve_ckpts, tmp_path):
+    """``serve --variant farskip`` on the standard checkpoint serves the FarSkip model: its greedy
+    tokens are those of the FarSkip checkpoint (the tiny checkpoints are built from the same seed
+    and FarSkip changes no parameter, so they hold the same weights) and not the standard model's.
+    A preset that changes parameters (bigmac) is refused with one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.serving.conftest import REPO, Server, post
+
+    farskip, _ = offline_greedy(serve_ckpts["farskip"], PROMPTS[:3], MAX_NEW, generation="recompute")
+    standard, _ = offline_greedy(serve_ckpts["standard"], PROMPTS[:3], MAX_NEW)
+    assert [t for t, _ in farskip] != [t for t, _ in standard]  # the two connectivities differ here
+    srv = Server(serve_ckpts["standard"], tmp_path, extra=["--variant", "farskip"])
+    try:
+        got = []
+        for prompt in PROMPTS[:3]:
+            status, body = post(srv.url, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                                                             "return_token_ids": True})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+    finally:
+        assert srv.stop() == 0
+    assert got == [t for t, _ in farskip]
+    proc = subprocess.run([sys.executable, "-m", "megatron.inference.serve", "--load", serve_ckpts["standard"],
+                           "--variant", "bigmac", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "--variant bigmac changes the parameters" in err[0], proc.stderr
