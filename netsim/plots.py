@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "pyplot", "save_png"]
 
 _COLORS = {"scale-up": "tab:blue", "scale-out": "tab:gray", "torus3d": "tab:orange", "fullmesh3d": "tab:green"}
 _MARKERS = {"scale-up": "o", "scale-out": "s", "torus3d": "^", "fullmesh3d": "D"}
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or a one-line ValueError with the install hint."""
     try:
         import matplotlib
 
@@ -53,7 +54,9 @@ def _key(t, c):
     return f"tpot{t:g}ms_ctx{c}"
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
+    """Lay out ``fig`` and write it to ``path`` through a temporary file renamed into place."""
+    path = Path(path)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
@@ -63,7 +66,7 @@ def _save(fig, path: Path) -> Path:
 
 def write_plots(result: dict, out_dir) -> list[Path]:
     """Write every plot the result has data for into ``out_dir``; returns the paths."""
-    plt = _plt()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -86,7 +89,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                 ax.set_xlabel("link bandwidth per XPU (GB/s)")
                 ax.set_ylabel("tokens/s per XPU / norm. cost")
                 ax.legend(fontsize=7)
-        written.append(_save(fig, out / "bandwidth_scaleup.png"))
+        written.append(save_png(fig, out / "bandwidth_scaleup.png"))
         plt.close(fig)
 
     opt_last = result["config"]["optimizations"][-1]
@@ -105,7 +108,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
             ax.set_xlabel("bandwidth per XPU (GB/s)")
             ax.set_ylabel("tokens/s per XPU / norm. cost")
             ax.legend(fontsize=7)
-    written.append(_save(fig, out / "bandwidth_topologies.png"))
+    written.append(save_png(fig, out / "bandwidth_topologies.png"))
     plt.close(fig)
 
     if a.get("topology"):
@@ -131,7 +134,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
             ax.set_xticklabels([k.replace("_", "\n") for k in keys], fontsize=7)
             ax.set_title(opt, fontsize=9)
             ax.legend(fontsize=7)
-        written.append(_save(fig, out / "topologies_1x.png"))
+        written.append(save_png(fig, out / "topologies_1x.png"))
         plt.close(fig)
 
     if a.get("pareto"):
@@ -151,7 +154,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                 ax.set_xlabel("normalised cost per XPU")
                 ax.set_ylabel("tokens/s per XPU")
                 ax.legend(fontsize=7)
-        written.append(_save(fig, out / "pareto.png"))
+        written.append(save_png(fig, out / "pareto.png"))
         plt.close(fig)
 
     if a.get("variants"):
@@ -172,7 +175,7 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                 ax.set_ylabel("gain (%)")
                 ax.set_title(f"TPOT {t:g} ms, context {c}", fontsize=9)
                 ax.legend(fontsize=6)
-        written.append(_save(fig, out / "variants.png"))
+        written.append(save_png(fig, out / "variants.png"))
         plt.close(fig)
 
     gens = a.get("generations")
@@ -193,6 +196,6 @@ def write_plots(result: dict, out_dir) -> list[Path]:
                 ax.set_xlabel("bandwidth per XPU (GB/s)", fontsize=8)
                 ax.set_ylabel("tokens/s per XPU", fontsize=8)
                 ax.legend(fontsize=6)
-        written.append(_save(fig, out / "generations.png"))
+        written.append(save_png(fig, out / "generations.png"))
         plt.close(fig)
     return written

@@ -64,3 +64,32 @@ def test_open_network_falls_back_to_loopback_with_a_warning(monkeypatch, caplog)
     assert net.describe()["reason"] == "not root (simulated)"
     with pytest.raises(ValueError, match="loopback"):
         net.set_link(netns.LinkSpec(2.0))
+
+
+def test_start_ranks_runs_a_subset_and_reports_a_signalled_rank(tmp_path):
+    """``start_ranks`` (the serving benchmark's server and load client): one process per chosen
+    endpoint, its own log name; ``signal`` reaches the whole process group; a rank that died of it
+    fails ``check`` with its log."""
+    import signal
+
+    from tools.bench.launcher import start_ranks
+
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    net = LoopbackNetwork(2)
+    with start_ranks(net, ["-m", "tests.bench.hang_worker", str(spec)], str(tmp_path), endpoints=net.endpoints[1:],
+                     log_prefix="client") as procs:
+        pid_file = tmp_path / "hang1.pid"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs.ranks == [1] and procs.running() and os.path.basename(procs.logs[0]) == "client1.log"
+        assert not (tmp_path / "hang0.pid").exists()
+        procs.check()  # running is not a failure
+        procs.signal(signal.SIGTERM)
+        while procs.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] failed"):
+            procs.check()
+    worker, grandchild = (int(x) for x in pid_file.read_text().split())
+    assert not _alive(worker) and not _alive(grandchild)

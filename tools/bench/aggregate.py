@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 
 from .schema import RankResult
 
-__all__ = ["summarize", "variant_stats", "uncontended_comm_fraction", "ratios_vs", "format_table", "TABLE_COLUMNS"]
+__all__ = ["summarize", "variant_stats", "uncontended_comm_fraction", "ratios_vs", "format_table", "format_rows",
+           "TABLE_COLUMNS"]
 
 _TIME_FIELDS = ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s")
 _COUNT_FIELDS = ("a2a_bytes_dispatch", "a2a_bytes_combine", "tokens")
@@ -189,8 +190,15 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
             _fmt_ratio(r.get("step_time_speedup")),
             _fmt_ratio(r.get("bytes_ratio")),
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    return format_rows(rows[0], rows[1:])
+
+
+def format_rows(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A fixed-width table of strings: the first ``left`` columns left-aligned, the rest right-aligned,
+    a rule under the header."""
+    rows = [tuple(header), *[tuple(r) for r in rows]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     for name, s in stats.items():

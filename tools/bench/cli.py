@@ -39,7 +39,8 @@ from moe_variants.common.files import write_json
 from .tune import find_rate
 from .variant_worker import variant_overrides
 
-__all__ = ["build_parser", "main", "WORKERS", "worker_module_for"]
+__all__ = ["build_parser", "main", "WORKERS", "worker_module_for", "add_model_options", "model_overrides",
+           "host_info", "Budget", "script_path"]
 
 log = logging.getLogger("bench_ep")
 
@@ -98,11 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="DIR", help="write a Chrome trace (chrome://tracing, Perfetto) "
                    "of each model variant's last measured step per rank into DIR")
     g = ap.add_argument_group("model (passed to the model worker)")
-    g.add_argument("--config", metavar="YAML", help="model config file")
-    for flag, typ in MODEL_FLAGS:
-        g.add_argument(flag, type=typ)
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other config override (VALUE parsed as JSON when possible)")
+    add_model_options(g)
     g.add_argument("--semmoe-profile-samples", type=positive_int, default=256,
                    help="variant semmoe: validation-split samples to profile the fresh model's routing on "
                    "before placing its experts")
@@ -122,7 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _overrides(args) -> dict:
+def add_model_options(group) -> None:
+    """``--config``, the model-size flags and ``--set KEY=VALUE`` (read back by ``model_overrides``)."""
+    group.add_argument("--config", metavar="YAML", help="model config file")
+    for flag, typ in MODEL_FLAGS:
+        group.add_argument(flag, type=typ)
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other config override (VALUE parsed as JSON when possible)")
+
+
+def model_overrides(args) -> dict:
+    """Config overrides (field -> value) from the options ``add_model_options`` added."""
     out = {}
     for flag, _ in MODEL_FLAGS:
         key = flag[2:].replace("-", "_")
@@ -164,7 +171,7 @@ def _variants(args) -> list[str]:
     return names
 
 
-def _host_info() -> dict:
+def host_info() -> dict:
     import torch
 
     return {
@@ -177,7 +184,7 @@ def _host_info() -> dict:
     }
 
 
-class _Budget:
+class Budget:
     """The command's wall-clock budget, shared by every launch."""
 
     def __init__(self, seconds: float):
@@ -246,7 +253,7 @@ def _synthetic_options(args) -> SyntheticOptions:
 
 def _benchmark(args, argv, work_dir, budget) -> int:
     variants = _variants(args)
-    overrides = _overrides(args)
+    overrides = model_overrides(args)
     if args.config and not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config}: no such file")
     if variants == [SYNTHETIC] and (overrides or args.config):
@@ -260,7 +267,7 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             raise ValueError(f"--probe-variant {probe_variant}: its all-to-all times are not measured, so "
                              "the rate search cannot probe it (probe one of ours)")  # fmt: skip
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
-    host_start = _host_info()
+    host_start = host_info()
     tuning = None
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None:
@@ -337,7 +344,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
         if s < 64 or s % 64:
             raise ValueError(f"--sizes: {s} is not a positive multiple of 64 bytes")
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
-    host_start = _host_info()
+    host_start = host_info()
     t0 = time.monotonic()
     rows, networks = run_calibration(
         args.calibration_ranks, link, sizes, warmup=args.warmup, repeats=args.repeats,
@@ -369,7 +376,7 @@ def _calibrate(args, argv, work_dir, budget) -> int:
     return 0
 
 
-def _script_path() -> str:
+def script_path(default: str = "scripts/bench_ep.py") -> str:
     """How the running script is best named in a record: relative to the repository if inside it."""
     from tools import repo_root
 
@@ -377,20 +384,20 @@ def _script_path() -> str:
     root = repo_root()
     if script.startswith(root + os.sep):
         return os.path.relpath(script, root)
-    return script or "scripts/bench_ep.py"
+    return script or default
 
 
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    command = ["python", _script_path(), *argv]
+    command = ["python", script_path(), *argv]
     try:
         if args.cleanup_stale:
             removed = netns.cleanup_stale()
             print(f"removed {len(removed)} stale namespace(s)")
             return 0
-        budget = _Budget(args.timeout_s)
+        budget = Budget(args.timeout_s)
         if os.geteuid() == 0 and shutil.which("ip"):
             netns.cleanup_stale()
         keep = args.work_dir is not None

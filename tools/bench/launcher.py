@@ -1,12 +1,15 @@
-"""Start one worker process per rank (inside its namespace), bound their run time, collect results.
+"""Start one process per rank (inside its namespace), bound their run time, collect results.
 
-Each rank runs ``[ip netns exec <ns>] <this python> -m <worker module> <spec.json>`` in its own
-session (process group), with the repository on ``PYTHONPATH`` and the ``torch.distributed``
-environment (``MASTER_ADDR`` = rank 0's address, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``GLOO_SOCKET_IFNAME``) set, so ``init_process_group("gloo")`` with the default
-``env://`` rendezvous works across namespaces. stdout/stderr go to ``rank<r>.log`` in the run
-directory. A rank that fails, or a launch that outlives ``timeout_s``, kills every rank's process
-group (SIGTERM, then SIGKILL) and raises with the tail of the failing ranks' logs.
+Each rank runs ``[ip netns exec <ns>] <this python> <argv>`` in its own session (process group),
+with the repository on ``PYTHONPATH`` and the ``torch.distributed`` environment (``MASTER_ADDR`` =
+rank 0's address, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``GLOO_SOCKET_IFNAME``) set, so ``init_process_group("gloo")`` with the default ``env://``
+rendezvous works across namespaces. stdout/stderr go to ``<log prefix><r>.log`` in the run
+directory. ``launch`` runs a benchmark worker (``-m <worker module> <spec.json>``) to completion
+and collects its results; ``start_ranks`` starts any module (the serving benchmark's server ranks
+and load client) and returns a :class:`RankProcesses` handle to wait on, check or stop. A rank
+that fails, or a wait that outlives ``timeout_s``, kills every rank's process group (SIGTERM,
+then SIGKILL) and raises with the tail of the failing ranks' logs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tools import repo_root
 
 from .schema import WorkerSpec
 
-__all__ = ["LaunchError", "LaunchTimeout", "launch", "free_port"]
+__all__ = ["LaunchError", "LaunchTimeout", "RankProcesses", "launch", "start_ranks", "free_port"]
 
 _KILL_GRACE_S = 3.0
 _FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others may take to exit on their own
@@ -76,6 +79,114 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
+class RankProcesses:
+    """The processes ``start_ranks`` started, one per endpoint, each in its own process group.
+
+    ``wait`` blocks until every one exited 0 (``LaunchError`` when one fails, ``LaunchTimeout``
+    past the limit: both kill the rest first); ``check`` raises the same way without blocking;
+    ``signal`` sends a signal to every group still running; ``kill`` ends them all (SIGTERM, then
+    SIGKILL). As a context manager it kills whatever is still running on exit.
+    """
+
+    def __init__(self, procs: list, logs: list, ranks: list):
+        self.procs = procs
+        self.logs = logs
+        self.ranks = ranks
+
+    def __enter__(self) -> "RankProcesses":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.kill()
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def check(self) -> None:
+        """Raise ``LaunchError`` (after killing the others) if a process exited non-zero."""
+        failed = [i for i, p in enumerate(self.procs) if p.poll() not in (0, None)]
+        if failed:
+            self.kill()
+            raise LaunchError(self._failure(failed))
+
+    def wait(self, timeout_s: float) -> None:
+        _wait(self.procs, self.logs, timeout_s, self.ranks)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def kill(self) -> None:
+        _kill_all(self.procs)
+
+    def log_tail(self, i: int) -> str:
+        return _tail(self.logs[i])
+
+    def _failure(self, failed: list) -> str:
+        details = _failure_details(self.procs, self.logs, self.ranks, failed)
+        return f"worker rank(s) {[self.ranks[i] for i in failed]} failed\n{details}"
+
+
+def start_ranks(
+    network,
+    argv: Sequence[str],
+    run_dir: str,
+    *,
+    master_port: Optional[int] = None,
+    extra_env: Optional[dict] = None,
+    num_threads: int = 1,
+    endpoints: Optional[Sequence] = None,
+    log_prefix: str = "rank",
+) -> RankProcesses:
+    """Start ``<this python> <argv>`` once per endpoint of ``network`` (all of them by default),
+    inside its namespace, with the rendezvous environment of the module docstring; logs go to
+    ``run_dir/<log_prefix><rank>.log``. ``endpoints`` picks a subset (e.g. a load client run in
+    rank 0's namespace)."""
+    os.makedirs(run_dir, exist_ok=True)
+    if master_port is None:
+        # Inside private namespaces every port is free; on loopback we must find one.
+        master_port = 29500 if network.shaped else free_port()
+    root = repo_root()
+    base_env = dict(os.environ)
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
+    base_env.update(
+        MASTER_ADDR=network.endpoints[0].addr,
+        MASTER_PORT=str(master_port),
+        WORLD_SIZE=str(network.num_ranks),
+        OMP_NUM_THREADS=str(num_threads),
+        PYTHONUNBUFFERED="1",
+    )
+    base_env.update(extra_env or {})
+    endpoints = list(network.endpoints if endpoints is None else endpoints)
+    procs: list[subprocess.Popen] = []
+    logs: list[str] = []
+    try:
+        for ep in endpoints:
+            env = dict(base_env, RANK=str(ep.rank), LOCAL_RANK=str(ep.rank), GLOO_SOCKET_IFNAME=ep.ifname)
+            log_path = os.path.join(run_dir, f"{log_prefix}{ep.rank}.log")
+            logs.append(log_path)
+            with open(log_path, "wb") as log_file:
+                procs.append(
+                    subprocess.Popen(
+                        [*ep.command_prefix(), sys.executable, *argv],
+                        env=env,
+                        cwd=root,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # own process group: killpg reaches all of it
+                    )
+                )
+    except BaseException:
+        _kill_all(procs)
+        raise
+    return RankProcesses(procs, logs, [ep.rank for ep in endpoints])
+
+
 def launch(
     network,
     worker_module: str,
@@ -100,43 +211,9 @@ def launch(
             raise LaunchError(f"result file {spec.result_path(r)} already exists; use a fresh directory")
     spec_path = os.path.join(run_dir, "spec.json")
     spec.write(spec_path)
-    if master_port is None:
-        # Inside private namespaces every port is free; on loopback we must find one.
-        master_port = 29500 if network.shaped else free_port()
-    root = repo_root()
-    base_env = dict(os.environ)
-    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
-    base_env.update(
-        MASTER_ADDR=network.endpoints[0].addr,
-        MASTER_PORT=str(master_port),
-        WORLD_SIZE=str(network.num_ranks),
-        OMP_NUM_THREADS=str(spec.num_threads),
-        PYTHONUNBUFFERED="1",
-    )
-    base_env.update(extra_env or {})
-
-    procs: list[subprocess.Popen] = []
-    logs: list[str] = []
-    try:
-        for ep in network.endpoints:
-            env = dict(base_env, RANK=str(ep.rank), LOCAL_RANK=str(ep.rank), GLOO_SOCKET_IFNAME=ep.ifname)
-            log_path = os.path.join(run_dir, f"rank{ep.rank}.log")
-            logs.append(log_path)
-            with open(log_path, "wb") as log_file:
-                procs.append(
-                    subprocess.Popen(
-                        [*ep.command_prefix(), sys.executable, "-m", worker_module, spec_path],
-                        env=env,
-                        cwd=root,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # own process group: killpg reaches all of it
-                    )
-                )
-        _wait(procs, logs, timeout_s)
-    finally:
-        _kill_all(procs)  # no-op when all exited; on errors/signals nothing is left running
+    with start_ranks(network, ["-m", worker_module, spec_path], run_dir, master_port=master_port,
+                     extra_env=extra_env, num_threads=spec.num_threads) as ranks:
+        ranks.wait(timeout_s)  # on errors/signals the context kills every rank
 
     results = []
     for r in range(network.num_ranks):
@@ -145,33 +222,39 @@ def launch(
             with open(path) as f:
                 results.append(json.load(f))
         except (OSError, json.JSONDecodeError) as e:
-            raise LaunchError(f"rank {r} exited 0 but left no valid result ({e})\n{_tail(logs[r])}") from e
+            raise LaunchError(f"rank {r} exited 0 but left no valid result ({e})\n{_tail(ranks.logs[r])}") from e
     return results
 
 
-def _wait(procs: list[subprocess.Popen], logs: list[str], timeout_s: float) -> None:
+def _failure_details(procs, logs, ranks, failed) -> str:
+    return "\n".join(
+        f"--- rank {ranks[i]} (exit {procs[i].returncode}), last lines of {logs[i]}:\n{_tail(logs[i])}"
+        for i in failed
+    )
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[str], timeout_s: float,
+          ranks: Optional[Sequence[int]] = None) -> None:
+    ranks = list(range(len(procs))) if ranks is None else list(ranks)
     deadline = time.monotonic() + timeout_s
     first_failure: Optional[float] = None
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return
-        failed = [r for r, c in enumerate(codes) if c not in (0, None)]
+        failed = [i for i, c in enumerate(codes) if c not in (0, None)]
         now = time.monotonic()
         if failed and first_failure is None:
             first_failure = now
         if failed and (all(c is not None for c in codes) or now - first_failure > _FAILURE_GRACE_S):
             _kill_all(procs)
-            details = "\n".join(
-                f"--- rank {r} (exit {procs[r].returncode}), last lines of {logs[r]}:\n{_tail(logs[r])}"
-                for r in failed
-            )
-            raise LaunchError(f"worker rank(s) {failed} failed\n{details}")
+            details = _failure_details(procs, logs, ranks, failed)
+            raise LaunchError(f"worker rank(s) {[ranks[i] for i in failed]} failed\n{details}")
         if now > deadline:
-            running = [r for r, c in enumerate(codes) if c is None]
+            running = [i for i, c in enumerate(codes) if c is None]
             _kill_all(procs)
-            details = "\n".join(f"--- rank {r}, last lines of {logs[r]}:\n{_tail(logs[r])}" for r in running)
+            details = "\n".join(f"--- rank {ranks[i]}, last lines of {logs[i]}:\n{_tail(logs[i])}" for i in running)
             raise LaunchTimeout(
-                f"timed out after {timeout_s:.0f}s (--timeout-s); killed ranks {running}\n{details}"
+                f"timed out after {timeout_s:.0f}s (--timeout-s); killed ranks {[ranks[i] for i in running]}\n{details}"
             )
         time.sleep(0.05)
