@@ -1,2 +1,3 @@
-"""Serving benchmark building blocks (load generation, statistics, report shape); the driver
-(scripts/bench_serve.py) is not built yet: see docs/serving.md, "Figures"."""
+"""The serving benchmark (``scripts/bench_serve.py``): load generation and statistics (``loadgen``),
+requests (``workload``), the HTTP load client (``client``), phase statistics (``analysis``), plots
+and the driver (``cli``). See docs/serving.md."""

@@ -2,7 +2,8 @@
 
 ``poisson_arrivals`` gives request send times for a rate (requests/s) from a seed; ``load_prompts``
 reads prompts (JSONL with a ``text`` field, or ShareGPT JSON: a list of ``{"conversations":
-[{"from": "human", "value": ...}, ...]}``, the first human turn taken); ``summarize`` turns
+[{"from": "human", "value": ...}, ...]}``, the first human turn taken) and ``load_prompt_pairs``
+the answers with them (JSONL ``answer``, the ShareGPT model turn after the prompt); ``summarize`` turns
 per-request timings into TTFT / TPOT / end-to-end p50/p90/p99, output tokens/s, requests/s and
 goodput at an SLO; ``report`` lays variants out in bench_ep's JSON shape
 (``variants.<name>.<metric>`` with p50/p90/p99 or a single value, ``ratios.<name>.throughput_speedup``
@@ -14,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 from typing import Optional, Sequence
 
-__all__ = ["RequestTiming", "poisson_arrivals", "load_prompts", "percentile", "summarize", "report"]
+__all__ = ["RequestTiming", "poisson_arrivals", "load_prompts", "load_prompt_pairs", "percentile", "distribution",
+           "summarize", "report"]
 
 
 @dataclasses.dataclass
@@ -53,31 +56,52 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list:
 
 def load_prompts(path: str, limit: Optional[int] = None) -> list:
     """Prompt texts from a JSONL file (``text`` field per line) or a ShareGPT JSON file."""
-    with open(path, encoding="utf-8") as f:
+    return [text for text, _ in load_prompt_pairs(path, limit)]
+
+
+def load_prompt_pairs(path: str, limit: Optional[int] = None) -> list:
+    """``(prompt, answer or None)`` pairs from a JSONL file (``text``, optional ``answer`` field per
+    line) or a ShareGPT JSON file (the first human turn and the model turn after it, when there is
+    one: the benchmark takes its length as the request's output length)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--prompts {path}: is a directory; name one JSONL or ShareGPT JSON file in it")
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"--prompts {path}: {err.strerror}") from None
+    with f:
         head = f.read(1)
         f.seek(0)
+        pairs = []
         if head == "[":
-            texts = []
-            for item in json.load(f):
-                turns = item.get("conversations") or []
-                first = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
-                if isinstance(first, str) and first.strip():
-                    texts.append(first)
+            try:
+                items = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--prompts {path}: not valid JSON ({err.msg})") from None
+            for item in items:
+                turns = (item.get("conversations") if isinstance(item, dict) else None) or []
+                idx = next((i for i, t in enumerate(turns) if t.get("from") in ("human", "user")), None)
+                if idx is None or not isinstance(turns[idx].get("value"), str) or not turns[idx]["value"].strip():
+                    continue
+                answer = next((t.get("value") for t in turns[idx + 1:idx + 2] if t.get("from") in ("gpt", "assistant")),
+                              None)
+                pairs.append((turns[idx]["value"], answer if isinstance(answer, str) else None))
         else:
-            texts = []
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line).get("text")
+                    record = json.loads(line)
+                    text = record.get("text")
                 except (json.JSONDecodeError, AttributeError):
                     raise ValueError(f"--prompts {path}: line {n} is not a JSON object") from None
                 if not isinstance(text, str):
                     raise ValueError(f"--prompts {path}: line {n} has no string 'text' field")
-                texts.append(text)
-    if not texts:
+                answer = record.get("answer")
+                pairs.append((text, answer if isinstance(answer, str) else None))
+    if not pairs:
         raise ValueError(f"--prompts {path}: no prompts found")
-    return texts[:limit] if limit else texts
+    return pairs[:limit] if limit else pairs
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -90,7 +114,8 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-def _dist(values) -> dict:
+def distribution(values) -> dict:
+    """``{"p50", "p90", "p99"}`` of ``values`` (each None when there are none)."""
     return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
 
@@ -104,9 +129,9 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float, *, slo_ttft_s
     good = [t for t in ok if (slo_ttft_s is None or (t.ttft_s is not None and t.ttft_s <= slo_ttft_s))
             and (slo_tpot_s is None or t.tpot_s is None or t.tpot_s <= slo_tpot_s)]
     return {
-        "ttft_s": _dist([t.ttft_s for t in ok if t.ttft_s is not None]),
-        "tpot_s": _dist([t.tpot_s for t in ok if t.tpot_s is not None]),
-        "e2e_s": _dist([t.e2e_s for t in ok]),
+        "ttft_s": distribution([t.ttft_s for t in ok if t.ttft_s is not None]),
+        "tpot_s": distribution([t.tpot_s for t in ok if t.tpot_s is not None]),
+        "e2e_s": distribution([t.e2e_s for t in ok]),
         "output_tokens_per_s": sum(t.output_tokens for t in ok) / duration_s,
         "requests_per_s": len(ok) / duration_s,
         "goodput_requests_per_s": len(good) / duration_s,
@@ -114,13 +139,24 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float, *, slo_ttft_s
     }
 
 
-def report(per_variant: dict, *, meta: Optional[dict] = None) -> dict:
+def report(per_variant: dict, *, meta: Optional[dict] = None, throughput_key: str = "output_tokens_per_s") -> dict:
     """bench_ep's shape: ``{"variants": {name: stats}, "ratios": {name: {"throughput_speedup"}}}``
-    (the first variant is the baseline; ``output_tokens_per_s`` is the throughput)."""
+    (the first variant is the baseline; ``throughput_key`` names the throughput, output tokens/s by
+    default). Variants with a per-rate breakdown (``stats["rates"][rate]``) also get
+    ``ratios[name]["rates"][rate]["throughput_speedup"]`` for the rates the baseline has."""
     names = list(per_variant)
     if not names:
         raise ValueError("no variants to report")
-    base = per_variant[names[0]]["output_tokens_per_s"]
-    ratios = {n: {"throughput_speedup": (per_variant[n]["output_tokens_per_s"] / base) if base else None}
-              for n in names}
+
+    def ratio(num, den):
+        return num / den if num is not None and den else None
+
+    base = per_variant[names[0]]
+    ratios = {}
+    for n in names:
+        ratios[n] = {"throughput_speedup": ratio(per_variant[n][throughput_key], base[throughput_key])}
+        rates, base_rates = per_variant[n].get("rates"), base.get("rates") or {}
+        if rates:
+            ratios[n]["rates"] = {r: {"throughput_speedup": ratio(s[throughput_key], base_rates[r][throughput_key])}
+                                  for r, s in rates.items() if r in base_rates}
     return {"meta": dict(meta or {}), "variants": per_variant, "ratios": ratios}

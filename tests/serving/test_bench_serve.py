@@ -1,0 +1,166 @@
+"""``scripts/bench_serve.py`` end to end on the tiny serving checkpoint: two server ranks (EP=2) over
+loopback, the load client streaming requests, the JSON's shape and its statistics checked against
+the raw per-request records it carries (exact: the same numbers recomputed) and against token
+counts known in advance (exact: every request generates ``max_tokens`` tokens with ``ignore_eos``,
+so the engine forwards each prompt plus ``max_tokens - 1`` generated tokens). Bad flags give one
+line and write nothing. The network-namespace run skips without root. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools import repo_root
+from tools.bench import netns
+from tools.serve_bench.loadgen import RequestTiming, percentile, summarize
+
+SCRIPT = os.path.join(repo_root(), "scripts", "bench_serve.py")
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=repo_root())
+
+
+def _in_process(argv, capsys):
+    from tools.serve_bench.cli import main
+
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--no-netns", "--target-comm-fraction", "0.5", "--input-len", "8"], "--target-comm-fraction"),
+    (["--no-netns"], "--prompts"),
+    (["--prompts", "MISSING.json", "--no-netns"], "--prompts"),
+    (["--variants", "standard,nosuch", "--input-len", "8", "--no-netns"], "nosuch"),
+    (["--variants", "semmoe", "--input-len", "8", "--no-netns"], "--load"),
+    (["--request-rates", "0", "--input-len", "8", "--no-netns"], "--request-rates"),
+    (["--request-rates", "1,1", "--input-len", "8", "--no-netns"], "--request-rates"),
+    (["--num-requests", "3", "--duration", "5", "--input-len", "8", "--no-netns"], "--duration"),
+    (["--config", "MISSING.yaml", "--input-len", "8", "--no-netns"], "--config"),
+    (["--load", "MISSING", "--input-len", "8", "--no-netns"], "--load"),
+    (["--mode", "prefill", "--input-len", "600", "--no-netns"], "--prefill-tokens"),
+])
+def test_bad_flags_give_one_line_and_write_nothing(argv, flag, tmp_path, capsys):
+    argv = [a.replace("MISSING", str(tmp_path / "missing")) for a in argv]
+    out = tmp_path / "out"
+    code, err = _in_process([*argv, "--json", out / "r.json", "--work-dir", out / "work"], capsys)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_variant_that_changes_parameters_needs_its_own_checkpoint(serve_ckpts, tmp_path):
+    out = tmp_path / "out"
+    proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,bigmac", "--input-len", 8, "--no-netns",
+                "--json", out / "r.json", "--work-dir", out / "work")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "--variants bigmac changes the parameters" in err[0], proc.stderr
+    assert "--config" in err[0] and not out.exists()
+
+
+def _check_distributions(stats: dict, requests: list) -> None:
+    ok = [r for r in requests if r["ok"]]
+    timings = [RequestTiming(r["ttft_s"], r["e2e_s"], r["output_tokens"], r["ok"]) for r in requests]
+    for key, values in (("ttft_s", [t.ttft_s for t in timings if t.ok]), ("e2e_s", [t.e2e_s for t in timings if t.ok]),
+                        ("tpot_s", [t.tpot_s for t in timings if t.ok and t.tpot_s is not None])):
+        assert set(stats[key]) == {"p50", "p90", "p99"}
+        assert stats[key]["p50"] <= stats[key]["p90"] <= stats[key]["p99"]
+        assert stats[key]["p50"] == percentile(values, 50) and stats[key]["p99"] == percentile(values, 99)
+    assert len(ok) == len(requests) == stats["num_requests"] and stats["failed_requests"] == 0
+
+
+@pytest.mark.slow
+def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
+    out = tmp_path / "serve.json"
+    proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,farskip", "--no-netns", "--ranks", 2,
+                "--input-len", 12, "--output-len", 6, "--request-rates", "4,inf", "--num-requests", 5,
+                "--warmup-requests", 2, "--slo-ttft", 5.0, "--slo-tpot", 1.0, "--json", out, "--timeout-s", 500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "NOT shaped" in proc.stderr and "TTFT p50/p99 ms" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["schema"] == "bench_serve/1" and data["mode"] == "serve" and data["baseline"] == "standard"
+    assert data["network"]["mode"] == "loopback" and data["tuning"] is None
+    assert data["config"]["workload"]["request_rates"] == ["4", "inf"]
+    for name in ("standard", "farskip"):
+        v = data["variants"][name]
+        assert set(v["rates"]) == {"4", "inf"} and v["lar"] is None
+        assert data["ratios"][name]["throughput_speedup"] == pytest.approx(
+            v["output_tokens_per_s"] / data["variants"]["standard"]["output_tokens_per_s"])
+        pooled = []
+        for rate, s in v["rates"].items():
+            reqs = data["requests"][name][f"rate-{rate}"]
+            pooled += reqs
+            _check_distributions(s, reqs)
+            assert s["output_tokens"] == 5 * 6 and s["short_outputs"] == 0  # ignore_eos: exactly max_tokens
+            assert s["tokens_forwarded"] == sum(r["prompt_tokens"] + r["max_tokens"] - 1 for r in reqs) == 5 * 17
+            expected = summarize([RequestTiming(r["ttft_s"], r["e2e_s"], r["output_tokens"]) for r in reqs],
+                                 s["duration_s"], slo_ttft_s=5.0, slo_tpot_s=1.0)
+            for key in ("output_tokens_per_s", "requests_per_s", "goodput_requests_per_s"):
+                assert s[key] == expected[key]
+            assert s["a2a_bytes_per_token"] > 0 and 0 < s["a2a_fraction"] <= 1 and 0 <= s["exposed_fraction"] <= 1
+            assert s["exposed_a2a_s_per_output_token"] == pytest.approx(s["exposed_a2a_s"] / s["output_tokens"])
+            assert data["ratios"][name]["rates"][rate]["throughput_speedup"] == pytest.approx(
+                s["output_tokens_per_s"] / data["variants"]["standard"]["rates"][rate]["output_tokens_per_s"])
+        _check_distributions(v, pooled)
+        assert v["tokens_forwarded"] == sum(s["tokens_forwarded"] for s in v["rates"].values())
+    assert data["variants"]["standard"]["rates"]["inf"]["offered_rate"] is None
+    assert data["ratios"]["standard"]["throughput_speedup"] == 1.0
+    for suffix in ("latency", "throughput"):
+        png = tmp_path / f"serve_{suffix}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_loopback_prefill_run_reports_throughput_share_and_amdahl(serve_ckpts, tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,farskip-simple", "--no-netns",
+                "--mode", "prefill", "--input-len", 16, "--prefill-tokens", 64, "--prefill-batches", 2,
+                "--prefill-repeats", 2, "--json", out, "--no-plots", "--timeout-s", 500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["mode"] == "prefill" and data["config"]["server"]["max_batch_tokens"] == 64
+    base = data["variants"]["standard"]
+    for name, v in data["variants"].items():
+        phases = data["requests"][name]
+        assert set(phases) == {"prefill-0", "prefill-1"}  # --prefill-repeats 2
+        reqs = [r for p in phases.values() for r in p]
+        assert len(reqs) == 2 * 2 * 2 * (64 // 16) and all(r["output_tokens"] == 1 for r in reqs)
+        assert v["prompt_tokens"] == v["tokens_forwarded"] == 16 * len(reqs)  # prompts only: max_tokens 1
+        per_repeat = [x["prompt_tokens"] / x["duration_s"] for x in v["repeats"]]
+        assert v["prefill_tokens_per_s"]["median"] == pytest.approx(sum(per_repeat) / 2)  # median of two
+        assert [x["forward_tokens_per_s"] for x in v["repeats"]] == \
+            [x["tokens_forwarded"] / x["engine_busy_s"] for x in v["repeats"]]
+        r = data["ratios"][name]
+        f = base["a2a_fraction"]["median"]
+        assert r["amdahl_bound"] == pytest.approx(1 / (1 - f)) and r["baseline_a2a_fraction"] == f
+        assert r["throughput_speedup"] == pytest.approx(
+            v["prefill_tokens_per_s"]["median"] / base["prefill_tokens_per_s"]["median"])
+    assert not list(tmp_path.glob("*.png"))
+
+
+ok, why = netns.netns_available() if os.geteuid() == 0 else (False, "not root")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")
+def test_netns_run_searches_the_link_rate_and_leaves_no_namespace(serve_ckpts, tmp_path):
+    before = set(netns.list_project_namespaces())
+    out = tmp_path / "netns.json"
+    proc = _run("--load", serve_ckpts["standard"], "--variants", "standard", "--mode", "prefill", "--input-len", 16,
+                "--prefill-tokens", 64, "--prefill-batches", 1, "--prefill-repeats", 1, "--target-comm-fraction", 0.3,
+                "--link-gbit", 0.05,
+                "--max-probes", 2, "--probe-rounds", 1, "--json", out, "--no-plots", "--timeout-s", 500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["network"]["mode"] == "netns" and data["network"]["shaped"]
+    tuning = data["tuning"]
+    assert tuning["probe_variant"] == "standard" and 1 <= len(tuning["probes"]) <= 2
+    assert data["network"]["link"]["gbit"] == tuning["gbit"]
+    assert set(netns.list_project_namespaces()) <= before

@@ -1,0 +1,224 @@
+"""Statistics of the serving benchmark, as pure functions of the load client's phase results.
+
+A phase result (``tools.serve_bench.client``) holds every request (send time, TTFT, end-to-end
+time, tokens) and the server's ``/metrics`` before and after the phase. From the per-rank engine
+counters of ``/metrics`` (``megatron.inference.metrics``) a phase's deltas give:
+
+* ``tokens_forwarded``      real tokens through the model, all ranks (prompt and generated);
+* ``engine_busy_s``         mean over ranks of the wall time inside engine steps and the dummy
+                            forwards of idle expert-parallel ranks;
+* ``a2a_bytes_per_token``   all-to-all bytes all ranks sent to other ranks, per forwarded token
+                            (dispatch, combine and routing metadata; the engine's padding tokens
+                            and dummy forwards are dispatched too, so this is the engine's cost);
+* ``a2a_time_s``, ``a2a_fraction``  mean over ranks of the wall time with an expert all-to-all in
+                            flight, and its share of ``engine_busy_s``;
+* ``exposed_a2a_s``, ``exposed_fraction``  the time the compute thread waited on them, and its
+                            share; ``overlap`` = 1 - exposed / in flight;
+* ``exposed_a2a_s_per_output_token`` (serving) / ``..._per_prompt_token`` (prefill).
+
+``serve_stats`` adds the request statistics of ``loadgen.summarize`` (TTFT, TPOT, end-to-end
+p50/p90/p99, output tokens/s, requests/s, goodput); ``prefill_stats`` prefill tokens/s (prompt
+tokens over the burst's wall time, first send to last answer) and the engine's forward tokens/s
+(forwarded tokens over ``engine_busy_s``), median/min/max over repeated bursts.
+``probe_fraction`` is the rate search's measurement, as bench_ep's: median all-to-all time over
+(median all-to-all + fastest compute), per (rank, round).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence
+
+from tools.bench.aggregate import summarize as summarize_values
+from tools.bench.aggregate import uncontended_comm_fraction
+
+from .loadgen import RequestTiming, distribution, summarize
+
+__all__ = ["RANK_COUNTERS", "rank_deltas", "comm_summary", "serve_stats", "pooled_serve_stats", "prefill_stats",
+           "probe_fraction", "prefill_ratios", "amdahl_bound"]
+
+RANK_COUNTERS = {
+    "tokens": "moe_serve_tokens_forwarded_total",
+    "busy_s": "moe_serve_engine_busy_seconds_total",
+    "a2a_bytes": "moe_serve_all_to_all_bytes_total",
+    "a2a_s": "moe_serve_all_to_all_seconds_total",
+    "exposed_s": "moe_serve_all_to_all_exposed_seconds_total",
+    "steps": "moe_serve_engine_steps_total",
+    "dummy_forwards": "moe_serve_dummy_forwards_total",
+}
+_RANK_RE = re.compile(r'\{rank="(\d+)"\}$')
+
+
+def _ranks(metrics: dict) -> list:
+    name = RANK_COUNTERS["busy_s"]
+    return sorted(int(m.group(1)) for k in metrics if k.startswith(name) and (m := _RANK_RE.search(k)))
+
+
+def rank_deltas(before: dict, after: dict) -> list:
+    """Per rank ``{counter: after - before}`` for ``RANK_COUNTERS``."""
+    ranks = _ranks(after)
+    if not ranks:
+        raise ValueError("/metrics has no per-rank engine counters")
+    out = []
+    for r in ranks:
+        d = {}
+        for key, name in RANK_COUNTERS.items():
+            sample = f'{name}{{rank="{r}"}}'
+            d[key] = after[sample] - before.get(sample, 0.0)
+        out.append(d)
+    return out
+
+
+def _div(num, den) -> Optional[float]:
+    return num / den if den else None
+
+
+def comm_summary(deltas: Sequence[dict], *, output_tokens: Optional[int] = None,
+                 prompt_tokens: Optional[int] = None) -> dict:
+    """The all-to-all and engine figures of the module docstring from per-rank deltas."""
+    n = len(deltas)
+    tokens = sum(d["tokens"] for d in deltas)
+    busy = sum(d["busy_s"] for d in deltas) / n
+    a2a = sum(d["a2a_s"] for d in deltas) / n
+    exposed = sum(d["exposed_s"] for d in deltas) / n
+    out = {
+        "tokens_forwarded": int(tokens),
+        "engine_busy_s": busy,
+        "engine_steps": int(sum(d["steps"] for d in deltas)),
+        "dummy_forwards": int(sum(d["dummy_forwards"] for d in deltas)),
+        "a2a_bytes_per_token": _div(sum(d["a2a_bytes"] for d in deltas), tokens),
+        "a2a_time_s": a2a,
+        "a2a_fraction": _div(a2a, busy),
+        "exposed_a2a_s": exposed,
+        "exposed_fraction": _div(exposed, busy),
+        "overlap": (1.0 - exposed / a2a) if a2a > 0 else None,
+    }
+    if output_tokens is not None:
+        out["exposed_a2a_s_per_output_token"] = _div(exposed, output_tokens)
+    if prompt_tokens is not None:
+        out["exposed_a2a_s_per_prompt_token"] = _div(exposed, prompt_tokens)
+    return out
+
+
+def _timings(requests) -> list:
+    return [RequestTiming(r["ttft_s"], r["e2e_s"], int(r["output_tokens"]), bool(r["ok"])) for r in requests]
+
+
+def _sum_deltas(all_deltas: Sequence[Sequence[dict]]) -> list:
+    out = [dict(d) for d in all_deltas[0]]
+    for deltas in all_deltas[1:]:
+        if len(deltas) != len(out):
+            raise ValueError("phases report different numbers of ranks")
+        for acc, d in zip(out, deltas):
+            for k, v in d.items():
+                acc[k] += v
+    return out
+
+
+def serve_stats(phases: Sequence[dict], *, slo_ttft_s=None, slo_tpot_s=None) -> dict:
+    """Request and engine statistics of one or more serving phases pooled: latencies over all their
+    requests, throughputs over the sum of their durations, engine counters summed."""
+    requests = [r for p in phases for r in p["requests"]]
+    duration = sum(p["duration_s"] for p in phases)
+    out = summarize(_timings(requests), duration, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    ok = [r for r in requests if r["ok"]]
+    output_tokens = sum(int(r["output_tokens"]) for r in ok)
+    out.update(num_requests=len(requests), duration_s=duration, output_tokens=output_tokens,
+               prompt_tokens=sum(int(r["prompt_tokens"]) for r in ok),
+               short_outputs=sum(1 for r in ok if int(r["output_tokens"]) != int(r["max_tokens"])))
+    deltas = _sum_deltas([rank_deltas(p["metrics_before"], p["metrics_after"]) for p in phases])
+    out.update(comm_summary(deltas, output_tokens=output_tokens))
+    return out
+
+
+def pooled_serve_stats(per_rate: dict, phases: dict, **slo) -> dict:
+    """A variant's top level: every rate's phase pooled (``serve_stats``), with ``rates``."""
+    out = serve_stats(list(phases.values()), **slo)
+    out["rates"] = per_rate
+    return out
+
+
+def _prefill_one(phase: dict) -> dict:
+    ok = [r for r in phase["requests"] if r["ok"]]
+    prompt_tokens = sum(int(r["prompt_tokens"]) for r in ok)
+    comm = comm_summary(rank_deltas(phase["metrics_before"], phase["metrics_after"]), prompt_tokens=prompt_tokens)
+    return {
+        "duration_s": phase["duration_s"],
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_per_s": prompt_tokens / phase["duration_s"] if phase["duration_s"] > 0 else None,
+        "forward_tokens_per_s": _div(comm["tokens_forwarded"], comm["engine_busy_s"]),
+        **comm,
+    }
+
+
+PREFILL_SUMMARIZED = ("prefill_tokens_per_s", "forward_tokens_per_s", "a2a_fraction", "exposed_fraction")
+
+
+def prefill_stats(phases: Sequence[dict]) -> dict:
+    """Forward-only throughput of prefill bursts (requests of ``max_tokens`` 1), one phase per
+    repeat: ``PREFILL_SUMMARIZED`` as ``{"median", "min", "max", "n"}`` over the repeats (bench_ep's
+    shape), the rest pooled over them; ``repeats`` keeps each repeat's figures."""
+    repeats = [_prefill_one(p) for p in phases]
+    requests = [r for p in phases for r in p["requests"]]
+    ok = [r for r in requests if r["ok"]]
+    pooled = comm_summary(_sum_deltas([rank_deltas(p["metrics_before"], p["metrics_after"]) for p in phases]),
+                          prompt_tokens=sum(int(r["prompt_tokens"]) for r in ok))
+    out = {
+        "num_requests": len(requests),
+        "failed_requests": len(requests) - len(ok),
+        "duration_s": sum(p["duration_s"] for p in phases),
+        "prompt_tokens": sum(int(r["prompt_tokens"]) for r in ok),
+        "ttft_s": distribution([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+    }
+    out.update(pooled)
+    for key in PREFILL_SUMMARIZED:
+        values = [r[key] for r in repeats if r[key] is not None]
+        out[key] = summarize_values(values) if values else None
+    out["repeats"] = repeats
+    return out
+
+
+def probe_fraction(phases: Sequence[dict]) -> float:
+    """All-to-all share of the engine's forwards over probe rounds, at the fastest compute seen:
+    ``A / (A + C_min)`` with ``A`` the median in-flight time and ``C`` busy minus exposed time,
+    over (rank, round) pairs (``tools.bench.aggregate.uncontended_comm_fraction``)."""
+    a2a, compute = [], []
+    for p in phases:
+        for d in rank_deltas(p["metrics_before"], p["metrics_after"]):
+            a2a.append(d["a2a_s"])
+            compute.append(d["busy_s"] - d["exposed_s"])
+    return uncontended_comm_fraction({"a2a_time_s": summarize_values(a2a), "compute_s": summarize_values(compute)})
+
+
+def amdahl_bound(fraction: Optional[float], remaining: float = 0.0) -> Optional[float]:
+    """Speedup when a ``fraction`` of the time shrinks to ``remaining`` x itself (0: removed)."""
+    if fraction is None:
+        return None
+    den = (1.0 - fraction) + fraction * remaining
+    return 1.0 / den if den > 0 else None  # unbounded
+
+
+def _median(stat) -> Optional[float]:
+    return stat["median"] if stat else None
+
+
+def prefill_ratios(per_variant: dict) -> dict:
+    """Against the first variant (medians over repeats): throughput and forward speedups, the
+    all-to-all bytes ratio, and Amdahl's bounds for the baseline's measured all-to-all share: all
+    of it removed (``amdahl_bound``) and scaled by the bytes ratio (``amdahl_bound_bytes``)."""
+    names = list(per_variant)
+    base = per_variant[names[0]]
+    share = _median(base["a2a_fraction"])
+    out = {}
+    for n in names:
+        s = per_variant[n]
+        bytes_ratio = _div(s["a2a_bytes_per_token"], base["a2a_bytes_per_token"])
+        out[n] = {
+            "throughput_speedup": _div(_median(s["prefill_tokens_per_s"]), _median(base["prefill_tokens_per_s"])),
+            "forward_speedup": _div(_median(s["forward_tokens_per_s"]), _median(base["forward_tokens_per_s"])),
+            "bytes_ratio": bytes_ratio,
+            "baseline_a2a_fraction": share,
+            "amdahl_bound": amdahl_bound(share),
+            "amdahl_bound_bytes": amdahl_bound(share, bytes_ratio) if bytes_ratio is not None else None,
+        }
+    return out

@@ -1,0 +1,117 @@
+"""PNG plots of a serving benchmark result (matplotlib, imported lazily through ``netsim.plots``).
+
+Serving mode:
+
+* ``<stem>_latency.png``     TTFT, TPOT and end-to-end latency (p50 solid, p99 dashed) vs request
+                             rate, one colour per variant;
+* ``<stem>_throughput.png``  output tokens/s and goodput (requests/s within the SLOs) vs rate.
+
+Prefill mode: ``<stem>_prefill.png``, prefill tokens/s per variant (median over the repeated
+bursts, min-max bars) with the baseline's Amdahl bound (all-to-all removed) as a line.
+"""
+
+from __future__ import annotations
+
+import os
+
+from netsim.plots import pyplot, save_png
+
+__all__ = ["write_plots"]
+
+
+def _rates(stats: dict) -> list:
+    return sorted(stats["rates"], key=float)
+
+
+def _rate_axis(ax, rates: list) -> list:
+    """Rates as evenly spaced categories (an ``inf`` rate, all requests at once, included)."""
+    ax.set_xticks(range(len(rates)))
+    ax.set_xticklabels(rates)
+    ax.set_xlabel("request rate (req/s)")
+    return list(range(len(rates)))
+
+
+def _serve(plt, result: dict, out_dir: str, stem: str) -> list:
+    variants = result["variants"]
+    written = []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (key, title, scale, unit) in zip(axes, [("ttft_s", "time to first token", 1e3, "ms"),
+                                                    ("tpot_s", "time per output token", 1e3, "ms"),
+                                                    ("e2e_s", "end-to-end latency", 1.0, "s")]):
+        for i, (name, s) in enumerate(variants.items()):
+            rates = _rates(s)
+            x = _rate_axis(ax, rates)
+            color = f"C{i}"
+            for q, style in (("p50", "-"), ("p99", "--")):
+                y = [s["rates"][r][key][q] for r in rates]
+                y = [v * scale if v is not None else float("nan") for v in y]
+                ax.plot(x, y, style, marker="o", ms=4, color=color, label=f"{name} {q}")
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(_title(result))
+    written.append(save_png(fig, os.path.join(out_dir, f"{stem}_latency.png")))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for i, (name, s) in enumerate(variants.items()):
+        rates = _rates(s)
+        x = _rate_axis(axes[0], rates)
+        _rate_axis(axes[1], rates)
+        axes[0].plot(x, [s["rates"][r]["output_tokens_per_s"] for r in rates], marker="o", color=f"C{i}", label=name)
+        axes[1].plot(x, [s["rates"][r]["requests_per_s"] for r in rates], ":", marker="s", color=f"C{i}",
+                     label=f"{name} completed")
+        axes[1].plot(x, [s["rates"][r]["goodput_requests_per_s"] for r in rates], marker="o", color=f"C{i}",
+                     label=f"{name} goodput")
+    axes[0].set_title("output tokens/s")
+    axes[1].set_title("requests/s (goodput: within the SLOs)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_title(result))
+    written.append(save_png(fig, os.path.join(out_dir, f"{stem}_throughput.png")))
+    plt.close(fig)
+    return written
+
+
+def _prefill(plt, result: dict, out_dir: str, stem: str) -> list:
+    variants = result["variants"]
+    names = list(variants)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 3.8))
+    stats = [variants[n]["prefill_tokens_per_s"] for n in names]
+    values = [s["median"] if s else 0.0 for s in stats]
+    errors = [[v - (s["min"] if s else v) for v, s in zip(values, stats)],
+              [(s["max"] if s else v) - v for v, s in zip(values, stats)]]
+    ax.bar(names, values, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(names))])
+    r0 = result["ratios"][names[0]]
+    bound = r0.get("amdahl_bound")
+    if bound is not None and values[0]:
+        ax.axhline(values[0] * bound, ls="--", color="k", lw=1,
+                   label=f"Amdahl bound {bound:.2f}x ({names[0]}'s all-to-all share "
+                         f"{r0['baseline_a2a_fraction']:.2f} removed)")
+        ax.legend(fontsize=7)
+    for i, n in enumerate(names):
+        speedup = result["ratios"][n]["throughput_speedup"]
+        if speedup is not None:
+            ax.text(i, values[i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("prefill tokens/s (median, min-max)")
+    ax.set_title(_title(result))
+    path = save_png(fig, os.path.join(out_dir, f"{stem}_prefill.png"))
+    plt.close(fig)
+    return [path]
+
+
+def _title(result: dict) -> str:
+    net = result["network"]
+    link = f"{net['link']['gbit']:.3g} Gbit/s per rank" if net.get("shaped") else "unshaped loopback"
+    return f"{result['config']['ranks']} ranks (EP), {link}"
+
+
+def write_plots(result: dict, out_dir: str, stem: str) -> list:
+    """Write the mode's plots into ``out_dir`` as ``<stem>_*.png``; returns their paths."""
+    plt = pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    if result["mode"] == "prefill":
+        return _prefill(plt, result, out_dir, stem)
+    return _serve(plt, result, out_dir, stem)
