@@ -164,3 +164,27 @@ def test_netns_run_searches_the_link_rate_and_leaves_no_namespace(serve_ckpts, t
     assert tuning["probe_variant"] == "standard" and 1 <= len(tuning["probes"]) <= 2
     assert data["network"]["link"]["gbit"] == tuning["gbit"]
     assert set(netns.list_project_namespaces()) <= before
+
+
+@pytest.mark.slow
+def test_config_trains_one_checkpoint_per_variant_and_reuses_it(tmp_path):
+    """``--config`` without ``--load``: each variant's checkpoint is trained with pretrain_gpt (BigMac's
+    has its own parameters, so its served bytes per token are lower at the same sizes), and a second
+    run in the same ``--work-dir`` reuses a checkpoint trained with the same settings."""
+    work = tmp_path / "work"
+    common = ["--config", os.path.join(repo_root(), "examples", "tiny_moe_cpu.yaml"), "--num-layers", 1,
+              "--hidden-size", 64, "--set", "bigmac_ratio=0.25", "--train-steps", 2, "--no-netns", "--mode", "prefill",
+              "--input-len", 32, "--prefill-tokens", 64, "--prefill-batches", 1, "--prefill-repeats", 1, "--no-plots",
+              "--work-dir", work, "--timeout-s", 500]
+    out = tmp_path / "a.json"
+    proc = _run(*common, "--variants", "standard,bigmac", "--json", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    ckpts = data["config"]["checkpoints"]
+    assert ckpts == {v: str(work / f"train-{v}" / "ckpt") for v in ("standard", "bigmac")}
+    assert data["config"]["model"]["train_steps"] == 2 and data["config"]["workload"]["input_len"] == 32
+    assert data["ratios"]["bigmac"]["bytes_ratio"] < 0.5  # r = 0.25 of the hidden size crosses the link
+    proc = _run(*common, "--variants", "bigmac", "--json", tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[bigmac] reusing the checkpoint in {ckpts['bigmac']}" in proc.stdout
+    assert "training" not in proc.stdout

@@ -281,8 +281,8 @@ def _train(args, variants, work_dir, budget, printer) -> dict:
                     continue
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
-        values["data_cache_path"] = values.get("data_cache_path") or os.path.join(run_dir, "data_cache")
-        write_json(config_path + ".run", values)
+        write_json(config_path + ".run",
+                   dict(values, data_cache_path=values.get("data_cache_path") or os.path.join(run_dir, "data_cache")))
         t0 = time.monotonic()
         printer.line(f"[{variant}] training {args.train_steps} steps on {args.ranks} ranks (loopback) ...")
         net = netns.LoopbackNetwork(args.ranks, "training")
@@ -291,8 +291,7 @@ def _train(args, variants, work_dir, budget, printer) -> dict:
             ranks.wait(budget.remaining())
         if find_latest_checkpoint(save) is None:
             raise LaunchError(f"training {variant} left no checkpoint in {save}")
-        values.pop("data_cache_path")
-        write_json(config_path, values)
+        write_json(config_path, values)  # written last: it marks the checkpoint as complete for reuse
         printer.line(f"[{variant}] trained in {time.monotonic() - t0:.0f}s")
         out[variant] = save
     return out
@@ -423,7 +422,8 @@ class _Server:
         self._tags = itertools.count()
 
     def __enter__(self) -> "_Server":
-        os.makedirs(self.run_dir, exist_ok=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # a kept --work-dir holds the last run's ready file
+        os.makedirs(self.run_dir)
         self.ranks = start_ranks(self.net, self.argv, self.run_dir, num_threads=self.args.threads,
                                  log_prefix="server")
         try:
@@ -641,7 +641,8 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
                          "request_rates": [f"{r:g}" for r in args.request_rates] if args.mode == "serve" else None,
-                         "num_requests": args.num_requests, "duration_s": args.duration,
+                         "num_requests": None if args.mode == "prefill" or args.duration is not None
+                         else (args.num_requests or DEFAULT_NUM_REQUESTS), "duration_s": args.duration,
                          "input_len": args.input_len, "output_len": args.output_len,
                          "max_output_len": args.max_output_len, "warmup_requests": args.warmup_requests,
                          "prefill_tokens": args.prefill_tokens if args.mode == "prefill" else None,
