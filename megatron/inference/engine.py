@@ -198,6 +198,7 @@ class RankEngine:
     def __init__(self, engine, controller, context, model):
         from moe_variants.common.moe_layer import comm_counters
 
+        self.model = model
         self.engine = engine
         self.controller = controller
         self.context = context
@@ -294,16 +295,15 @@ class RankEngine:
         """Add the step's wall time and its all-to-all counters to the rank's totals and reset the
         layers' counters: their in-flight union keeps every interval, so summing the whole history
         at each ``stats()`` would cost more every step."""
-        from moe_variants.common.comm import CommCounters
+        from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
         self.busy_s += time.perf_counter() - start
         if self.counters:
-            step = CommCounters.total(self.counters)
+            step = comm_totals([self.model])
             self.comm["a2a_bytes"] += int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
             self.comm["a2a_time_s"] += float(step["time_fwd_s"])
             self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
-            for counters in self.counters:
-                counters.reset()
+            reset_comm_counters([self.model])
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -92,6 +92,7 @@ def test_converted_hf_model_equals_transformers_generate(tmp_path):
     assert tokens == expected
 
 
+@pytest.mark.slow  # a server started as a process
 def test_server_variant_flag_applies_connectivity_only_presets(serve_ckpts, tmp_path):
     """``serve --variant farskip`` on the standard checkpoint serves the FarSkip model: its greedy
     tokens are those of the FarSkip checkpoint (the tiny checkpoints are built from the same seed
