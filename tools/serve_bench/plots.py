@@ -94,7 +94,7 @@ def _prefill(plt, result: dict, out_dir: str, stem: str) -> list:
     for i, n in enumerate(names):
         speedup = result["ratios"][n]["throughput_speedup"]
         if speedup is not None:
-            ax.text(i, values[i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
+            ax.text(i, values[i] + errors[1][i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("prefill tokens/s (median, min-max)")
     ax.set_title(_title(result))
     path = save_png(fig, os.path.join(out_dir, f"{stem}_prefill.png"))
