@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default=None, metavar="PRESET",
                    help="load the checkpoint with a registered variant preset applied (moe_variants.registry; "
                         "'+' combines): only presets that keep its parameters, e.g. farskip on a standard "
-                        "checkpoint (the serving benchmark's --load runs)")
+                        "checkpoint (the serving benchmark's --load runs); the checkpoint's architecture check "
+                        "refuses the others")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: the --load directory's name)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefills are chunked to fit)")
     p.add_argument("--max-requests", type=int, default=16, help="requests decoding at once per data-parallel rank")
@@ -104,18 +105,6 @@ def variant_load_overrides(preset) -> dict:
         raise ValueError(str(err).replace("--variants:", "--variant:")) from None
 
 
-def check_keeps_parameters(ckpt: str, preset: str, overrides: dict, *, flag: str = "--variant", hint: str = "",
-                           **build) -> None:
-    """``ValueError`` when a preset changes the checkpoint's parameters (it needs its own checkpoint)."""
-    from megatron.training.loading import parameter_changes
-
-    changes = parameter_changes(ckpt, overrides, **build)
-    if changes:
-        raise ValueError(f"{flag} {preset} changes the parameters of {ckpt} ({len(changes)} tensors, e.g. "
-                         f"{changes[0]}): only connectivity-only variants (e.g. farskip, farskip-simple) load "
-                         f"another variant's checkpoint{hint}")
-
-
 def chat_renderer(tokenizer_dir: str | None):
     """The checkpoint tokenizer's chat template, else the simple documented one; and its name."""
     from megatron.inference.protocol import ChatTemplate, SIMPLE_CHAT_TEMPLATE, simple_chat_prompt
@@ -152,8 +141,6 @@ def serve(args) -> int:
             raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                              f"the {world} ranks")
         pgc = initialize_parallel(parallel, seed=args.seed)
-        if overrides:
-            check_keeps_parameters(args.load, args.variant, overrides, parallel=parallel, pg_collection=pgc)
         model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
                                                          pg_collection=pgc)
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)

@@ -61,7 +61,7 @@ def test_a_variant_that_changes_parameters_needs_its_own_checkpoint(serve_ckpts,
     proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,bigmac", "--input-len", 8, "--no-netns",
                 "--json", out / "r.json", "--work-dir", out / "work")
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1 and "--variants bigmac changes the parameters" in err[0], proc.stderr
+    assert proc.returncode == 2 and len(err) == 1 and "--variants bigmac: bigmac changes the parameters" in err[0], proc.stderr
     assert "--config" in err[0] and not out.exists()
 
 

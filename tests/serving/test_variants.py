@@ -97,7 +97,8 @@ def test_server_variant_flag_applies_connectivity_only_presets(serve_ckpts, tmp_
     """``serve --variant farskip`` on the standard checkpoint serves the FarSkip model: its greedy
     tokens are those of the FarSkip checkpoint (the tiny checkpoints are built from the same seed
     and FarSkip changes no parameter, so they hold the same weights) and not the standard model's.
-    A preset that changes parameters (bigmac) is refused with one line, exit 2."""
+    A preset that changes parameters (bigmac) is refused by the checkpoint's architecture check:
+    one line naming the field, exit 2."""
     import os
     import subprocess
     import sys
@@ -122,4 +123,4 @@ def test_server_variant_flag_applies_connectivity_only_presets(serve_ckpts, tmp_
                            "--variant", "bigmac", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1 and "--variant bigmac changes the parameters" in err[0], proc.stderr
+    assert proc.returncode == 2 and len(err) == 1 and "holds a different model: moe_variant" in err[0], proc.stderr

@@ -190,7 +190,13 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
             _fmt_ratio(r.get("step_time_speedup")),
             _fmt_ratio(r.get("bytes_ratio")),
         ))  # fmt: skip
-    return format_rows(rows[0], rows[1:])
+    lines = [format_rows(rows[0], rows[1:])]
+    for name, s in stats.items():
+        rows = s.get("dispatch_rows")
+        if rows and rows["padding_factor"] is not None:
+            lines.append(f"{name}: dispatch buffers padded to capacity: {rows['buffer']} rows sent for "
+                         f"{rows['routed']} routed (x{rows['padding_factor']:.3f})")
+    return "\n".join(lines)
 
 
 def format_rows(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
@@ -201,9 +207,4 @@ def format_rows(header: Sequence[str], rows: Sequence[Sequence[str]], left: int 
     lines = ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
-    for name, s in stats.items():
-        rows = s.get("dispatch_rows")
-        if rows and rows["padding_factor"] is not None:
-            lines.append(f"{name}: dispatch buffers padded to capacity: {rows['buffer']} rows sent for "
-                         f"{rows['routed']} routed (x{rows['padding_factor']:.3f})")
     return "\n".join(lines)

@@ -234,7 +234,7 @@ def _check_load_variants(ckpt: str, variants: list) -> None:
     if not changing:
         return
     from megatron import compat
-    from megatron.inference.serve import check_keeps_parameters
+    from megatron.training.loading import parameter_changes
     from megatron.training.parallel import initialize_parallel, single_process_group
     from moe_variants.config import ParallelConfig
 
@@ -242,8 +242,12 @@ def _check_load_variants(ckpt: str, variants: list) -> None:
     with single_process_group():
         initialize_parallel(ParallelConfig(), seed=0)
         for v in changing:
-            check_keeps_parameters(ckpt, v, registry.preset_overrides(v), flag="--load with --variants",
-                                   hint="; train one checkpoint per variant with --config instead")
+            changes = parameter_changes(ckpt, registry.preset_overrides(v))
+            if changes:
+                raise ValueError(f"--load with --variants {v}: {v} changes the parameters of {ckpt} ({len(changes)} "
+                                 f"tensors, e.g. {changes[0]}); only connectivity-only variants (e.g. farskip, "
+                                 "farskip-simple) run on another variant's checkpoint: train one checkpoint per "
+                                 "variant with --config instead")
 
 
 def _train_config(args, variant: str, save: str) -> dict:
