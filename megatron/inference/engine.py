@@ -17,7 +17,9 @@ Two things are ours, in ``ServingController`` (a subclass of the upstream contro
 
 ``RankEngine`` wraps the engine for the serving loop: add and cancel requests, step, run the
 dummy forward of an idle expert-parallel rank, and report per-request token deltas and the
-rank's KV-cache and all-to-all counters.
+rank's KV-cache, all-to-all and local-activation counters (Sem-MoE's LAR: the (token, routed
+expert) pairs of real tokens whose expert sits on this rank, counted from the routers' top-k;
+padding and dummy forwards are not counted).
 """
 
 from __future__ import annotations
@@ -195,8 +197,9 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
 class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
-    def __init__(self, engine, controller, context, model):
-        from moe_variants.common.moe_layer import comm_counters
+    def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1):
+        """``ep_rank`` None: no local-activation counting (defined for attention-DP, TP = 1)."""
+        from moe_variants.common.moe_layer import comm_counters, moe_layers
 
         self.model = model
         self.engine = engine
@@ -209,6 +212,12 @@ class RankEngine:
         self.dummy_steps = 0
         self.busy_s = 0.0  # wall time inside engine steps and dummy forwards
         self.comm = {"a2a_bytes": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested counters
+        self.requests_added = 0
+        self.activations = None  # LocalActivationCounter when every MoE layer's router reports its top-k
+        if ep_rank is not None and moe_layers(model) and all(hasattr(m.router, "routing_observer") for m in moe_layers(model)):
+            from moe_variants.common.routing import LocalActivationCounter
+
+            self.activations = LocalActivationCounter(model, ep_rank, ep_size).__enter__()
 
     # --- requests ---------------------------------------------------------------------------
     def add(self, request_id: int, prompt: list, *, max_tokens: int, temperature: float, top_p: float,
@@ -225,6 +234,7 @@ class RankEngine:
         if seed is not None and not greedy:
             self.controller.request_generators[request_id] = torch.Generator().manual_seed(int(seed))
         self.sent[request_id] = 0
+        self.requests_added += 1
         self.engine.add_request(request_id, list(prompt), params)
 
     def cancel(self, request_id: int) -> Optional[TokenUpdate]:
@@ -255,10 +265,12 @@ class RankEngine:
         engine = self.engine
         start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
-        self.tokens_forwarded += int(self.context.active_token_count)
+        real_tokens = int(self.context.active_token_count)
+        self.tokens_forwarded += real_tokens
         result = engine.step_modern()
         self.steps += 1
         self._harvest(start)
+        self._count_activations(real_tokens)
         updates = []
         for rid in result["active_request_ids"]:
             entry = engine.requests.get(rid)
@@ -290,6 +302,21 @@ class RankEngine:
         self.controller.dummy_forward()
         self.dummy_steps += 1
         self._harvest(start)
+        self._count_activations(0)
+
+    def _count_activations(self, real_tokens: int) -> None:
+        """Count the last forward's routes: its first ``real_tokens`` tokens are requests' tokens
+        (the dynamic context packs them first, then pads)."""
+        if self.activations is None:
+            return
+        last = self.activations.recorder.last
+        if any(t is None for t in last):  # a forward that routed nothing (e.g. no MoE layer ran)
+            self.activations.recorder.last = [None] * len(last)
+            return
+        rows = int(last[0].shape[0])
+        real = torch.zeros(1, rows, dtype=torch.bool)
+        real[0, :min(real_tokens, rows)] = True
+        self.activations.count(real)
 
     def _harvest(self, start: float) -> None:
         """Add the step's wall time and its all-to-all counters to the rank's totals and reset the
@@ -318,6 +345,10 @@ class RankEngine:
             "steps": self.steps,
             "dummy_steps": self.dummy_steps,
             "busy_s": float(self.busy_s),
+            "requests_added": self.requests_added,
+            "local_activations": int(self.activations.local.sum()) if self.activations else 0,
+            "routed_activations": int(self.activations.total.sum()) if self.activations else 0,
+            "activations_to_device": self.activations.to_device.tolist() if self.activations else [],  # [L][D]
             **self.comm,
         }
 

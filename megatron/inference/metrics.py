@@ -6,7 +6,11 @@ all-to-all counters come from every rank's ``RankEngine.stats()`` and carry a ``
 ``moe_serve_all_to_all_bytes_per_token`` is the bytes all ranks sent to other ranks in expert
 all-to-alls (dispatch, combine and routing metadata; dummy forwards of idle ranks and the
 engine's token padding included) divided by the real tokens all ranks fed through the model
-(prompt and generated tokens).
+(prompt and generated tokens). ``moe_serve_local_activation_rate`` is Sem-MoE's LAR over all
+ranks: the (real token, routed expert) pairs whose expert is on the rank that holds the token,
+over all such pairs; ``moe_serve_expert_activations_total{layer, device}`` counts the pairs whose
+expert is on each device, per MoE layer, over all ranks' tokens (the expert load behind the load
+imbalance max / mean over devices).
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ class ServingMetrics:
             return None
         return sum(s["a2a_bytes"] for s in self.rank_stats) / tokens
 
+    def local_activation_rate(self) -> Optional[float]:
+        routed = sum(s["routed_activations"] for s in self.rank_stats)
+        return sum(s["local_activations"] for s in self.rank_stats) / routed if routed else None
+
     def render(self) -> str:
         lines = []
 
@@ -111,6 +119,7 @@ class ServingMetrics:
             ("moe_serve_kv_cache_blocks_used", "gauge", "KV-cache blocks held by requests.", "kv_blocks_used"),
             ("moe_serve_kv_cache_blocks_total", "gauge", "KV-cache blocks of the rank.", "kv_blocks_total"),
             ("moe_serve_tokens_forwarded_total", "counter", "Real tokens through the rank's model.", "tokens_forwarded"),
+            ("moe_serve_requests_assigned_total", "counter", "Requests the scheduler gave the rank.", "requests_added"),
             ("moe_serve_engine_steps_total", "counter", "Engine steps with work.", "steps"),
             ("moe_serve_dummy_forwards_total", "counter", "Forwards of an idle expert-parallel rank.", "dummy_steps"),
             ("moe_serve_engine_busy_seconds_total", "counter",
@@ -119,6 +128,10 @@ class ServingMetrics:
             ("moe_serve_all_to_all_seconds_total", "counter", "Wall time with an expert all-to-all in flight.", "a2a_time_s"),
             ("moe_serve_all_to_all_exposed_seconds_total", "counter",
              "Time the compute thread waited on expert all-to-alls.", "a2a_exposed_s"),
+            ("moe_serve_routed_activations_total", "counter",
+             "(Real token, routed expert) pairs of the rank's tokens.", "routed_activations"),
+            ("moe_serve_local_activations_total", "counter",
+             "Routed pairs whose expert is on the rank.", "local_activations"),
         ]
         for name, kind, help_text, key in per_rank:
             metric(name, kind, help_text,
@@ -131,6 +144,18 @@ class ServingMetrics:
         metric("moe_serve_all_to_all_bytes_per_token", "gauge",
                "All-to-all bytes over all ranks per real token forwarded (NaN before the first).",
                [f"moe_serve_all_to_all_bytes_per_token {_fmt(per_token) if per_token is not None else 'NaN'}"])
+        load = {}
+        for s in self.rank_stats:
+            for l, per_device in enumerate(s.get("activations_to_device") or []):
+                for d, n in enumerate(per_device):
+                    load[(l, d)] = load.get((l, d), 0) + int(n)
+        metric("moe_serve_expert_activations_total", "counter",
+               "Routed pairs of real tokens whose expert is on the device, per MoE layer, all ranks.",
+               [f'moe_serve_expert_activations_total{{layer="{l}",device="{d}"}} {n}' for (l, d), n in sorted(load.items())])
+        lar = self.local_activation_rate()
+        metric("moe_serve_local_activation_rate", "gauge",
+               "Local activations over routed activations, all ranks (NaN before the first).",
+               [f"moe_serve_local_activation_rate {_fmt(lar) if lar is not None else 'NaN'}"])
         return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,8 @@ placed and converted checkpoints alike), builds megatron-core's ``DynamicInferen
 (``megatron.inference.engine``) and runs the serving loop (``megatron.inference.loop``); rank 0
 also serves HTTP (``megatron.inference.frontend``). Attention is data-parallel over the ranks
 that do not share a tensor-parallel group; experts are split over ``--expert-model-parallel-size``
-ranks. SIGTERM or SIGINT: stop accepting, finish in-flight requests (``--shutdown-timeout``),
+ranks; requests go to the data-parallel ranks in turn, or by a variant's request scheduler
+(``--semmoe-tables DIR``: Sem-MoE's Algorithm 2). SIGTERM or SIGINT: stop accepting, finish in-flight requests (``--shutdown-timeout``),
 exit 0. See docs/serving.md.
 """
 
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed of requests that give none")
     p.add_argument("--ready-file", default=None, help="write {url, port, ...} as JSON here once serving")
+    from moe_variants import registry
+
+    registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables (request scheduling)
     return p
 
 
@@ -123,6 +127,7 @@ def serve(args) -> int:
     from megatron.inference.loop import serve_loop
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
+    from moe_variants import registry
     from moe_variants.config import ParallelConfig, validate
 
     cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
@@ -140,11 +145,14 @@ def serve(args) -> int:
         if world % args.tensor_model_parallel_size:
             raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                              f"the {world} ranks")
+        scheduler = registry.request_scheduler(args, manifest, world)  # None: round-robin
         pgc = initialize_parallel(parallel, seed=args.seed)
         model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
                                                          pg_collection=pgc)
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
-        rank_engine = RankEngine(engine, controller, context, model)
+        tp1 = args.tensor_model_parallel_size == 1
+        rank_engine = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp1 else None,
+                                 ep_size=dist.get_world_size(pgc.ep))
 
         stop = {"signal": None}
 
@@ -169,7 +177,8 @@ def serve(args) -> int:
                     "expert_model_parallel_size": args.expert_model_parallel_size,
                     "data_parallel_size": dist.get_world_size(pgc.dp),
                     "context_length": context.max_sequence_length, "chat": chat_kind,
-                    "kv_blocks_per_rank": rank_engine.stats()["kv_blocks_total"]}
+                    "kv_blocks_per_rank": rank_engine.stats()["kv_blocks_total"],
+                    "request_scheduler": scheduler.name if scheduler is not None else "round-robin"}
             if args.ready_file:
                 from moe_variants.common.files import write_json
 
@@ -182,7 +191,8 @@ def serve(args) -> int:
                 print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
                 frontend.request_stop()
 
-        serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration)
+        serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration,
+                   schedule=scheduler.online() if scheduler is not None else None)
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
             print("server stopped", flush=True)

@@ -99,6 +99,7 @@ class LocalActivationCounter:
         num_layers = len(self.recorder.layers)
         self.local = np.zeros(num_layers, dtype=np.int64)  # [L] local activations of counted tokens
         self.total = np.zeros(num_layers, dtype=np.int64)  # [L] activations of counted tokens
+        self.to_device = np.zeros((num_layers, ep_size), dtype=np.int64)  # [L, D] counted activations per device
         self.remote_all = 0  # remote (token, expert) rows over every forwarded token, pads included
 
     def __enter__(self):
@@ -117,7 +118,9 @@ class LocalActivationCounter:
         k = self.recorder.top_k
         out = np.zeros((len(self.local), num_b), dtype=np.int64)
         for l, topk in enumerate(self.recorder.take()):
-            hit_SBK = (self.expert2device[topk.cpu()] == self.ep_rank).view(num_s, num_b, k)
+            dev_SBK = self.expert2device[topk.cpu()].view(num_s, num_b, k)
+            hit_SBK = dev_SBK == self.ep_rank
+            self.to_device[l] += np.bincount(dev_SBK[real_SB].reshape(-1).numpy(), minlength=self.to_device.shape[1])
             self.remote_all += int((~hit_SBK).sum())
             out[l] = (hit_SBK & real_SB[:, :, None]).sum((0, 2)).numpy()
             self.total[l] += int(real_SB.sum()) * k

@@ -125,6 +125,20 @@ class RequestScheduler:
     def report(self) -> dict:
         return {"semmoe_tables": os.path.abspath(self.source)} if self.source else {}
 
+    def online(self):
+        """Algorithm 2 for a server's loop: ``f(prompt token ids, outstanding per rank) -> rank``,
+        one request at a time in arrival order (the rotating mask: every D consecutive requests
+        cover all D ranks, so assigned counts differ by at most one). Token ids the tables do not
+        cover (a prompt is user input) cast no vote."""
+        sched = DPRequestScheduler(self.tables)
+        vocab = self.tables.token2device.shape[1]
+
+        def assign(prompt, outstanding) -> int:
+            ids = np.asarray(prompt, dtype=np.int64)
+            return sched.assign(ids[(ids >= 0) & (ids < vocab)])
+
+        return assign
+
 
 def request_scheduler(tables: Tables, source: Optional[str] = None) -> RequestScheduler:
     """Algorithm 2 over ``tables`` (from the directory ``source``) as a request scheduler."""

@@ -41,6 +41,8 @@ def _in_process(argv, capsys):
     (["--prompts", "MISSING.json", "--no-netns"], "--prompts"),
     (["--variants", "standard,nosuch", "--input-len", "8", "--no-netns"], "nosuch"),
     (["--variants", "semmoe", "--input-len", "8", "--no-netns"], "--load"),
+    (["--variants", "eplb+farskip", "--input-len", "8", "--no-netns"], "do not combine"),
+    (["--semmoe-tables", "MISSING", "--input-len", "8", "--no-netns"], "--semmoe-tables"),
     (["--request-rates", "0", "--input-len", "8", "--no-netns"], "--request-rates"),
     (["--request-rates", "1,1", "--input-len", "8", "--no-netns"], "--request-rates"),
     (["--num-requests", "3", "--duration", "5", "--input-len", "8", "--no-netns"], "--duration"),
@@ -90,7 +92,9 @@ def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
     assert data["config"]["workload"]["request_rates"] == ["4", "inf"]
     for name in ("standard", "farskip"):
         v = data["variants"][name]
-        assert set(v["rates"]) == {"4", "inf"} and v["lar"] is None
+        assert set(v["rates"]) == {"4", "inf"} and 0 < v["lar"] < 1 and v["request_scheduler"] == "round-robin"
+        assert v["routed_activations"] % v["tokens_forwarded"] == 0  # every real token, top-k x MoE layers
+        assert v["load_imbalance"]["mean"] >= 1
         assert data["ratios"][name]["throughput_speedup"] == pytest.approx(
             v["output_tokens_per_s"] / data["variants"]["standard"]["output_tokens_per_s"])
         pooled = []

@@ -14,7 +14,12 @@ counters of ``/metrics`` (``megatron.inference.metrics``) a phase's deltas give:
                             flight, and its share of ``engine_busy_s``;
 * ``exposed_a2a_s``, ``exposed_fraction``  the time the compute thread waited on them, and its
                             share; ``overlap`` = 1 - exposed / in flight;
-* ``exposed_a2a_s_per_output_token`` (serving) / ``..._per_prompt_token`` (prefill).
+* ``exposed_a2a_s_per_output_token`` (serving) / ``..._per_prompt_token`` (prefill);
+* ``lar``                   Sem-MoE's local activation rate: (real token, routed expert) pairs whose
+                            expert is on the token's rank, over all pairs (padding and dummy
+                            forwards excluded);
+* ``load_imbalance``        per MoE layer, max / mean over devices of the pairs routed to each
+                            device's experts; ``mean`` and ``max`` over layers.
 
 ``serve_stats`` adds the request statistics of ``loadgen.summarize`` (TTFT, TPOT, end-to-end
 p50/p90/p99, output tokens/s, requests/s, goodput); ``prefill_stats`` prefill tokens/s (prompt
@@ -34,7 +39,7 @@ from tools.bench.aggregate import uncontended_comm_fraction
 
 from .loadgen import RequestTiming, distribution, summarize
 
-__all__ = ["RANK_COUNTERS", "rank_deltas", "comm_summary", "serve_stats", "pooled_serve_stats", "prefill_stats",
+__all__ = ["RANK_COUNTERS", "rank_deltas", "device_load", "sum_load", "load_imbalance", "comm_summary", "serve_stats", "pooled_serve_stats", "prefill_stats",
            "probe_fraction", "prefill_ratios", "amdahl_bound"]
 
 RANK_COUNTERS = {
@@ -45,8 +50,12 @@ RANK_COUNTERS = {
     "exposed_s": "moe_serve_all_to_all_exposed_seconds_total",
     "steps": "moe_serve_engine_steps_total",
     "dummy_forwards": "moe_serve_dummy_forwards_total",
+    "local": "moe_serve_local_activations_total",
+    "routed": "moe_serve_routed_activations_total",
 }
+DEVICE_LOAD = "moe_serve_expert_activations_total"
 _RANK_RE = re.compile(r'\{rank="(\d+)"\}$')
+_LOAD_RE = re.compile(r'\{layer="(\d+)",device="(\d+)"\}$')
 
 
 def _ranks(metrics: dict) -> list:
@@ -67,6 +76,26 @@ def rank_deltas(before: dict, after: dict) -> list:
             d[key] = after[sample] - before.get(sample, 0.0)
         out.append(d)
     return out
+
+
+def device_load(before: dict, after: dict) -> list:
+    """[L][D] pairs routed to each device's experts during the phase (``DEVICE_LOAD`` deltas)."""
+    cells = {}
+    for key, value in after.items():
+        if key.startswith(DEVICE_LOAD) and (m := _LOAD_RE.search(key)):
+            cells[(int(m.group(1)), int(m.group(2)))] = value - before.get(key, 0.0)
+    if not cells:
+        return []
+    layers, devices = max(l for l, _ in cells) + 1, max(d for _, d in cells) + 1
+    return [[cells.get((l, d), 0.0) for d in range(devices)] for l in range(layers)]
+
+
+def load_imbalance(load: Sequence[Sequence[float]]) -> Optional[dict]:
+    """Max / mean device load per layer; its mean and max over layers (None without load)."""
+    per_layer = [max(row) / (sum(row) / len(row)) for row in load if sum(row) > 0]
+    if not per_layer:
+        return None
+    return {"mean": sum(per_layer) / len(per_layer), "max": max(per_layer), "per_layer": per_layer}
 
 
 def _div(num, den) -> Optional[float]:
@@ -92,6 +121,9 @@ def comm_summary(deltas: Sequence[dict], *, output_tokens: Optional[int] = None,
         "exposed_a2a_s": exposed,
         "exposed_fraction": _div(exposed, busy),
         "overlap": (1.0 - exposed / a2a) if a2a > 0 else None,
+        "lar": _div(sum(d["local"] for d in deltas), sum(d["routed"] for d in deltas)),
+        "local_activations": int(sum(d["local"] for d in deltas)),
+        "routed_activations": int(sum(d["routed"] for d in deltas)),
     }
     if output_tokens is not None:
         out["exposed_a2a_s_per_output_token"] = _div(exposed, output_tokens)
@@ -128,7 +160,16 @@ def serve_stats(phases: Sequence[dict], *, slo_ttft_s=None, slo_tpot_s=None) -> 
                short_outputs=sum(1 for r in ok if int(r["output_tokens"]) != int(r["max_tokens"])))
     deltas = _sum_deltas([rank_deltas(p["metrics_before"], p["metrics_after"]) for p in phases])
     out.update(comm_summary(deltas, output_tokens=output_tokens))
+    out["load_imbalance"] = load_imbalance(sum_load([device_load(p["metrics_before"], p["metrics_after"])
+                                                      for p in phases]))
     return out
+
+
+def sum_load(loads: Sequence[list]) -> list:
+    loads = [x for x in loads if x]
+    if not loads:
+        return []
+    return [[sum(x[l][d] for x in loads) for d in range(len(loads[0][l]))] for l in range(len(loads[0]))]
 
 
 def pooled_serve_stats(per_rate: dict, phases: dict, **slo) -> dict:

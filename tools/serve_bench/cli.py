@@ -20,6 +20,12 @@ link with the same requests at the same arrival times.
 The model: ``--load CKPT`` (one checkpoint; variants must keep its parameters: connectivity-only
 presets such as ``farskip``), or ``--config YAML`` / the default tiny model trained briefly
 (``--train-steps``) with ``pretrain_gpt``, one checkpoint per variant, same seed and data.
+Expert placements (Sem-MoE's serving comparison): with ``--load CKPT --semmoe-tables DIR`` the
+variants ``eplb`` and ``semmoe`` serve CKPT placed by ``DIR/eplb`` resp. ``DIR/semmoe`` (tables of
+``python -m tools.semmoe solve --ep RANKS``, applied here with ``tools.semmoe apply``); ``semmoe``
+also schedules requests by Algorithm 2 (``serve --semmoe-tables``); ``standard`` is CKPT as it is
+(megatron-core's contiguous placement, round-robin). Every variant reports its LAR and the expert
+load imbalance.
 ``--target-comm-fraction F`` first searches the link rate (``tools.bench.tune``, as bench_ep)
 at which the probe variant's forwards spend F of their time in all-to-all, measured from the
 server's ``/metrics`` over a short calibration load.
@@ -91,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument("--load", metavar="CKPT", help="serve this checkpoint (variants: presets that keep its parameters)")
     add_model_options(g)
+    g.add_argument("--semmoe-tables", metavar="DIR", help="with --load: DIR/eplb and DIR/semmoe hold tables "
+                   "(tools.semmoe solve --ep RANKS) for the variants eplb and semmoe (placed checkpoints; semmoe "
+                   "also schedules requests by Algorithm 2)")
     g.add_argument("--train-steps", type=positive_int, default=30,
                    help="with --config (or the default model): training steps per variant's checkpoint")
     g.add_argument("--variants", default="standard", help="comma-separated registry presets (standard, bigmac, "
@@ -140,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ validation
 
 
-def _variants(text: str) -> list:
+PLACED = ("eplb", "semmoe")  # variants that serve --load placed by --semmoe-tables DIR/<name>
+
+
+def _variants(text: str, tables: Optional[str] = None) -> list:
     from moe_variants import registry
 
     names = [v.strip() for v in text.split(",") if v.strip()]
@@ -149,16 +161,53 @@ def _variants(text: str) -> list:
     if len(set(names)) != len(names):
         raise ValueError(f"--variants lists a variant twice: {text}")
     for v in names:
-        if "semmoe" in v.split("+"):
-            raise ValueError(f"--variants {v}: place the experts with `python -m tools.semmoe apply` and serve the "
-                             "placed checkpoint with --load instead")
+        if v in PLACED:
+            if tables is None:
+                raise ValueError(f"--variants {v}: give --load CKPT and --semmoe-tables DIR (DIR/{v} holds the "
+                                 "placement's tables)")
+            continue
+        if any(p in v.split("+") for p in PLACED):
+            raise ValueError(f"--variants {v}: placed variants ({', '.join(PLACED)}) do not combine with others")
         registry.preset_overrides(v)  # an unknown preset fails here
     return names
 
 
+def _check_tables(args, variants: list) -> None:
+    """``--semmoe-tables DIR``: DIR/<variant> are tables for --load's experts at D = --ranks."""
+    from moe_variants.semmoe.placement import moe_shape
+    from moe_variants.semmoe.tables import load_tables
+    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+
+    if not args.load:
+        raise ValueError("--semmoe-tables places the experts of --load CKPT: give --load")
+    if not os.path.isdir(args.semmoe_tables):
+        raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
+    placed = [v for v in variants if v in PLACED]
+    if not placed:
+        raise ValueError("--semmoe-tables: --variants names neither eplb nor semmoe")
+    manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+    layers, experts = moe_shape(manifest, args.load)
+    for v in placed:
+        path = os.path.join(args.semmoe_tables, v)
+        if not os.path.isdir(path):
+            raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no {v}/ tables directory in it "
+                             f"(python -m tools.semmoe solve --method {v} --ep {args.ranks} --out {path})")
+        try:
+            tables = load_tables(path)
+        except ValueError as err:
+            raise ValueError(f"--semmoe-tables {path}: {str(err).splitlines()[0]}") from None
+        if (tables.num_layers, tables.num_experts, tables.num_devices) != (layers, experts, args.ranks):
+            raise ValueError(f"--semmoe-tables {path}: tables for {tables.num_layers} MoE layers x "
+                             f"{tables.num_experts} experts on {tables.num_devices} devices; --load has "
+                             f"{layers} x {experts} and --ranks is {args.ranks}")
+        if v == "semmoe" and not tables.has_schedule:
+            raise ValueError(f"--semmoe-tables {path}: tables of method {tables.method!r} carry no token table "
+                             "(solve with --method semmoe)")
+
+
 def _check_args(args) -> None:
     """Everything that can be checked before any process starts or any file is written."""
-    variants = _variants(args.variants)
+    variants = _variants(args.variants, args.semmoe_tables)
     if args.load and (args.config or model_overrides(args)):
         raise ValueError("--load serves a checkpoint as it is: drop --config and the model overrides")
     if args.config and not os.path.isfile(args.config):
@@ -215,8 +264,10 @@ def _check_args(args) -> None:
         raise ValueError(f"--plots {args.plots}: is a file, expected a directory")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.semmoe_tables is not None:
+        _check_tables(args, variants)
     if args.load:
-        _check_load_variants(args.load, variants)  # last: it builds models on the meta device
+        _check_load_variants(args.load, [v for v in variants if v not in PLACED])  # last: builds meta models
 
 
 # --------------------------------------------------------------------------------- checkpoints
@@ -298,6 +349,40 @@ def _train(args, variants, work_dir, budget, printer) -> dict:
         write_json(config_path, values)  # written last: it marks the checkpoint as complete for reuse
         printer.line(f"[{variant}] trained in {time.monotonic() - t0:.0f}s")
         out[variant] = save
+    return out
+
+
+def _place(args, variants, work_dir, printer) -> dict:
+    """``--semmoe-tables``: the placed checkpoint of each placed variant (``tools.semmoe apply`` into
+    the work directory; one placed there from the same checkpoint and tables is reused)."""
+    import subprocess
+
+    from tools import repo_root
+
+    out = {}
+    for v in variants:
+        if v not in PLACED:
+            continue
+        tables = os.path.abspath(os.path.join(args.semmoe_tables, v))
+        run_dir = os.path.join(work_dir, f"placed-{v}")
+        ckpt, marker = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "placed.json")
+        key = {"load": os.path.abspath(args.load), "tables": tables}
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                if json.load(f) == key:
+                    printer.line(f"[{v}] reusing the placed checkpoint in {ckpt}")
+                    out[v] = ckpt
+                    continue
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        printer.line(f"[{v}] placing the experts of {args.load} by {tables} ...")
+        proc = subprocess.run([sys.executable, "-m", "tools.semmoe", "apply", "--load", args.load, "--tables", tables,
+                               "--out", ckpt], capture_output=True, text=True, cwd=repo_root(),
+                              env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        if proc.returncode != 0:
+            raise LaunchError(f"tools.semmoe apply failed for {v}:\n{proc.stderr[-2000:]}")
+        write_json(marker, key)  # written last: marks the placed checkpoint as complete for reuse
+        out[v] = ckpt
     return out
 
 
@@ -404,7 +489,7 @@ class _Server:
     """One variant's server ranks in the network (a context manager: SIGTERM, drain, exit)."""
 
     def __init__(self, net, args, ckpt: str, preset: Optional[str], run_dir: str, budget: Budget, printer,
-                 label: str):
+                 label: str, extra: tuple = ()):
         self.net, self.args, self.run_dir, self.budget, self.printer, self.label = \
             net, args, run_dir, budget, printer, label
         self.ready_file = os.path.join(run_dir, "ready.json")
@@ -421,6 +506,7 @@ class _Server:
                      "--shutdown-timeout", str(_SHUTDOWN_TIMEOUT_S)]
         if preset:
             self.argv += ["--variant", preset]
+        self.argv += list(extra)
         self.ranks = None
         self.url = None
         self._tags = itertools.count()
@@ -533,7 +619,7 @@ def _pct(x) -> str:
 
 def serve_table(result: dict) -> str:
     header = ("variant", "rate", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "e2e p50/p99 s",
-              "goodput", "a2a B/tok", "a2a %", "exposed %", "exp ms/tok", "speedup")
+              "goodput", "a2a B/tok", "a2a %", "exposed %", "exp ms/tok", "LAR", "imbal", "speedup")
     rows = []
     for name, s in result["variants"].items():
         ratios = result["ratios"][name].get("rates", {})
@@ -544,7 +630,8 @@ def serve_table(result: dict) -> str:
                          f"{_num(r['e2e_s']['p50'])} / {_num(r['e2e_s']['p99'])}",
                          _num(r["goodput_requests_per_s"]), _num(r["a2a_bytes_per_token"], "{:.0f}"),
                          _pct(r["a2a_fraction"]), _pct(r["exposed_fraction"]),
-                         _ms(r.get("exposed_a2a_s_per_output_token")),
+                         _ms(r.get("exposed_a2a_s_per_output_token")), _num(r.get("lar"), "{:.3f}"),
+                         _num((r.get("load_imbalance") or {}).get("mean"), "{:.3f}"),
                          _num(ratios.get(rate, {}).get("throughput_speedup"), "{:.3f}")))
     return format_rows(header, rows, left=2)
 
@@ -584,10 +671,12 @@ def _plot_target(args):
 
 
 def _benchmark(args, argv, work_dir, budget, printer) -> int:
-    variants = _variants(args.variants)
+    variants = _variants(args.variants, args.semmoe_tables)
     host_start = host_info()
     if args.load:
         checkpoints = {v: args.load for v in variants}
+        if args.semmoe_tables:
+            checkpoints.update(_place(args, variants, work_dir, printer))
     else:
         checkpoints = _train(args, variants, work_dir, budget, printer)
     tokenizer, context = _tokenizer_and_context(checkpoints[variants[0]])
@@ -604,9 +693,11 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
         for variant in order:
             t0 = time.monotonic()
-            preset = variant if args.load else None
+            preset = variant if args.load and variant not in PLACED else None
+            extra = ("--semmoe-tables", os.path.abspath(os.path.join(args.semmoe_tables, variant))) \
+                if variant == "semmoe" else ()
             with _Server(net, args, checkpoints[variant], preset, os.path.join(work_dir, f"serve-{variant}"),
-                         budget, printer, variant) as server:
+                         budget, printer, variant, extra) as server:
                 engine = server.engine
                 if "warmup" in work["phases"]:
                     server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
@@ -627,7 +718,10 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             for rate, s in per_rate.items():
                 s["offered_rate"] = float(rate) if math.isfinite(float(rate)) else None  # inf: all at once
             per_variant[v] = analysis.pooled_serve_stats(per_rate, phases[v], **slo)
-        per_variant[v]["lar"] = None  # the variant's LAR: filled in by a later issue
+        per_variant[v]["request_scheduler"] = "semmoe-algorithm-2" if v == "semmoe" else "round-robin"
+        if args.mode == "prefill":
+            per_variant[v]["load_imbalance"] = analysis.load_imbalance(analysis.sum_load(
+                [analysis.device_load(p["metrics_before"], p["metrics_after"]) for p in phases[v].values()]))
     if args.mode == "prefill":
         result = {"variants": per_variant, "ratios": analysis.prefill_ratios(per_variant)}
     else:
@@ -642,6 +736,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
         "mode": args.mode,
         "config": {
             "ranks": args.ranks, "expert_model_parallel_size": args.ranks, "variants": variants, "seed": args.seed,
+            "semmoe_tables": os.path.abspath(args.semmoe_tables) if args.semmoe_tables else None,
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
                          "request_rates": [f"{r:g}" for r in args.request_rates] if args.mode == "serve" else None,

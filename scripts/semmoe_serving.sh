@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sem-MoE in the server, end to end: profile a checkpoint's routing on ShareGPT's profiling split,
+# solve EPLB-style and Sem-MoE placements for EP ranks, predict their LAR on the held-out split,
+# then serve the held-out prompts with bench_serve.py: standard (contiguous, round-robin), eplb
+# (placed, round-robin) and semmoe (placed, Algorithm 2 request scheduling). docs/semmoe.md.
+#
+#   sudo CKPT=runs/corpus_moe8_cpu EP=2 scripts/semmoe_serving.sh runs/semmoe_serve
+#
+# Environment: CKPT (a trained checkpoint), EP (ranks, default 2), RATES (default 2,4,8),
+# NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
+# OUTPUT_LEN (default 32), PY (default .venv/bin/python). Steps whose output exists are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
+CKPT=${CKPT:?set CKPT to a trained checkpoint directory}
+EP=${EP:-2}
+RATES=${RATES:-2,4,8}
+NUM_REQUESTS=${NUM_REQUESTS:-32}
+FRACTION=${FRACTION:-0.4}
+OUTPUT_LEN=${OUTPUT_LEN:-32}
+PY=${PY:-.venv/bin/python}
+PROMPTS=data/semmoe_prompts
+mkdir -p "$OUT/tables"
+
+[ -f "$PROMPTS/sharegpt_eval.jsonl" ] || \
+  $PY scripts/semmoe_prompts.py --data-dir ../shared/data/prompts --out-dir "$PROMPTS" --datasets sharegpt
+for part in profile eval; do
+  [ -f "$OUT/sharegpt_$part.npz" ] || $PY -m tools.semmoe profile --load "$CKPT" \
+    --data "$PROMPTS/sharegpt_$part.jsonl" --out "$OUT/sharegpt_$part.npz" --batch-tokens 4096
+done
+for m in contiguous eplb semmoe; do
+  [ -d "$OUT/tables/$m" ] || $PY -m tools.semmoe solve --profile "$OUT/sharegpt_profile.npz" --ep "$EP" \
+    --method "$m" --out "$OUT/tables/$m"
+done
+[ -f "$OUT/evaluation.json" ] || $PY -m tools.semmoe evaluate --tables "$OUT/tables/contiguous" \
+  "$OUT/tables/eplb" "$OUT/tables/semmoe" --profile "$OUT/sharegpt_eval.npz" --mode both --out "$OUT/evaluation.json"
+$PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants standard,eplb,semmoe \
+  --ranks "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
+  --target-comm-fraction "$FRACTION" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
+  --work-dir "$OUT/work" --json "$OUT/serve.json"

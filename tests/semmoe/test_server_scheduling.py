@@ -1,0 +1,113 @@
+"""Sem-MoE Algorithm 2 in the server: ``serve --semmoe-tables DIR`` assigns each request to a
+data-parallel rank by the tables (in arrival order, the rotating mask balancing them) instead of
+round-robin, and the same greedy tokens come out. Both servers also report the local activation
+rate (LAR) of the tokens they served.
+
+Requests are sent one at a time, so each is forwarded alone on its rank (the other rank runs the
+engine's dummy forwards): the tokens are compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.serving.conftest import REPO, Server, get_metrics, post
+
+MAX_NEW = 8
+NUM_PROMPTS = 8
+
+
+def _prompt_ids(tiny_model) -> list:
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+
+    tok = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+    with open(tiny_model.prompts) as f:
+        texts = [json.loads(line)["text"] for line in f][:NUM_PROMPTS]
+    return [tok.tokenize(t)[:40] for t in texts]  # the tiny model's context is 64 tokens
+
+
+def _serve(ckpt, tmp_path, prompts, extra=()):
+    srv = Server(ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2", *extra])
+    try:
+        out = []
+        for ids in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW,
+                                                             "temperature": 0, "return_token_ids": True})
+            assert status == 200, body
+            out.append(body["choices"][0]["token_ids"])
+        return out, srv.info, get_metrics(srv.url)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_algorithm_2_in_the_server_keeps_tokens(tiny_model, tmp_path):
+    from moe_variants.semmoe.scheduling import schedule_requests
+    from moe_variants.semmoe.tables import load_tables
+
+    prompts = _prompt_ids(tiny_model)
+    base, base_info, base_m = _serve(tiny_model.placed2, tmp_path, prompts)
+    got, info, m = _serve(tiny_model.placed2, tmp_path, prompts, ["--semmoe-tables", tiny_model.tables2])
+    assert base_info["request_scheduler"] == "round-robin" and info["request_scheduler"] == "semmoe-algorithm-2"
+    assert got == base
+
+    def assigned(metrics):
+        return [int(metrics[f'moe_serve_requests_assigned_total{{rank="{r}"}}']) for r in range(2)]
+
+    expected = np.bincount(schedule_requests([np.asarray(p) for p in prompts], load_tables(tiny_model.tables2)),
+                           minlength=2).tolist()
+    assert assigned(base_m) == [NUM_PROMPTS // 2] * 2
+    assert assigned(m) == expected
+    assert abs(expected[0] - expected[1]) <= 2  # the rotating mask: at most one per round of 2
+
+    for metrics in (base_m, m):
+        tokens = sum(metrics[f'moe_serve_tokens_forwarded_total{{rank="{r}"}}'] for r in range(2))
+        routed = sum(metrics[f'moe_serve_routed_activations_total{{rank="{r}"}}'] for r in range(2))
+        local = sum(metrics[f'moe_serve_local_activations_total{{rank="{r}"}}'] for r in range(2))
+        assert routed == tokens * 2 * 2  # every real token, top-2, 2 MoE layers; pads and dummies not
+        assert 0 < local < routed
+        assert metrics["moe_serve_local_activation_rate"] == pytest.approx(local / routed)
+
+
+def test_tables_of_another_layout_are_refused(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "megatron.inference.serve", "--load", tiny_model.placed2,
+                           "--semmoe-tables", tiny_model.tables2, "--port", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert "are for 2 devices" in lines[-1] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_placements(tiny_model, tmp_path):
+    """bench_serve --semmoe-tables: standard (contiguous, round-robin), eplb (placed) and semmoe
+    (placed + Algorithm 2) served one after another; each reports its LAR and load imbalance."""
+    from moe_variants.semmoe.methods import place
+    from moe_variants.semmoe.profile import load_profile
+    from moe_variants.semmoe.tables import save_tables
+
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    save_tables(place("eplb", load_profile(tiny_model.profile_path), 2, seed=0), str(tables / "eplb"))
+    subprocess.run(["cp", "-r", tiny_model.tables2, str(tables / "semmoe")], check=True)
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_serve.py", "--load", tiny_model.ckpt, "--semmoe-tables",
+                           str(tables), "--variants", "standard,eplb,semmoe", "--no-netns", "--ranks", "2",
+                           "--prompts", tiny_model.prompts, "--input-len", "24", "--output-len", "4",
+                           "--request-rates", "inf", "--num-requests", "6", "--warmup-requests", "0",
+                           "--json", str(out), "--no-plots", "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["checkpoints"]["standard"] == tiny_model.ckpt
+    assert data["config"]["checkpoints"]["semmoe"].endswith("placed-semmoe/ckpt")
+    for name, scheduler in (("standard", "round-robin"), ("eplb", "round-robin"), ("semmoe", "semmoe-algorithm-2")):
+        v = data["variants"][name]
+        assert v["request_scheduler"] == scheduler and 0 < v["lar"] < 1 and v["load_imbalance"]["max"] >= 1
+        assert v["routed_activations"] == v["tokens_forwarded"] * 2 * 2
+    assert "LAR" in proc.stdout
