@@ -7,6 +7,9 @@
 * ``serve``              best layout, batch, TPOT and throughput for one network and scenario
 * ``cost``               cost breakdown of one network
 * ``sweep``              the full design-space sweep: JSON, PNG plots and a summary table
+* ``predict``            TTFT, TPOT and throughput of a bench_serve run's workload, from the fitted
+                         network and the profiled compute of the served model (``netsim.replay``)
+* ``validate``           the same next to what the run measured: relative error per figure and mean
 
 User errors (``ValueError``) print one line and exit with status 2. Bandwidths on the command line
 are GB/s (1e9 bytes/s) per XPU, one direction; times are printed in microseconds or milliseconds.
@@ -453,6 +456,91 @@ def _sweep(args) -> int:
         for f in write_plots(result, out):
             print(f"wrote {f}")
     print(f"wrote {out / 'sweep.json'} and {out / 'summary.txt'} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+# -------------------------------------------------------------------------------- predict / validate
+
+DEFAULT_FIT = Path(__file__).resolve().parent.parent / "examples" / "netsim" / "gloo_netns_fit.json"
+
+
+def _configure_replay(p):
+    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py --mode serve run")
+    p.add_argument("--profile", metavar="JSON", help="scripts/profile_serving_compute.py output for its variants "
+                   "(default: <run>.profile.json beside it)")
+    p.add_argument("--fit", metavar="JSON", default=str(DEFAULT_FIT),
+                   help="netsim fit of this machine's collectives (default: examples/netsim/gloo_netns_fit.json)")
+    p.add_argument("--json", metavar="OUT", help="write the result here")
+
+
+def _replay_inputs(args):
+    from .replay import load_fit
+
+    def read(path, what):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{what} {path}: {getattr(err, 'strerror', None) or err}") from None
+
+    run = read(args.bench_serve, "--bench-serve")
+    if not isinstance(run, dict) or run.get("schema") != "bench_serve/1":
+        raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1)")
+    profile_path = args.profile or str(Path(args.bench_serve).with_suffix("")) + ".profile.json"
+    profile = read(profile_path, "--profile")
+    if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":
+        raise ValueError(f"--profile {profile_path}: not a profile_serving_compute.py JSON")
+    constants, burst = load_fit(args.fit)
+    return run, profile, constants, burst
+
+
+def _fmt_ms(x):
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+@command("predict", "TTFT/TPOT/throughput of a bench_serve run's workload from the model", _configure_replay)
+def _predict(args) -> int:
+    from moe_variants.common.files import write_json
+
+    from .replay import predict_run
+
+    run, profile, constants, burst = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, burst)
+    print(f"{'variant':<12}{'rate':>6}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'out tok/s':>11}")
+    for v, rates in pred.items():
+        for rate, f in rates.items():
+            print(f"{v:<12}{rate:>6}{_fmt_ms(f['ttft_p50_s']):>13}{_fmt_ms(f['tpot_p50_s']):>13}"
+                  f"{f['output_tokens_per_s']:>11.1f}")
+    if args.json:
+        write_json(args.json, {"schema": "netsim-predict/1", "bench_serve": args.bench_serve, "fit": args.fit,
+                               "predicted": pred})
+        print(f"wrote {args.json}")
+    return 0
+
+
+@command("validate", "predict a bench_serve run and compare with what it measured", _configure_replay)
+def _validate(args) -> int:
+    from moe_variants.common.files import write_json
+
+    from .replay import predict_run, validate_run
+
+    run, profile, constants, burst = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, burst)
+    res = validate_run(run, pred)
+    print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
+    for r in res["rows"]:
+        scale, unit = (1e3, "ms") if r["figure"].endswith("_s") else (1.0, "")
+        m = "-" if r["measured"] is None else f"{r['measured'] * scale:.1f}{unit}"
+        p = "-" if r["predicted"] is None else f"{r['predicted'] * scale:.1f}{unit}"
+        e = "-" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.1f}%"
+        print(f"{r['variant']:<12}{r['rate']:>6}  {r['figure']:<20}{m:>10}{p:>11}{e:>9}")
+    mean = res["mean_abs_rel_error"]
+    print(f"mean absolute relative error over {res['points']} points: "
+          f"{'-' if mean is None else f'{mean * 100:.1f}%'} (max {res['max_abs_rel_error'] * 100:.1f}%)")
+    if args.json:
+        write_json(args.json, {"schema": "netsim-validate/1", "bench_serve": args.bench_serve, "fit": args.fit,
+                               "predicted": pred, **res})
+        print(f"wrote {args.json}")
     return 0
 
 

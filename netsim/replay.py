@@ -1,0 +1,272 @@
+"""Predict a measured serving run: the project's server replayed step by step on the fitted network.
+
+``bench_serve.py`` serves a model on ``R`` expert-parallel ranks over a shaped link and records
+every request (arrival, prompt and output tokens, TTFT, end-to-end time). This module predicts
+those figures from two inputs measured elsewhere:
+
+* the **network**: alpha-beta constants fitted to this machine's collectives
+  (``python -m netsim fit``, e.g. ``examples/netsim/gloo_netns_fit.json``) at the run's link rate;
+* the **compute** of the served model, per variant (``scripts/profile_serving_compute.py``: engine
+  steps timed on loopback, so without the shaped link): one step on a rank costs
+  ``fixed + per_token x tokens + per_request x requests`` seconds, an idle rank's dummy forward
+  ``dummy``, and a step sends ``a2a_bytes_per_token x tokens`` off-rank in ``a2a_calls`` all-to-alls.
+
+The replay follows the serving loop (``megatron.inference.loop``) and megatron-core's dynamic
+engine as this project drives them. Every iteration all ranks run the loop's control collectives
+(a broadcast of the new requests and an all-gather of the last step's tokens, two small
+collectives each), then step in lockstep: each rank's engine batches one decode token per running
+request plus prefill chunks of waiting requests (first come, first served) up to
+``max_batch_tokens`` tokens and ``max_requests`` requests; ranks without work run the dummy
+forward while another rank works. The step lasts as long as its slowest rank's compute plus its
+all-to-alls, each sized by the busiest rank. A request arriving during an iteration joins at the
+next one, on the rank round-robin gives it; the token a step produces reaches the client one
+control phase later. TTFT is arrival to first token; TPOT the mean gap between its later tokens.
+
+What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
+2 cores with the client here), the engine's memory limits (the benchmark's KV cache never fills).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .collectives import AlphaBeta
+
+__all__ = ["StepProfile", "Link", "Engine", "Request", "simulate", "phase_figures", "FIGURES"]
+
+FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+    """Compute of one engine step on one rank (seconds) and its all-to-all traffic."""
+
+    fixed_s: float
+    per_token_s: float
+    per_request_s: float
+    dummy_s: float
+    a2a_bytes_per_token: float  # off-rank bytes a rank sends per token it holds (all layers and calls)
+    a2a_calls: int  # all-to-alls per step (dispatch and combine of every MoE layer)
+
+    def compute_s(self, tokens: int, requests: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens + self.per_request_s * requests
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepProfile:
+        try:
+            return cls(*(float(d[k]) for k in ("fixed_s", "per_token_s", "per_request_s", "dummy_s",
+                                               "a2a_bytes_per_token")), int(d["a2a_calls"]))
+        except KeyError as e:
+            raise ValueError(f"step profile: missing key {e.args[0]!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A flat switch of ``ranks`` ranks at ``gbit`` per rank link with fitted constants; ``burst_bytes``
+    of a message pass at memory speed (the shaper's token bucket)."""
+
+    ranks: int
+    gbit: float
+    constants: AlphaBeta
+    burst_bytes: float = 0.0
+
+    def _time(self, dests: int, wire_bytes: float) -> float:
+        c = self.constants
+        bw = self.gbit * 1e9 / 8
+        wire = max(0.0, wire_bytes - self.burst_bytes)
+        return c.alpha0 + c.alpha_round + dests * c.alpha_dest + wire / bw / c.utilization
+
+    def all_to_all_s(self, bytes_per_rank: float) -> float:
+        """One all-to-all (gloo's pairwise exchange) where the busiest rank sends ``bytes_per_rank``."""
+        if self.ranks < 2:
+            return 0.0
+        return self._time(self.ranks - 1, bytes_per_rank)
+
+    def control_s(self) -> float:
+        """The loop's broadcast and all-gather of small pickled objects (size, then payload: four
+        collectives of a few hundred bytes)."""
+        if self.ranks < 2:
+            return 0.0
+        return 4 * self._time(self.ranks - 1, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    ranks: int
+    max_batch_tokens: int
+    max_requests: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclasses.dataclass
+class _Live:
+    index: int
+    req: Request
+    prefilled: int = 0  # prompt tokens already forwarded
+    generated: int = 0
+    first_s: float = math.nan
+    last_s: float = math.nan
+
+
+def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, link: Link) -> list:
+    """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring)."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    arrivals = collections.deque(order)
+    waiting = [collections.deque() for _ in range(engine.ranks)]
+    active: list = [[] for _ in range(engine.ranks)]
+    done: dict = {}
+    turn = 0
+    t = 0.0
+    ctrl = link.control_s()
+    while len(done) < len(requests):
+        if not any(waiting) and not any(active):
+            t = max(t, requests[arrivals[0]].arrival_s)
+        while arrivals and requests[arrivals[0]].arrival_s <= t:
+            i = arrivals.popleft()
+            waiting[turn].append(_Live(i, requests[i]))
+            turn = (turn + 1) % engine.ranks
+        t += ctrl
+        tokens, reqs, produced = [0] * engine.ranks, [0] * engine.ranks, []
+        for r in range(engine.ranks):
+            decoding = [x for x in active[r] if x.prefilled == x.req.prompt_tokens]
+            budget = engine.max_batch_tokens - len(decoding)
+            tokens[r] += len(decoding)
+            produced += decoding
+            for x in [x for x in active[r] if x.prefilled < x.req.prompt_tokens]:  # a chunked prefill goes on
+                chunk = min(budget, x.req.prompt_tokens - x.prefilled)
+                x.prefilled += chunk
+                budget -= chunk
+                tokens[r] += chunk
+                if x.prefilled == x.req.prompt_tokens:
+                    produced.append(x)
+            while waiting[r] and budget > 0 and len(active[r]) < engine.max_requests:
+                x = waiting[r].popleft()
+                active[r].append(x)
+                chunk = min(budget, x.req.prompt_tokens)
+                x.prefilled = chunk
+                budget -= chunk
+                tokens[r] += chunk
+                if x.prefilled == x.req.prompt_tokens:
+                    produced.append(x)
+            reqs[r] = len(active[r])
+        if not any(tokens):
+            continue
+        compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(tokens, reqs))
+        per_call = max(tokens) * profile.a2a_bytes_per_token / max(1, profile.a2a_calls)
+        t += compute + profile.a2a_calls * link.all_to_all_s(per_call)
+        seen = t + ctrl  # published by the next iteration's all-gather
+        for x in produced:
+            x.generated += 1
+            if x.generated == 1:
+                x.first_s = seen
+            x.last_s = seen
+            if x.generated >= x.req.output_tokens:
+                done[x.index] = (x.first_s - x.req.arrival_s, x.last_s - x.req.arrival_s, x.generated)
+        for r in range(engine.ranks):
+            active[r] = [x for x in active[r] if x.index not in done]
+    return [done[i] for i in range(len(requests))]
+
+
+def phase_figures(ttft: Sequence[float], e2e: Sequence[float], output_tokens: Sequence[int],
+                  arrivals: Sequence[float]) -> dict:
+    """TTFT and TPOT medians and output tokens/s of one phase (the benchmark's definitions:
+    throughput over the phase's start, time 0, to the last completion)."""
+    tpot = [(e - f) / (n - 1) for f, e, n in zip(ttft, e2e, output_tokens) if n > 1]
+    end = max(a + e for a, e in zip(arrivals, e2e))
+    start = 0.0
+    return {
+        "ttft_p50_s": float(np.median(ttft)),
+        "tpot_p50_s": float(np.median(tpot)) if tpot else None,
+        "output_tokens_per_s": float(sum(output_tokens) / (end - start)) if end > start else None,
+    }
+
+
+# ---------------------------------------------------------------------------- bench_serve runs
+
+
+def load_fit(path) -> tuple[AlphaBeta, float]:
+    """Constants and token-bucket burst of a ``python -m netsim fit`` JSON."""
+    import json
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return AlphaBeta.from_dict(d["constants"]), float(d.get("burst_bytes") or 0.0)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--fit {path}: not a readable netsim fit JSON ({err})") from None
+
+
+def run_requests(run: dict, variant: str, phase: str) -> list:
+    """The requests of one measured phase as the replay's input (actual send times, prompt and
+    output lengths): what the client did, not what the server answered."""
+    return [Request(float(r["sent"]), int(r["prompt_tokens"]), max(1, int(r["output_tokens"])))
+            for r in run["requests"][variant][phase] if r["ok"]]
+
+
+def rate_phases(run: dict, variant: str) -> list:
+    return [p for p in run["requests"][variant] if p.startswith("rate-")]
+
+
+def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: float = 0.0) -> dict:
+    """Predicted ``FIGURES`` per variant and request rate of a bench_serve run (``--mode serve``,
+    shaped link). ``profiles``: variant -> profile dict (``scripts/profile_serving_compute.py``).
+    Off-rank bytes follow the LAR the run measured: ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
+    if run.get("mode") != "serve":
+        raise ValueError("only --mode serve runs can be predicted (TTFT, TPOT, throughput under load)")
+    net = run["network"]
+    if not net.get("shaped"):
+        raise ValueError("the run is on unshaped loopback: there is no link to model")
+    ranks = int(run["config"]["ranks"])
+    server = run["config"]["server"]
+    engine = Engine(ranks, int(server["max_batch_tokens"]), int(server["max_requests"]))
+    link = Link(ranks, float(net["link"]["gbit"]), constants, burst_bytes)
+    out = {}
+    for v in run["config"]["variants"]:
+        if v not in profiles:
+            raise ValueError(f"the profile has no variant {v!r} (it has {', '.join(profiles)})")
+        prof = dict(profiles[v])
+        lar_run, lar_prof = run["variants"][v].get("lar"), prof.get("lar")
+        if lar_run is not None and lar_prof is not None and lar_prof < 1:
+            prof["a2a_bytes_per_token"] *= (1 - lar_run) / (1 - lar_prof)
+        step = StepProfile.from_dict(prof)
+        out[v] = {}
+        for phase in rate_phases(run, v):
+            reqs = run_requests(run, v, phase)
+            got = simulate(reqs, engine, step, link)
+            out[v][phase.split("-", 1)[1]] = phase_figures([g[0] for g in got], [g[1] for g in got],
+                                                           [g[2] for g in got], [r.arrival_s for r in reqs])
+    return out
+
+
+def measured_figures(stats: dict) -> dict:
+    """``FIGURES`` of one measured rate (``variants.<v>.rates.<rate>`` of the run's JSON)."""
+    return {"ttft_p50_s": stats["ttft_s"]["p50"], "tpot_p50_s": stats["tpot_s"]["p50"],
+            "output_tokens_per_s": stats["output_tokens_per_s"]}
+
+
+def validate_run(run: dict, predicted: dict) -> dict:
+    """Relative error ``(predicted - measured) / measured`` of every figure, and their mean absolute."""
+    rows, errors = [], []
+    for v, rates in predicted.items():
+        for rate, pred in rates.items():
+            meas = measured_figures(run["variants"][v]["rates"][rate])
+            for fig in FIGURES:
+                p, m = pred[fig], meas[fig]
+                rel = (p - m) / m if p is not None and m else None
+                rows.append({"variant": v, "rate": rate, "figure": fig, "measured": m, "predicted": p,
+                             "relative_error": rel})
+                if rel is not None:
+                    errors.append(abs(rel))
+    return {"rows": rows, "mean_abs_rel_error": float(np.mean(errors)) if errors else None,
+            "max_abs_rel_error": float(np.max(errors)) if errors else None, "points": len(errors)}

@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Profile the compute of served engine steps, per variant, for ``python -m netsim predict``.
+
+    python scripts/profile_serving_compute.py --bench-serve serve.json --out runs/serve_profile.json
+    python -m netsim validate --bench-serve serve.json --profile runs/serve_profile.json \\
+        --fit examples/netsim/gloo_netns_fit.json
+
+For every variant of a ``bench_serve.py`` run (its checkpoints, rank count and engine sizes, read
+from the run's JSON) this starts the same number of ranks on loopback (gloo, unshaped: the
+all-to-alls cost little and their waits are subtracted), builds the server's engine
+(``megatron.inference.engine``) and times engine steps of known shape, all ranks in lockstep:
+
+* prefill steps of 8 to ``max_batch_tokens`` tokens (prompts of up to 64 tokens, ``max_tokens`` 1);
+* decode steps of 1 to ``max_requests`` running requests (16-token prompts);
+* the dummy forward of an idle rank.
+
+A step's compute is its wall time minus the time the rank waited on all-to-alls (the dispatchers'
+counters), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
+squares as ``fixed + per_token x tokens + per_request x requests``. The all-to-all bytes a rank
+sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
+tokens come from the same counters. Writes
+``serving-compute-profile/1`` JSON with every measured point and the fit's relative errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCHEMA = "serving-compute-profile/1"
+
+
+def _points(max_batch_tokens: int, max_requests: int, context: int) -> list:
+    prefill = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048) if n <= max_batch_tokens]
+    decode = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_requests]
+    out = []
+    for n in prefill:
+        length = min(64, n, context - 2)
+        out.append(("prefill", [length] * (n // length) + ([n % length] if n % length else [])))
+    for b in decode:
+        out.append(("decode", [16] * b))
+    return out
+
+
+def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.serve import variant_load_overrides
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.config import ParallelConfig
+
+    parallel = ParallelConfig(expert_model_parallel_size=world)
+    pgc = initialize_parallel(parallel, seed=seed)
+    model, configs, tokenizer, _ = load_model(ckpt, parallel=parallel, overrides=variant_load_overrides(preset),
+                                              pg_collection=pgc)
+    cfg = EngineConfig(max_batch_tokens=engine_sizes["max_batch_tokens"],
+                       max_requests=engine_sizes["max_requests"], kv_cache_gb=engine_sizes["kv_cache_gb"], seed=seed)
+    engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
+    eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep),
+                     ep_size=dist.get_world_size(pgc.ep))
+    rng = np.random.default_rng(seed + rank)
+    vocab = tokenizer.vocab_size
+    ids = iter(range(10**9))
+
+    def add(length, max_tokens):
+        prompt = [int(t) for t in rng.integers(0, vocab, size=length) if t != tokenizer.eod] or [1]
+        eng.add(next(ids), prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                termination_id=-1, seed=None)
+
+    def timed(kind):
+        before = dict(eng.comm, tokens=eng.tokens_forwarded, requests=context.get_active_request_count()
+                      + len(engine.waiting_request_ids))
+        t0 = time.perf_counter()
+        eng.step() if kind != "dummy" else eng.dummy_step()
+        wall = time.perf_counter() - t0
+        exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
+        row = torch.tensor([wall - exposed], dtype=torch.float64)
+        dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
+        return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
+                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"]}
+
+    def drain():
+        while eng.local_work():
+            eng.step()
+
+    from moe_variants.common.moe_layer import comm_totals
+
+    calls0 = comm_totals([model])["calls"] if eng.counters else 0
+    steps0 = eng.steps + eng.dummy_steps
+    rows = []
+    points = _points(cfg.max_batch_tokens, cfg.max_requests, context.max_sequence_length)
+    for _ in range(repeats + 1):  # the first round warms up
+        round_rows = []
+        for kind, lengths in points:
+            if kind == "prefill":
+                for n in lengths:
+                    add(n, 1)
+                round_rows.append(timed("prefill"))
+            else:
+                for n in lengths:
+                    add(n, 6)
+                eng.step()  # their prefill
+                for _ in range(4):
+                    round_rows.append(timed("decode"))
+            drain()
+        round_rows.append(timed("dummy"))
+        rows.append(round_rows)
+    calls = comm_totals([model])["calls"] - calls0 if eng.counters else 0
+    steps = eng.steps + eng.dummy_steps - steps0
+    stats = eng.stats()
+    return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
+            "local": stats["local_activations"], "routed": stats["routed_activations"]}
+
+
+def fit(rows: list) -> dict:
+    """Least-squares ``fixed + per_token x tokens + per_request x requests`` over the per-shape
+    medians; relative errors of the fit."""
+    import numpy as np
+
+    shapes: dict = {}
+    for r in rows:
+        if r["kind"] != "dummy":
+            shapes.setdefault((r["kind"], r["tokens"], r["requests"]), []).append(r["compute_s"])
+    keys = sorted(shapes)
+    X = np.array([[1.0, t, q] for _, t, q in keys])
+    y = np.array([statistics.median(shapes[k]) for k in keys])
+    theta = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]  # relative residuals
+    theta = np.maximum(theta, 0.0)
+    pred = X @ theta
+    rel = (pred - y) / y
+    return {"fixed_s": float(theta[0]), "per_token_s": float(theta[1]), "per_request_s": float(theta[2]),
+            "points": [{"kind": k, "tokens": t, "requests": q, "compute_s": float(v), "fit_s": float(p)}
+                       for (k, t, q), v, p in zip(keys, y, pred)],
+            "fit_mean_abs_rel_error": float(np.mean(np.abs(rel))), "fit_max_abs_rel_error": float(np.max(np.abs(rel)))}
+
+
+def main(argv=None) -> int:
+    from moe_variants.common.cli import positive_int, run_cli
+    from moe_variants.common.files import write_json
+
+    p = argparse.ArgumentParser(prog="profile_serving_compute.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py run's JSON (variants, "
+                   "checkpoints, ranks, engine sizes)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--variants", default=None, help="comma-separated subset of the run's variants")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: the run's)")
+
+    def body():
+        args = p.parse_args(argv)
+        try:
+            with open(args.bench_serve) as f:
+                run = json.load(f)
+            cfg = run["config"]
+            variants, checkpoints, ranks = cfg["variants"], cfg["checkpoints"], int(cfg["ranks"])
+            sizes = cfg["server"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--bench-serve {args.bench_serve}: not a readable bench_serve.py JSON ({err})") from None
+        if args.variants:
+            wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+            unknown = [v for v in wanted if v not in variants]
+            if unknown:
+                raise ValueError(f"--variants {','.join(unknown)}: not in the run (it has {', '.join(variants)})")
+            variants = wanted
+        for v in variants:
+            if not os.path.isdir(checkpoints[v]):
+                raise ValueError(f"{v}'s checkpoint {checkpoints[v]} is gone (run bench_serve.py with --work-dir "
+                                 "to keep it)")
+        if os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out}: is a directory")
+        from megatron import compat
+        from megatron.training.testing import run_distributed
+
+        compat.quiet_warnings()
+        shared = "load" in cfg.get("model", {})  # one checkpoint, variants as load presets
+        threads = args.threads or int(cfg.get("threads", 1))
+        out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks,
+               "threads": threads, "engine": sizes, "repeats": args.repeats, "variants": {}}
+        for v in variants:
+            t0 = time.monotonic()
+            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], v if shared else None, sizes,
+                                       args.repeats, 1234, timeout_s=1800, num_threads=threads)
+            rows = per_rank[0]["rows"]
+            prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
+            entry = fit(rows)
+            entry.update(
+                dummy_s=statistics.median(r["compute_s"] for r in rows if r["kind"] == "dummy"),
+                a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill) / sum(r["tokens"] for r in prefill),
+                a2a_calls=round(per_rank[0]["calls_per_step"]),
+                lar=sum(r["local"] for r in per_rank) / max(1, sum(r["routed"] for r in per_rank)),
+                checkpoint=checkpoints[v], wall_s=time.monotonic() - t0,
+            )
+            out["variants"][v] = entry
+            print(f"{v}: fixed {entry['fixed_s'] * 1e3:.2f} ms + {entry['per_token_s'] * 1e6:.1f} us/token + "
+                  f"{entry['per_request_s'] * 1e6:.1f} us/request; dummy {entry['dummy_s'] * 1e3:.2f} ms; "
+                  f"{entry['a2a_bytes_per_token']:.0f} B/token off-rank in {entry['a2a_calls']} all-to-alls; "
+                  f"fit error mean {entry['fit_mean_abs_rel_error']:.1%} ({entry['wall_s']:.0f}s)", flush=True)
+        write_json(args.out, out)
+        print(f"wrote {args.out}")
+        return 0
+
+    return run_cli("profile_serving_compute.py", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""netsim.replay: the serving loop replayed on the fitted network (exact arithmetic on small cases),
+and ``netsim predict`` / ``validate`` on a synthetic bench_serve run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from netsim.collectives import AlphaBeta
+from netsim.replay import Engine, Link, Request, StepProfile, phase_figures, predict_run, simulate, validate_run
+
+C = AlphaBeta(alpha0=0.0, alpha_round=0.0, alpha_dest=1e-4, utilization=1.0)
+PROF = StepProfile(fixed_s=0.01, per_token_s=1e-4, per_request_s=1e-3, dummy_s=0.005, a2a_bytes_per_token=1000.0,
+                   a2a_calls=4)
+LINK = Link(ranks=2, gbit=8e-3, constants=C)  # 1 MB/s: 1 byte = 1 us
+
+
+def _a2a(tokens):
+    return PROF.a2a_calls * (1e-4 + tokens * PROF.a2a_bytes_per_token / PROF.a2a_calls * 1e-6)
+
+
+def test_one_request_alone():
+    ctrl = 4 * 1e-4
+    (ttft, e2e, n), = simulate([Request(0.0, 10, 3)], Engine(2, 64, 4), PROF, LINK)
+    prefill = ctrl + PROF.compute_s(10, 1) + _a2a(10)  # the other rank runs its dummy forward (cheaper)
+    decode = ctrl + PROF.compute_s(1, 1) + _a2a(1)
+    assert n == 3
+    assert ttft == pytest.approx(prefill + ctrl)
+    assert e2e == pytest.approx(prefill + 2 * decode + ctrl)
+
+
+def test_lockstep_round_robin_and_the_slowest_rank():
+    ctrl = 4 * 1e-4
+    got = simulate([Request(0.0, 10, 1), Request(0.0, 30, 1)], Engine(2, 64, 4), PROF, LINK)
+    step = ctrl + PROF.compute_s(30, 1) + _a2a(30)  # ranks 0 and 1 in one step; the 30-token rank sets it
+    assert [g[0] for g in got] == pytest.approx([step + ctrl] * 2)
+
+
+def test_chunked_prefill_and_request_limit():
+    (ttft, _, _), = simulate([Request(0.0, 100, 1)], Engine(1, 64, 4), PROF, Link(1, 1.0, C))
+    assert ttft == pytest.approx(PROF.compute_s(64, 1) + PROF.compute_s(36, 1))  # one rank: no collectives
+    # max_requests 1: the second request waits for the first to finish
+    got = simulate([Request(0.0, 4, 2), Request(0.0, 4, 2)], Engine(1, 64, 1), PROF, Link(1, 1.0, C))
+    assert got[1][0] > got[0][1]
+
+
+def test_arrivals_wait_for_the_next_iteration_and_idle_skips_ahead():
+    (ttft, _, _), = simulate([Request(5.0, 10, 1)], Engine(1, 64, 4), PROF, Link(1, 1.0, C))
+    assert ttft == pytest.approx(PROF.compute_s(10, 1))
+
+
+def test_phase_figures():
+    f = phase_figures([0.1, 0.3], [1.1, 2.3], [11, 21], [0.0, 1.0])
+    assert f["ttft_p50_s"] == pytest.approx(0.2)
+    assert f["tpot_p50_s"] == pytest.approx((0.1 + 0.1) / 2)
+    assert f["output_tokens_per_s"] == pytest.approx(32 / 3.3)
+
+
+def _run(lar=0.5):
+    reqs = [{"sent": 0.5 * i, "prompt_tokens": 20, "output_tokens": 5, "max_tokens": 5, "ok": True}
+            for i in range(6)]
+    rates = {"2": {"ttft_s": {"p50": 0.05}, "tpot_s": {"p50": 0.02}, "output_tokens_per_s": 10.0}}
+    return {"schema": "bench_serve/1", "mode": "serve",
+            "network": {"shaped": True, "link": {"gbit": 0.5}},
+            "config": {"ranks": 2, "variants": ["standard"], "server": {"max_batch_tokens": 64, "max_requests": 4}},
+            "variants": {"standard": {"lar": lar, "rates": rates}}, "requests": {"standard": {"rate-2": reqs}}}
+
+
+def test_predict_scales_bytes_by_the_measured_lar_and_validate_compares():
+    prof = dict(PROF.__dict__, lar=0.5)
+    base = predict_run(_run(0.5), {"standard": prof}, C)["standard"]["2"]
+    local = predict_run(_run(1.0), {"standard": prof}, C)["standard"]["2"]  # everything local: no bytes
+    assert local["ttft_p50_s"] < base["ttft_p50_s"]
+    res = validate_run(_run(), {"standard": {"2": base}})
+    assert res["points"] == 3
+    ttft = next(r for r in res["rows"] if r["figure"] == "ttft_p50_s")
+    assert ttft["relative_error"] == pytest.approx((base["ttft_p50_s"] - 0.05) / 0.05)
+    assert res["mean_abs_rel_error"] == pytest.approx(sum(abs(r["relative_error"]) for r in res["rows"]) / 3)
+    with pytest.raises(ValueError, match="no variant"):
+        predict_run(_run(), {"bigmac": prof}, C)
+
+
+def test_validate_cli(tmp_path, capsys):
+    from netsim.cli import main
+
+    run = tmp_path / "serve.json"
+    run.write_text(json.dumps(_run()))
+    (tmp_path / "serve.profile.json").write_text(json.dumps(
+        {"schema": "serving-compute-profile/1", "variants": {"standard": dict(PROF.__dict__, lar=0.5)}}))
+    assert main(["validate", "--bench-serve", str(run), "--json", str(tmp_path / "v.json")]) == 0
+    out = json.loads((tmp_path / "v.json").read_text())
+    assert out["points"] == 3 and out["mean_abs_rel_error"] >= 0
+    assert "mean absolute relative error over 3 points" in capsys.readouterr().out
+    assert main(["validate", "--bench-serve", str(tmp_path / "missing.json")]) == 2
+    assert "--bench-serve" in capsys.readouterr().err
