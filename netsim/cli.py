@@ -293,9 +293,13 @@ def _table(args) -> int:
 
 def _variant_args(p, defaults: bool = False):
     g = p.add_argument_group("variants (knobs)")
-    g.add_argument("--bigmac-ratio", type=float, default=0.25 if defaults else 1.0, help="BigMac r: all-to-all at r x hidden")
-    g.add_argument("--lar", type=float, default=0.5 if defaults else None, help="Sem-MoE local activation rate")
-    g.add_argument("--farskip-overlap", type=float, default=0.889 if defaults else 0.0,
+    if defaults:  # the sweep: a knob set, each flag overriding one knob of it
+        g.add_argument("--knobs", choices=["measured", "paper"], default="measured",
+                       help="knob values: this project's measurements (FarSkip overlap 0.774, Sem-MoE LAR 0.506; "
+                            "docs/netsim.md) or the papers' (0.889, 0.5); r = 0.25 in both")
+    g.add_argument("--bigmac-ratio", type=float, default=None if defaults else 1.0, help="BigMac r: all-to-all at r x hidden")
+    g.add_argument("--lar", type=float, default=None, help="Sem-MoE local activation rate")
+    g.add_argument("--farskip-overlap", type=float, default=None if defaults else 0.0,
                    help="FarSkip: share of each all-to-all the next op overlaps")  # fmt: skip
 
 
@@ -421,7 +425,7 @@ def _sweep(args) -> int:
     from moe_variants.common.files import write_json, write_text
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA, Topology
     from .cost import CostConfig
-    from .sweep import SweepConfig, default_variants, run_sweep, summary_table
+    from .sweep import SweepConfig, default_variants, knob_values, run_sweep, summary_table
 
     # the sweep projects the (H100) table to --gpu itself, so load it unprojected
     cfg_serving, table = _serving_cfg(replace_ns(args, gpu="h100"))
@@ -438,7 +442,8 @@ def _sweep(args) -> int:
     if args.no_generations:
         kw["generations"] = ()
     cfg = SweepConfig(
-        variants=default_variants(args.bigmac_ratio, args.lar, args.farskip_overlap),
+        variants=default_variants(**knob_values(args.knobs, bigmac_ratio=args.bigmac_ratio, lar=args.lar,
+                                                farskip_overlap=args.farskip_overlap)),
         serving=cfg_serving, cost=replace(CostConfig(), network_cost_factor=args.network_cost_factor),
         constants=_load_constants(args.constants, DGX_H100_INTRA),
         inter_constants=_load_constants(args.inter_constants, DGX_H100_INTER), **kw,
@@ -529,7 +534,7 @@ def _validate(args) -> int:
     res = validate_run(run, pred)
     print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
     for r in res["rows"]:
-        scale, unit = (1e3, "ms") if r["figure"].endswith("_s") else (1.0, "")
+        scale, unit = (1e3, "ms") if r["figure"].endswith("_s") and not r["figure"].endswith("per_s") else (1.0, "")
         m = "-" if r["measured"] is None else f"{r['measured'] * scale:.1f}{unit}"
         p = "-" if r["predicted"] is None else f"{r['predicted'] * scale:.1f}{unit}"
         e = "-" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.1f}%"

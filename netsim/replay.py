@@ -8,16 +8,17 @@ those figures from two inputs measured elsewhere:
   (``python -m netsim fit``, e.g. ``examples/netsim/gloo_netns_fit.json``) at the run's link rate;
 * the **compute** of the served model, per variant (``scripts/profile_serving_compute.py``: engine
   steps timed on loopback, so without the shaped link): one step on a rank costs
-  ``fixed + per_token x tokens + per_request x requests`` seconds, an idle rank's dummy forward
-  ``dummy``, and a step sends ``a2a_bytes_per_token x tokens`` off-rank in ``a2a_calls`` all-to-alls.
+  ``fixed + per_token x tokens + per_request x requests`` seconds (tokens as the engine pads
+  them), an idle rank's dummy forward ``dummy``, a step sends ``a2a_bytes_per_token x tokens``
+  off-rank in ``a2a_calls`` all-to-alls, and the serving loop's own exchange costs ``loop``.
 
 The replay follows the serving loop (``megatron.inference.loop``) and megatron-core's dynamic
 engine as this project drives them. Every iteration all ranks run the loop's control collectives
 (a broadcast of the new requests and an all-gather of the last step's tokens, two small
-collectives each), then step in lockstep: each rank's engine batches one decode token per running
+collectives each: their profiled cost on loopback plus four latencies of the link), then step in lockstep: each rank's engine batches one decode token per running
 request plus prefill chunks of waiting requests (first come, first served) up to
-``max_batch_tokens`` tokens and ``max_requests`` requests; ranks without work run the dummy
-forward while another rank works. The step lasts as long as its slowest rank's compute plus its
+``max_batch_tokens`` tokens and ``max_requests`` requests, padded as the engine pads them
+(``Engine.padded``); ranks without work run the dummy forward while another rank works. The step lasts as long as its slowest rank's compute plus its
 all-to-alls, each sized by the busiest rank. A request arriving during an iteration joins at the
 next one, on the rank round-robin gives it; the token a step produces reaches the client one
 control phase later. TTFT is arrival to first token; TPOT the mean gap between its later tokens.
@@ -51,7 +52,8 @@ class StepProfile:
     per_request_s: float
     dummy_s: float
     a2a_bytes_per_token: float  # off-rank bytes a rank sends per token it holds (all layers and calls)
-    a2a_calls: int  # all-to-alls per step (dispatch and combine of every MoE layer)
+    a2a_calls: int  # all-to-alls per step (dispatch, combine and routing metadata of every MoE layer)
+    loop_s: float = 0.0  # the serving loop's own work per iteration (its object collectives on loopback)
 
     def compute_s(self, tokens: int, requests: int) -> float:
         return self.fixed_s + self.per_token_s * tokens + self.per_request_s * requests
@@ -60,46 +62,67 @@ class StepProfile:
     def from_dict(cls, d: dict) -> StepProfile:
         try:
             return cls(*(float(d[k]) for k in ("fixed_s", "per_token_s", "per_request_s", "dummy_s",
-                                               "a2a_bytes_per_token")), int(d["a2a_calls"]))
+                                               "a2a_bytes_per_token")), int(d["a2a_calls"]),
+                       float(d.get("loop_s", 0.0)))
         except KeyError as e:
             raise ValueError(f"step profile: missing key {e.args[0]!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A flat switch of ``ranks`` ranks at ``gbit`` per rank link with fitted constants; ``burst_bytes``
-    of a message pass at memory speed (the shaper's token bucket)."""
+    """A flat switch of ``ranks`` ranks at ``gbit`` per rank link with fitted constants. The shaper
+    is a token bucket of ``burst_bytes``: bytes covered by the bucket pass at memory speed, the rest
+    at the link rate, and the bucket refills at the link rate while the link is idle (so back-to-back
+    all-to-alls of one step share one bucket; the fit saw every call start with a full one)."""
 
     ranks: int
     gbit: float
     constants: AlphaBeta
     burst_bytes: float = 0.0
 
-    def _time(self, dests: int, wire_bytes: float) -> float:
-        c = self.constants
-        bw = self.gbit * 1e9 / 8
-        wire = max(0.0, wire_bytes - self.burst_bytes)
-        return c.alpha0 + c.alpha_round + dests * c.alpha_dest + wire / bw / c.utilization
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbit * 1e9 / 8
 
-    def all_to_all_s(self, bytes_per_rank: float) -> float:
-        """One all-to-all (gloo's pairwise exchange) where the busiest rank sends ``bytes_per_rank``."""
+    def latency_s(self) -> float:
+        c = self.constants
+        return c.alpha0 + c.alpha_round + (self.ranks - 1) * c.alpha_dest
+
+    def all_to_all_s(self, bytes_per_rank: float, bucket: float) -> tuple:
+        """One all-to-all (gloo's pairwise exchange) where the busiest rank sends ``bytes_per_rank``
+        off-rank, with ``bucket`` bytes of burst available: ``(seconds, bucket left)``."""
         if self.ranks < 2:
-            return 0.0
-        return self._time(self.ranks - 1, bytes_per_rank)
+            return 0.0, bucket
+        shaped = max(0.0, bytes_per_rank - bucket)
+        return self.latency_s() + shaped / self.bytes_per_s / self.constants.utilization, \
+            max(0.0, bucket - bytes_per_rank)
+
+    def refill(self, bucket: float, idle_s: float) -> float:
+        return min(self.burst_bytes, bucket + idle_s * self.bytes_per_s)
 
     def control_s(self) -> float:
         """The loop's broadcast and all-gather of small pickled objects (size, then payload: four
         collectives of a few hundred bytes)."""
         if self.ranks < 2:
             return 0.0
-        return 4 * self._time(self.ranks - 1, 0.0)
+        return 4 * self.latency_s()
 
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
+    """The engine's sizes per rank. megatron-core's ``DynamicInferenceContext`` (without CUDA graphs)
+    forwards a step's tokens padded up to a multiple of ``token_rounder`` (its ``TOKEN_ROUNDER``,
+    64), a decode-only step to ``min(max_batch_tokens, max_requests, that)``; it rounds
+    ``max_requests`` down to a multiple of 4 (``REQUEST_ROUNDER``)."""
+
     ranks: int
     max_batch_tokens: int
     max_requests: int
+    token_rounder: int = 64
+
+    def padded(self, tokens: int, decode_only: bool) -> int:
+        up = -(-tokens // self.token_rounder) * self.token_rounder
+        return min(self.max_batch_tokens, self.max_requests, up) if decode_only else up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +151,19 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     done: dict = {}
     turn = 0
     t = 0.0
-    ctrl = link.control_s()
+    ctrl = profile.loop_s + link.control_s()
+    bucket = link.burst_bytes
     while len(done) < len(requests):
         if not any(waiting) and not any(active):
+            bucket = link.refill(bucket, max(0.0, requests[arrivals[0]].arrival_s - t))
             t = max(t, requests[arrivals[0]].arrival_s)
         while arrivals and requests[arrivals[0]].arrival_s <= t:
             i = arrivals.popleft()
             waiting[turn].append(_Live(i, requests[i]))
             turn = (turn + 1) % engine.ranks
         t += ctrl
-        tokens, reqs, produced = [0] * engine.ranks, [0] * engine.ranks, []
+        bucket = link.refill(bucket, ctrl)
+        tokens, reqs, padded, produced = [0] * engine.ranks, [0] * engine.ranks, [0] * engine.ranks, []
         for r in range(engine.ranks):
             decoding = [x for x in active[r] if x.prefilled == x.req.prompt_tokens]
             budget = engine.max_batch_tokens - len(decoding)
@@ -160,11 +186,18 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
                 if x.prefilled == x.req.prompt_tokens:
                     produced.append(x)
             reqs[r] = len(active[r])
+            if tokens[r]:
+                padded[r] = engine.padded(tokens[r], decode_only=tokens[r] == len(decoding))
         if not any(tokens):
             continue
-        compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(tokens, reqs))
-        per_call = max(tokens) * profile.a2a_bytes_per_token / max(1, profile.a2a_calls)
-        t += compute + profile.a2a_calls * link.all_to_all_s(per_call)
+        compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(padded, reqs))
+        calls = max(1, profile.a2a_calls)
+        per_call = max(padded) * profile.a2a_bytes_per_token / calls
+        t += compute
+        for _ in range(profile.a2a_calls):  # the step's compute runs between its all-to-alls
+            bucket = link.refill(bucket, compute / calls)
+            seconds, bucket = link.all_to_all_s(per_call, bucket)
+            t += seconds
         seen = t + ctrl  # published by the next iteration's all-gather
         for x in produced:
             x.generated += 1
@@ -229,7 +262,7 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: fl
         raise ValueError("the run is on unshaped loopback: there is no link to model")
     ranks = int(run["config"]["ranks"])
     server = run["config"]["server"]
-    engine = Engine(ranks, int(server["max_batch_tokens"]), int(server["max_requests"]))
+    engine = Engine(ranks, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
     link = Link(ranks, float(net["link"]["gbit"]), constants, burst_bytes)
     out = {}
     for v in run["config"]["variants"]:

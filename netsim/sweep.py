@@ -17,6 +17,7 @@ Analyses (all computed from the records, nothing hard-coded):
 from __future__ import annotations
 
 import time
+from enum import Enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
@@ -36,17 +37,41 @@ from .serving import (
     evaluate_cases,
 )
 
-__all__ = ["SweepConfig", "default_variants", "run_sweep", "pareto_front", "summary_table", "PROVISION_GBPS"]
+__all__ = ["SweepConfig", "KnobSource", "KNOBS", "knob_values", "default_variants", "run_sweep", "pareto_front", "summary_table", "PROVISION_GBPS"]
 
 PROVISION_GBPS = {Topology.SCALE_UP: 450.0, Topology.TORUS_3D: 450.0, Topology.FULL_MESH_3D: 450.0,
                   Topology.SCALE_OUT: 50.0}  # fmt: skip
 SWITCHLESS = (Topology.TORUS_3D, Topology.FULL_MESH_3D)
 
 
-def default_variants(bigmac_ratio: float = 0.25, lar: float = 0.5, farskip_overlap: float = 0.889) -> tuple[Variant, ...]:
-    """Baseline, each knob alone, and all three combined. Defaults: BigMac's r = 0.25; a Sem-MoE
-    local activation rate of 0.5 (the paper reports 25% -> 62-68% at small EP; at EP 64-256 we
-    assume less); FarSkip's 88.9% all-to-all overlap (DeepSeek-V3 MoE layers, EP)."""
+class KnobSource(str, Enum):
+    """Where the variant knobs come from."""
+
+    MEASURED = "measured"
+    """This project's measurements: FarSkip's forward overlap on the DeepSeek-V2-Lite-shaped bench
+    model at about the paper's all-to-all share (0.774; decode is forward-only; docs/farskip.md),
+    Sem-MoE's held-out attention-TP LAR at EP = 4 on the model pretrained here (0.506, docs/semmoe.md),
+    BigMac's r = 0.25 (a design choice, not a measurement)."""
+    PAPER = "paper"
+    """The papers' figures: FarSkip's 88.9% overlap, Sem-MoE's LAR 0.5, BigMac's r = 0.25."""
+
+
+KNOBS = {
+    KnobSource.MEASURED: {"bigmac_ratio": 0.25, "lar": 0.506, "farskip_overlap": 0.774},
+    KnobSource.PAPER: {"bigmac_ratio": 0.25, "lar": 0.5, "farskip_overlap": 0.889},
+}
+
+
+def knob_values(source: KnobSource | str = KnobSource.MEASURED, **overrides) -> dict:
+    """The knobs of ``source`` with any non-None ``overrides`` (explicit flags) applied."""
+    out = dict(KNOBS[KnobSource(source)])
+    out.update({k: v for k, v in overrides.items() if v is not None})
+    return out
+
+
+def default_variants(bigmac_ratio: float = 0.25, lar: float = 0.506, farskip_overlap: float = 0.774) -> tuple[Variant, ...]:
+    """Baseline, each knob alone, and all three combined; defaults: the measured knobs
+    (``KnobSource.MEASURED``). The LAR, measured at EP = 4, is applied at every EP, as the paper's 0.5 is."""
     return (
         BASELINE,
         Variant("bigmac", bigmac_ratio=bigmac_ratio),
@@ -424,7 +449,13 @@ def summary_table(result: dict) -> str:
     if a["variants"]:
         lines.append("")
         vnames = [v["name"] for v in result["config"]["variants"] if v["name"] != "baseline"]
-        lines.append(f"Variant gains in throughput/cost over baseline ({result['config']['variant_optimization']}, 1x provision)")
+        knobs = {v["name"]: v for v in result["config"]["variants"]}
+        knob_text = "; ".join(t for t in (
+            f"r = {knobs['bigmac']['bigmac_ratio']:g}" if "bigmac" in knobs else "",
+            f"LAR = {knobs['semmoe']['lar']:g}" if "semmoe" in knobs else "",
+            f"overlap = {knobs['farskip']['farskip_overlap']:g}" if "farskip" in knobs else "") if t)
+        lines.append(f"Variant gains in throughput/cost over baseline ({result['config']['variant_optimization']}, "
+                     f"1x provision; {knob_text})")
         lines.append(f"{'scenario':<22}{'topology':<12}" + "".join(f"{v:>10}" for v in vnames))
         for key, per in a["variants"].items():
             for t, g in per.items():

@@ -12,11 +12,13 @@ all-to-alls cost little and their waits are subtracted), builds the server's eng
 
 * prefill steps of 8 to ``max_batch_tokens`` tokens (prompts of up to 64 tokens, ``max_tokens`` 1);
 * decode steps of 1 to ``max_requests`` running requests (16-token prompts);
-* the dummy forward of an idle rank.
+* the dummy forward of an idle rank;
+* the serving loop's per-iteration exchange of commands, token updates and engine stats.
 
 A step's compute is its wall time minus the time the rank waited on all-to-alls (the dispatchers'
 counters), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
-squares as ``fixed + per_token x tokens + per_request x requests``. The all-to-all bytes a rank
+squares as ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
+forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
 tokens come from the same counters. Writes
 ``serving-compute-profile/1`` JSON with every measured point and the fit's relative errors.
@@ -87,15 +89,13 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
         row = torch.tensor([wall - exposed], dtype=torch.float64)
         dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
         return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
-                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"]}
+                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"]}  # this rank's
 
     def drain():
         while eng.local_work():
             eng.step()
 
-    from moe_variants.common.moe_layer import comm_totals
-
-    calls0 = comm_totals([model])["calls"] if eng.counters else 0
+    calls0 = eng.comm["a2a_calls"]
     steps0 = eng.steps + eng.dummy_steps
     rows = []
     points = _points(cfg.max_batch_tokens, cfg.max_requests, context.max_sequence_length)
@@ -115,22 +115,47 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
             drain()
         round_rows.append(timed("dummy"))
         rows.append(round_rows)
-    calls = comm_totals([model])["calls"] - calls0 if eng.counters else 0
+    calls = eng.comm["a2a_calls"] - calls0
     steps = eng.steps + eng.dummy_steps - steps0
     stats = eng.stats()
     return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
-            "local": stats["local_activations"], "routed": stats["routed_activations"]}
+            "local": stats["local_activations"], "routed": stats["routed_activations"],
+            "loop_s": _loop_overhead(eng, world)}
 
 
-def fit(rows: list) -> dict:
+def _loop_overhead(eng, world, iterations: int = 60) -> float:
+    """Median seconds of the serving loop's per-iteration exchange (``megatron.inference.loop``: a
+    broadcast of the new commands, an all-gather of every rank's work, token updates and engine
+    stats), on loopback; the slowest rank's per iteration."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.inference.frontend import Commands
+    from moe_variants.common import collectives
+
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        box = [(Commands(), {})]
+        collectives.broadcast_object_list(box, src=0)
+        gathered = [None] * world
+        collectives.all_gather_object(gathered, (eng.local_work(), [], eng.stats()))
+        row = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(row, op=dist.ReduceOp.MAX)
+        times.append(float(row[0]))
+    return statistics.median(times[10:])
+
+
+def fit(rows: list, engine) -> dict:
     """Least-squares ``fixed + per_token x tokens + per_request x requests`` over the per-shape
-    medians; relative errors of the fit."""
+    medians, tokens as the engine pads them (``netsim.replay.Engine.padded``); relative errors."""
     import numpy as np
 
     shapes: dict = {}
     for r in rows:
         if r["kind"] != "dummy":
-            shapes.setdefault((r["kind"], r["tokens"], r["requests"]), []).append(r["compute_s"])
+            padded = engine.padded(r["tokens"], decode_only=r["kind"] == "decode")
+            shapes.setdefault((r["kind"], padded, r["requests"]), []).append(r["compute_s"])
     keys = sorted(shapes)
     X = np.array([[1.0, t, q] for _, t, q in keys])
     y = np.array([statistics.median(shapes[k]) for k in keys])
@@ -180,24 +205,29 @@ def main(argv=None) -> int:
             raise ValueError(f"--out {args.out}: is a directory")
         from megatron import compat
         from megatron.training.testing import run_distributed
+        from netsim.replay import Engine
 
         compat.quiet_warnings()
-        shared = "load" in cfg.get("model", {})  # one checkpoint, variants as load presets
+        engine = Engine(ranks, int(sizes["max_batch_tokens"]), int(sizes["max_requests"]) // 4 * 4)
+        load = cfg.get("model", {}).get("load")  # one checkpoint, variants as load presets (not placed copies)
         threads = args.threads or int(cfg.get("threads", 1))
         out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks,
                "threads": threads, "engine": sizes, "repeats": args.repeats, "variants": {}}
         for v in variants:
             t0 = time.monotonic()
-            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], v if shared else None, sizes,
+            preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
+            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes,
                                        args.repeats, 1234, timeout_s=1800, num_threads=threads)
             rows = per_rank[0]["rows"]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
-            entry = fit(rows)
+            entry = fit(rows, engine)
             entry.update(
                 dummy_s=statistics.median(r["compute_s"] for r in rows if r["kind"] == "dummy"),
-                a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill) / sum(r["tokens"] for r in prefill),
+                a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill)
+                / sum(engine.padded(r["tokens"], decode_only=False) for r in prefill),
                 a2a_calls=round(per_rank[0]["calls_per_step"]),
                 lar=sum(r["local"] for r in per_rank) / max(1, sum(r["routed"] for r in per_rank)),
+                loop_s=per_rank[0]["loop_s"],
                 checkpoint=checkpoints[v], wall_s=time.monotonic() - t0,
             )
             out["variants"][v] = entry

@@ -8,7 +8,8 @@
 #
 # Environment: CKPT (a trained checkpoint), EP (ranks, default 2), RATES (default 2,4,8),
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
-# OUTPUT_LEN (default 32), PY (default .venv/bin/python). Steps whose output exists are skipped.
+# OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
+# PY (default .venv/bin/python). Steps whose output exists are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
@@ -18,6 +19,8 @@ RATES=${RATES:-2,4,8}
 NUM_REQUESTS=${NUM_REQUESTS:-32}
 FRACTION=${FRACTION:-0.4}
 OUTPUT_LEN=${OUTPUT_LEN:-32}
+SLO_TTFT=${SLO_TTFT:-1.0}
+SLO_TPOT=${SLO_TPOT:-0.2}
 PY=${PY:-.venv/bin/python}
 PROMPTS=data/semmoe_prompts
 mkdir -p "$OUT/tables"
@@ -37,4 +40,4 @@ done
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants standard,eplb,semmoe \
   --ranks "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
   --target-comm-fraction "$FRACTION" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
-  --work-dir "$OUT/work" --json "$OUT/serve.json"
+  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --work-dir "$OUT/work" --json "$OUT/serve.json"

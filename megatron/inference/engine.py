@@ -211,7 +211,7 @@ class RankEngine:
         self.steps = 0
         self.dummy_steps = 0
         self.busy_s = 0.0  # wall time inside engine steps and dummy forwards
-        self.comm = {"a2a_bytes": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested counters
+        self.comm = {"a2a_bytes": 0, "a2a_calls": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested
         self.requests_added = 0
         self.activations = None  # LocalActivationCounter when every MoE layer's router reports its top-k
         if ep_rank is not None and moe_layers(model) and all(hasattr(m.router, "routing_observer") for m in moe_layers(model)):
@@ -328,6 +328,7 @@ class RankEngine:
         if self.counters:
             step = comm_totals([self.model])
             self.comm["a2a_bytes"] += int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
+            self.comm["a2a_calls"] += int(step["calls"])
             self.comm["a2a_time_s"] += float(step["time_fwd_s"])
             self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
             reset_comm_counters([self.model])

@@ -22,7 +22,7 @@ def _a2a(tokens):
 
 def test_one_request_alone():
     ctrl = 4 * 1e-4
-    (ttft, e2e, n), = simulate([Request(0.0, 10, 3)], Engine(2, 64, 4), PROF, LINK)
+    (ttft, e2e, n), = simulate([Request(0.0, 10, 3)], Engine(2, 64, 4, token_rounder=1), PROF, LINK)
     prefill = ctrl + PROF.compute_s(10, 1) + _a2a(10)  # the other rank runs its dummy forward (cheaper)
     decode = ctrl + PROF.compute_s(1, 1) + _a2a(1)
     assert n == 3
@@ -32,22 +32,31 @@ def test_one_request_alone():
 
 def test_lockstep_round_robin_and_the_slowest_rank():
     ctrl = 4 * 1e-4
-    got = simulate([Request(0.0, 10, 1), Request(0.0, 30, 1)], Engine(2, 64, 4), PROF, LINK)
+    got = simulate([Request(0.0, 10, 1), Request(0.0, 30, 1)], Engine(2, 64, 4, token_rounder=1), PROF, LINK)
     step = ctrl + PROF.compute_s(30, 1) + _a2a(30)  # ranks 0 and 1 in one step; the 30-token rank sets it
     assert [g[0] for g in got] == pytest.approx([step + ctrl] * 2)
 
 
 def test_chunked_prefill_and_request_limit():
-    (ttft, _, _), = simulate([Request(0.0, 100, 1)], Engine(1, 64, 4), PROF, Link(1, 1.0, C))
+    (ttft, _, _), = simulate([Request(0.0, 100, 1)], Engine(1, 64, 4, token_rounder=1), PROF, Link(1, 1.0, C))
     assert ttft == pytest.approx(PROF.compute_s(64, 1) + PROF.compute_s(36, 1))  # one rank: no collectives
     # max_requests 1: the second request waits for the first to finish
-    got = simulate([Request(0.0, 4, 2), Request(0.0, 4, 2)], Engine(1, 64, 1), PROF, Link(1, 1.0, C))
+    got = simulate([Request(0.0, 4, 2), Request(0.0, 4, 2)], Engine(1, 64, 1, token_rounder=1), PROF, Link(1, 1.0, C))
     assert got[1][0] > got[0][1]
 
 
 def test_arrivals_wait_for_the_next_iteration_and_idle_skips_ahead():
-    (ttft, _, _), = simulate([Request(5.0, 10, 1)], Engine(1, 64, 4), PROF, Link(1, 1.0, C))
+    (ttft, _, _), = simulate([Request(5.0, 10, 1)], Engine(1, 64, 4, token_rounder=1), PROF, Link(1, 1.0, C))
     assert ttft == pytest.approx(PROF.compute_s(10, 1))
+
+
+def test_engine_padding():
+    e = Engine(2, 512, 16)
+    assert e.padded(1, decode_only=True) == 16 and e.padded(20, decode_only=True) == 16
+    assert e.padded(1, decode_only=False) == 64 and e.padded(65, decode_only=False) == 128
+    # a decode step of one request costs what 16 tokens cost
+    (ttft_a, e2e_a, _), = simulate([Request(0.0, 10, 3)], Engine(1, 64, 16), PROF, Link(1, 1.0, C))
+    assert e2e_a - ttft_a == pytest.approx(2 * PROF.compute_s(16, 1))
 
 
 def test_phase_figures():
