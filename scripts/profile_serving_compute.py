@@ -59,6 +59,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
     from megatron.inference.serve import variant_load_overrides
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
+    from moe_variants.common import collectives
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig(expert_model_parallel_size=world)
@@ -87,7 +88,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
         wall = time.perf_counter() - t0
         exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
         row = torch.tensor([wall - exposed], dtype=torch.float64)
-        dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
+        collectives.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
         return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
                 "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"]}  # this rank's
 
@@ -141,7 +142,7 @@ def _loop_overhead(eng, world, iterations: int = 60) -> float:
         gathered = [None] * world
         collectives.all_gather_object(gathered, (eng.local_work(), [], eng.stats()))
         row = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(row, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(row, op=dist.ReduceOp.MAX)
         times.append(float(row[0]))
     return statistics.median(times[10:])
 

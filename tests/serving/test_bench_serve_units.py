@@ -72,7 +72,7 @@ def _metrics(**per_rank):
 
 
 ZERO = dict(tokens=[0, 0], busy_s=[0, 0], a2a_bytes=[0, 0], a2a_s=[0, 0], exposed_s=[0, 0], steps=[0, 0],
-            dummy_forwards=[0, 0])
+            dummy_forwards=[0, 0], local=[0, 0], routed=[0, 0])
 
 
 def _phase(before, after, requests, duration):
@@ -88,16 +88,29 @@ def _req(ttft, e2e, out, prompt=4, ok=True, max_tokens=None):
 def test_rank_deltas_and_comm_summary_by_hand():
     before = dict(ZERO, tokens=[10, 20], busy_s=[1.0, 1.0])
     after = dict(tokens=[110, 120], busy_s=[3.0, 5.0], a2a_bytes=[800, 1200], a2a_s=[1.0, 2.0],
-                 exposed_s=[0.5, 1.5], steps=[5, 4], dummy_forwards=[0, 1])
+                 exposed_s=[0.5, 1.5], steps=[5, 4], dummy_forwards=[0, 1], local=[30, 50], routed=[100, 100])
     deltas = analysis.rank_deltas(_metrics(**before), _metrics(**after))
     assert deltas[1] == {"tokens": 100, "busy_s": 4.0, "a2a_bytes": 1200, "a2a_s": 2.0, "exposed_s": 1.5,
-                         "steps": 4, "dummy_forwards": 1}
+                         "steps": 4, "dummy_forwards": 1, "local": 50, "routed": 100}
     s = analysis.comm_summary(deltas, output_tokens=50)
     assert s["tokens_forwarded"] == 200 and s["a2a_bytes_per_token"] == 10.0
     assert s["engine_busy_s"] == 3.0 and s["a2a_time_s"] == 1.5 and s["exposed_a2a_s"] == 1.0
     assert s["a2a_fraction"] == 0.5 and s["exposed_fraction"] == pytest.approx(1 / 3)
     assert s["overlap"] == pytest.approx(1 / 3) and s["exposed_a2a_s_per_output_token"] == 0.02
     assert s["engine_steps"] == 9 and s["dummy_forwards"] == 1
+    assert s["lar"] == 0.4 and s["local_activations"] == 80 and s["routed_activations"] == 200
+
+
+def test_device_load_and_imbalance_by_hand():
+    name = analysis.DEVICE_LOAD
+    before = {f'{name}{{layer="0",device="0"}}': 10.0, f'{name}{{layer="0",device="1"}}': 10.0}
+    after = {f'{name}{{layer="0",device="0"}}': 40.0, f'{name}{{layer="0",device="1"}}': 20.0,
+             f'{name}{{layer="1",device="0"}}': 5.0, f'{name}{{layer="1",device="1"}}': 5.0}
+    load = analysis.device_load(before, after)
+    assert load == [[30.0, 10.0], [5.0, 5.0]]
+    imb = analysis.load_imbalance(load)
+    assert imb["per_layer"] == [1.5, 1.0] and imb["mean"] == 1.25 and imb["max"] == 1.5
+    assert analysis.load_imbalance([]) is None
 
 
 def test_serve_stats_pool_phases_and_report_per_rate_ratios():

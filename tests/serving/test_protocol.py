@@ -109,11 +109,15 @@ def test_histogram_and_metrics_render():
     m.finished("completed", prompt_tokens=3, generation_tokens=4, ttft_s=0.2, tpot_s=0.01, e2e_s=0.3)
     m.rank_stats = [dict(requests_active=1, requests_waiting=0, kv_blocks_used=2, kv_blocks_total=10,
                          tokens_forwarded=100, steps=5, dummy_steps=0, busy_s=2.0, a2a_bytes=1000,
-                         a2a_time_s=0.5, a2a_exposed_s=0.25)] * 2
+                         a2a_time_s=0.5, a2a_exposed_s=0.25, requests_added=3, local_activations=30,
+                         routed_activations=40, activations_to_device=[[25, 15]])] * 2
     parsed = parse_metrics(m.render())
     assert parsed['moe_serve_requests_total{status="completed"}'] == 1
     assert parsed['moe_serve_kv_cache_blocks_used{rank="1"}'] == 2
     assert parsed["moe_serve_kv_cache_usage_ratio"] == 0.2
     assert parsed["moe_serve_all_to_all_bytes_per_token"] == 10.0
+    assert parsed["moe_serve_local_activation_rate"] == 0.75
+    assert parsed['moe_serve_requests_assigned_total{rank="1"}'] == 3
+    assert parsed['moe_serve_expert_activations_total{layer="0",device="0"}'] == 50
     assert parsed['moe_serve_engine_busy_seconds_total{rank="0"}'] == 2.0
     assert parsed["moe_serve_time_to_first_token_seconds_count"] == 1

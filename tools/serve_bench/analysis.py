@@ -53,6 +53,7 @@ RANK_COUNTERS = {
     "local": "moe_serve_local_activations_total",
     "routed": "moe_serve_routed_activations_total",
 }
+_OPTIONAL = ("local", "routed")
 DEVICE_LOAD = "moe_serve_expert_activations_total"
 _RANK_RE = re.compile(r'\{rank="(\d+)"\}$')
 _LOAD_RE = re.compile(r'\{layer="(\d+)",device="(\d+)"\}$')
@@ -73,6 +74,9 @@ def rank_deltas(before: dict, after: dict) -> list:
         d = {}
         for key, name in RANK_COUNTERS.items():
             sample = f'{name}{{rank="{r}"}}'
+            if key in _OPTIONAL and sample not in after:  # a model whose routers report no top-k
+                d[key] = 0.0
+                continue
             d[key] = after[sample] - before.get(sample, 0.0)
         out.append(d)
     return out
