@@ -1,0 +1,51 @@
+"""scripts/profile_serving_compute.py on a tiny checkpoint: engine steps of known shapes are timed,
+fitted, and written in the form ``netsim.replay`` reads (no timing asserted, only the shape of the
+result and the quantities that do not depend on time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.serving.conftest import REPO
+
+
+@pytest.mark.slow
+def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path):
+    run = {"schema": "bench_serve/1", "config": {
+        "variants": ["standard"], "checkpoints": {"standard": serve_ckpts["standard"]}, "ranks": 2,
+        "threads": 1, "model": {"load": serve_ckpts["standard"]},
+        "server": {"max_batch_tokens": 128, "max_requests": 8, "kv_cache_gb": 0.02}}}
+    bench = tmp_path / "serve.json"
+    bench.write_text(json.dumps(run))
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "scripts/profile_serving_compute.py", "--bench-serve", str(bench),
+                           "--out", str(out), "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prof = json.loads(out.read_text())
+    assert prof["schema"] == "serving-compute-profile/1" and prof["ranks"] == 2
+    v = prof["variants"]["standard"]
+    from netsim.replay import StepProfile
+
+    step = StepProfile.from_dict(v)
+    assert step.a2a_calls == 3 * 2  # dispatch, combine and routing metadata of 2 MoE layers
+    assert step.a2a_bytes_per_token > 0 and step.loop_s > 0 and step.dummy_s > 0
+    assert 0 < v["lar"] < 1
+    kinds = {p["kind"] for p in v["points"]}
+    assert kinds == {"prefill", "decode"}
+    # tokens as the engine pads them: every prefill shape up to 128 tokens rounds to 64 or 128
+    assert {p["tokens"] for p in v["points"] if p["kind"] == "prefill"} <= {64, 128}
+    assert {p["tokens"] for p in v["points"] if p["kind"] == "decode"} == {8}
+
+
+def test_bad_input_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/profile_serving_compute.py", "--bench-serve",
+                           str(tmp_path / "missing.json"), "--out", str(tmp_path / "p.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--bench-serve" in proc.stderr and not (tmp_path / "p.json").exists()
