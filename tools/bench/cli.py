@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from . import netns, peers
 from .aggregate import format_table, ratios_vs, uncontended_comm_fraction, variant_stats
@@ -128,15 +128,10 @@ def add_model_options(group) -> None:
                        help="any other config override (VALUE parsed as JSON when possible)")
 
 
-def model_overrides(args) -> dict:
-    """Config overrides (field -> value) from the options ``add_model_options`` added."""
+def set_overrides(items) -> dict:
+    """``--set KEY=VALUE`` items as config overrides (VALUE parsed as JSON when possible)."""
     out = {}
-    for flag, _ in MODEL_FLAGS:
-        key = flag[2:].replace("-", "_")
-        value = getattr(args, key)
-        if value is not None:
-            out[key] = value
-    for item in args.set:
+    for item in items:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         key, raw = item.split("=", 1)
@@ -145,6 +140,18 @@ def model_overrides(args) -> dict:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
             out[key] = raw
+    return out
+
+
+def model_overrides(args) -> dict:
+    """Config overrides (field -> value) from the options ``add_model_options`` added."""
+    out = {}
+    for flag, _ in MODEL_FLAGS:
+        key = flag[2:].replace("-", "_")
+        value = getattr(args, key)
+        if value is not None:
+            out[key] = value
+    out.update(set_overrides(args.set))
     return out
 
 
@@ -387,39 +394,56 @@ def script_path(default: str = "scripts/bench_ep.py") -> str:
     return script or default
 
 
+def run_harness(prog: str, what: str, work_dir: Optional[str], prefix: str, body: Callable[[str], int]) -> int:
+    """The benchmark scripts' outer skeleton (bench_ep, bench_serve): stale namespaces of killed runs
+    removed (as root), a work directory (``work_dir`` kept, else a temporary one removed at the end),
+    SIGTERM/SIGINT turned into a clean stop, and ``body(work_dir)``'s failures mapped to one line and
+    an exit code: a user error 2, a failed launch 1, Ctrl-C 130, a signal its code. ``what`` names the
+    processes that are stopped (``workers``, ``servers``)."""
+    try:
+        if os.geteuid() == 0 and shutil.which("ip"):
+            netns.cleanup_stale()
+        keep = work_dir is not None
+        path = os.path.abspath(work_dir or tempfile.mkdtemp(prefix=prefix))
+        os.makedirs(path, exist_ok=True)
+        try:
+            with netns.terminate_on_signals():
+                return body(path)
+        finally:
+            if not keep:
+                shutil.rmtree(path, ignore_errors=True)
+    except ValueError as e:
+        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"{prog}: launch failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {what} stopped and namespaces removed", file=sys.stderr)
+        return 130
+    except netns.Terminated as e:
+        print(f"{prog}: terminated by a signal; {what} stopped and namespaces removed", file=sys.stderr)
+        return e.code
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     command = ["python", script_path(), *argv]
+    if args.cleanup_stale:
+        removed = netns.cleanup_stale()
+        print(f"removed {len(removed)} stale namespace(s)")
+        return 0
     try:
-        if args.cleanup_stale:
-            removed = netns.cleanup_stale()
-            print(f"removed {len(removed)} stale namespace(s)")
-            return 0
         budget = Budget(args.timeout_s)
-        if os.geteuid() == 0 and shutil.which("ip"):
-            netns.cleanup_stale()
-        keep = args.work_dir is not None
-        work_dir = args.work_dir or tempfile.mkdtemp(prefix="bench_ep-")
-        os.makedirs(work_dir, exist_ok=True)
-        try:
-            with netns.terminate_on_signals():
-                if args.collectives:
-                    return _calibrate(args, command, work_dir, budget)
-                return _benchmark(args, command, work_dir, budget)
-        finally:
-            if not keep:
-                shutil.rmtree(work_dir, ignore_errors=True)
     except ValueError as e:
         print(f"bench_ep.py: error: {e}", file=sys.stderr)
         return 2
-    except LaunchError as e:
-        print(f"bench_ep.py: launch failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_ep.py: interrupted; workers stopped and namespaces removed", file=sys.stderr)
-        return 130
-    except netns.Terminated as e:
-        print("bench_ep.py: terminated by a signal; workers stopped and namespaces removed", file=sys.stderr)
-        return e.code
+
+    def body(work_dir: str) -> int:
+        if args.collectives:
+            return _calibrate(args, command, work_dir, budget)
+        return _benchmark(args, command, work_dir, budget)
+
+    return run_harness("bench_ep.py", "workers", args.work_dir, "bench_ep-", body)

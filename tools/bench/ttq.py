@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -226,26 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _overrides(items) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        key, raw = item.split("=", 1)
-        key = key.strip().lstrip("-").replace("-", "_")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
-
-
 def _schedule(args) -> tuple[int, int, int]:
     """(steps, eval_interval, eval_iters): the flags, else the config's."""
     from megatron.training.arguments import load_yaml
+    from tools.bench.cli import set_overrides
 
     values = load_yaml(args.config) if args.config else {}
-    values.update(_overrides(args.set))
+    values.update(set_overrides(args.set))
     steps = args.steps or values.get("train_iters")
     interval = args.eval_interval or values.get("eval_interval")
     iters = args.eval_iters or values.get("eval_iters") or 10
@@ -413,7 +399,9 @@ def main(argv: Optional[list] = None) -> int:
             _print(_report(args, out_dir, variants, record, []))
             return 0
         schedule = _schedule(args)
-        overrides = _overrides(args.set)
+        from tools.bench.cli import set_overrides
+
+        overrides = set_overrides(args.set)
         if not args.no_netns and os.geteuid() == 0:
             netns.cleanup_stale()
         link = netns.LinkSpec(args.link_gbit, 0.0, netns.Shaper.tbf.value)

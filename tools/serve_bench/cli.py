@@ -47,7 +47,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -55,7 +54,7 @@ from moe_variants.common.cli import float_list, nonneg_int, positive_float, posi
 from moe_variants.common.files import write_json
 from tools.bench import netns
 from tools.bench.aggregate import format_rows
-from tools.bench.cli import Budget, add_model_options, host_info, model_overrides, script_path
+from tools.bench.cli import Budget, add_model_options, host_info, model_overrides, run_harness, script_path
 from tools.bench.launcher import LaunchError, start_ranks
 from tools.bench.tune import find_rate
 
@@ -781,26 +780,8 @@ def main(argv: Optional[list] = None) -> int:
     try:
         _check_args(args)
         budget = Budget(args.timeout_s)
-        if os.geteuid() == 0 and shutil.which("ip"):
-            netns.cleanup_stale()
-        keep = args.work_dir is not None
-        work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="bench_serve-"))
-        os.makedirs(work_dir, exist_ok=True)
-        try:
-            with netns.terminate_on_signals():
-                return _benchmark(args, command, work_dir, budget, _Printer())
-        finally:
-            if not keep:
-                shutil.rmtree(work_dir, ignore_errors=True)
     except ValueError as e:
         print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    except LaunchError as e:
-        print(f"{PROG}: launch failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; servers stopped and namespaces removed", file=sys.stderr)
-        return 130
-    except netns.Terminated as e:
-        print(f"{PROG}: terminated by a signal; servers stopped and namespaces removed", file=sys.stderr)
-        return e.code
+    return run_harness(PROG, "servers", args.work_dir, "bench_serve-",
+                       lambda work_dir: _benchmark(args, command, work_dir, budget, _Printer()))
