@@ -157,21 +157,10 @@ def test_local_tasks_end_to_end_two_ranks_equal_one(ckpt_dir, tmp_path):
 def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, capsys):
     """A checkpoint that fails its manifest, or whose .metadata would run code, is a one-line
     error (no traceback, nothing written, the payload never runs)."""
-    import shutil
-
-    from tests.training.test_reliability import _craft_metadata
+    from tests.training.test_reliability import damaged_copy
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(ckpt_dir["standard"], ckpt)
-    it = next(p for p in ckpt.iterdir() if p.name.startswith("iter_"))
-    if damage == "truncated_shard":
-        shard = next(p for p in sorted(it.iterdir()) if p.suffix == ".distcp")
-        with open(shard, "r+b") as f:
-            f.truncate(os.path.getsize(shard) // 2)
-        expect = f"is corrupt: {shard.name} has"
-    else:
-        _craft_metadata(str(it), tmp_path / "PWNED")
-        expect = "unsafe checkpoint"
+    expect = damaged_copy(ckpt_dir["standard"], ckpt, damage, tmp_path / "PWNED")
     out = tmp_path / "results.json"
     tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))
     from megatron.training.testing import run_distributed

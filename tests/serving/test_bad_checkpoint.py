@@ -1,28 +1,16 @@
 """A corrupt or crafted checkpoint given to the server is a one-line error before anything is
 served (the restricted readers of ``checkpoint_safety``; issue 22)."""
 
-import os
-import shutil
-
 import pytest
 
 
 @pytest.mark.parametrize("damage", ["truncated_shard", "crafted_metadata"])
 def test_bad_checkpoint_is_one_line(damage, serve_ckpts, tmp_path):
     from megatron.training.testing import run_distributed
-    from tests.training.test_reliability import _craft_metadata, main_in_rank
+    from tests.training.test_reliability import damaged_copy, main_in_rank
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(serve_ckpts["standard"], ckpt)
-    it = next(p for p in ckpt.iterdir() if p.name.startswith("iter_"))
-    if damage == "truncated_shard":
-        shard = next(p for p in sorted(it.iterdir()) if p.suffix == ".distcp")
-        with open(shard, "r+b") as f:
-            f.truncate(os.path.getsize(shard) // 2)
-        expect = f"is corrupt: {shard.name} has"
-    else:
-        _craft_metadata(str(it), tmp_path / "PWNED")
-        expect = "unsafe checkpoint"
+    expect = damaged_copy(serve_ckpts["standard"], ckpt, damage, tmp_path / "PWNED")
     argv = ["--load", str(ckpt), "--port", "0", "--ready-file", str(tmp_path / "ready.json")]
     code, _, err = run_distributed(main_in_rank, 1, "megatron.inference.serve", argv, timeout_s=240)[0]
     lines = [l for l in err.strip().splitlines() if l.startswith("megatron.inference.serve: error: ")]

@@ -299,6 +299,21 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def damaged_copy(src, dst, damage: str, payload) -> str:
+    """Copy checkpoint ``src`` to ``dst`` and damage its iteration: ``truncated_shard`` (half of one
+    shard) or ``crafted_metadata`` (a .metadata whose unpickling would create ``payload``). Returns
+    the text the one-line error must contain."""
+    shutil.copytree(src, dst)
+    it = next(p for p in dst.iterdir() if p.name.startswith("iter_"))
+    if damage == "truncated_shard":
+        shard = next(p for p in sorted(it.iterdir()) if p.suffix == ".distcp")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+        return f"is corrupt: {shard.name} has"
+    _craft_metadata(str(it), payload)
+    return "unsafe checkpoint"
+
+
 def _craft_metadata(ckpt, marker):
     """Replace .metadata with a pickle that runs a command, and fix up the manifest's hashes as
     whoever crafts a checkpoint would."""
