@@ -34,8 +34,9 @@ import shutil
 import socket
 from typing import Optional
 
+from moe_variants.common.files import pid_alive
+
 from megatron.training.checkpointing import (
-    LATEST_FILE,
     CheckpointError,
     config_differences,
     iteration_of,
@@ -52,16 +53,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["LOCK_FILE", "SaveDirLock", "prepare_save_dir"]
 
 LOCK_FILE = "writer.lock"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SaveDirLock:
@@ -147,7 +138,7 @@ def _describe(owner: Optional[dict]) -> str:
     host = owner.get("host", "?")
     state = ""
     if host == socket.gethostname() and isinstance(owner.get("pid"), int):
-        state = "" if _pid_alive(owner["pid"]) else ", not running"
+        state = "" if pid_alive(owner["pid"]) else ", not running"
     return f"pid {owner.get('pid', '?')} on {host}, since {owner.get('started', '?')}{state}"
 
 

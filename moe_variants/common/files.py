@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["atomic_write", "write_json", "write_text", "refuse_existing"]
+__all__ = ["atomic_write", "write_json", "write_text", "refuse_existing", "pid_alive"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "w") -> Path:
@@ -58,3 +58,14 @@ def refuse_existing(path: str | os.PathLike, flag: str, overwrite: bool = False)
     """One-line error when an output file exists and the user did not ask to replace it."""
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"{flag} {path} exists (pass --overwrite to replace it)")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (read from a lock or pid file) still runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -45,19 +45,7 @@ def main_in_rank(rank, world, module, argv):
 
 def _main_rank(rank, world, argv):
     """``pretrain_gpt.main(argv)`` in a rank; (exit code, stdout, stderr)."""
-    import logging
-
-    from megatron.training.pretrain_gpt import main
-
-    out, err = io.StringIO(), io.StringIO()
-    handler = logging.StreamHandler(err)
-    logging.getLogger().addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        logging.getLogger().removeHandler(handler)
-    return code, out.getvalue(), err.getvalue()
+    return main_in_rank(rank, world, "megatron.training.pretrain_gpt", argv)
 
 
 def run_main(argv, world=1):
@@ -365,7 +353,6 @@ def test_weights_only_reader_refuses_a_crafted_common_pt(tmp_path):
 
 
 def _save_with_failing_io(rank, world, path, errno_code, where):
-    import errno as errno_mod
     import os as os_mod
 
     from megatron.training.checkpointing import CheckpointError, layout_of, save_checkpoint

@@ -47,6 +47,8 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence
 
+from moe_variants.common.files import pid_alive
+
 __all__ = [
     "PREFIX",
     "MAX_RANKS",
@@ -159,16 +161,6 @@ def _delete_namespace(name: str) -> None:
         raise RuntimeError(f"could not delete network namespace {name}: {proc.stderr.strip()}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]:
     """Delete this harness's namespaces left by runs that no longer exist; return their names.
 
@@ -178,7 +170,7 @@ def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]
     removed = []
     for name in list_project_namespaces(prefix):
         pid = int(_NAME_RE.match(name).group("pid"))
-        if include_live or not _pid_alive(pid):
+        if include_live or not pid_alive(pid):
             try:
                 _delete_namespace(name)
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:

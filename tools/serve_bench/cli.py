@@ -316,6 +316,16 @@ def _train_config(args, variant: str, save: str) -> dict:
     return values
 
 
+def _finished(marker: str, key: dict) -> bool:
+    """Whether a work-directory product (a trained or placed checkpoint) can be reused: its
+    ``marker`` JSON, written last when the product was complete, equals ``key``."""
+    try:
+        with open(marker) as f:
+            return json.load(f) == key
+    except (OSError, ValueError):
+        return False
+
+
 def _train(args, variants, work_dir, budget, printer) -> dict:
     """One checkpoint per variant, trained with ``pretrain_gpt`` on loopback (same seed, same data);
     a checkpoint already in the work directory with the same settings is reused."""
@@ -327,12 +337,10 @@ def _train(args, variants, work_dir, budget, printer) -> dict:
         save = os.path.join(run_dir, "ckpt")
         values = _train_config(args, variant, save)
         config_path = os.path.join(run_dir, "config.json")
-        if os.path.isfile(config_path) and find_latest_checkpoint(save) is not None:
-            with open(config_path) as f:
-                if json.load(f) == values:
-                    printer.line(f"[{variant}] reusing the checkpoint in {save}")
-                    out[variant] = save
-                    continue
+        if _finished(config_path, values) and find_latest_checkpoint(save) is not None:
+            printer.line(f"[{variant}] reusing the checkpoint in {save}")
+            out[variant] = save
+            continue
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         write_json(config_path + ".run",
@@ -366,12 +374,10 @@ def _place(args, variants, work_dir, printer) -> dict:
         run_dir = os.path.join(work_dir, f"placed-{v}")
         ckpt, marker = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "placed.json")
         key = {"load": os.path.abspath(args.load), "tables": tables}
-        if os.path.isfile(marker):
-            with open(marker) as f:
-                if json.load(f) == key:
-                    printer.line(f"[{v}] reusing the placed checkpoint in {ckpt}")
-                    out[v] = ckpt
-                    continue
+        if _finished(marker, key):
+            printer.line(f"[{v}] reusing the placed checkpoint in {ckpt}")
+            out[v] = ckpt
+            continue
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         printer.line(f"[{v}] placing the experts of {args.load} by {tables} ...")
