@@ -56,6 +56,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
     import torch.distributed as dist
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.sampling import RequestSampling
     from megatron.inference.serve import variant_load_overrides
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
@@ -70,15 +71,14 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
                        max_requests=engine_sizes["max_requests"], kv_cache_gb=engine_sizes["kv_cache_gb"], seed=seed)
     engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
     eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep),
-                     ep_size=dist.get_world_size(pgc.ep))
+                     ep_size=dist.get_world_size(pgc.ep), routing_stats=True)
     rng = np.random.default_rng(seed + rank)
     vocab = tokenizer.vocab_size
     ids = iter(range(10**9))
 
     def add(length, max_tokens):
         prompt = [int(t) for t in rng.integers(0, vocab, size=length) if t != tokenizer.eod] or [1]
-        eng.add(next(ids), prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                termination_id=-1, seed=None)
+        eng.add(next(ids), prompt, max_tokens=max_tokens, sampling=RequestSampling(), termination_id=-1)
 
     def timed(kind):
         before = dict(eng.comm, tokens=eng.tokens_forwarded, requests=context.get_active_request_count()
@@ -125,22 +125,24 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
 
 
 def _loop_overhead(eng, world, iterations: int = 60) -> float:
-    """Median seconds of the serving loop's per-iteration exchange (``megatron.inference.loop``: a
-    broadcast of the new commands, an all-gather of every rank's work, token updates and engine
-    stats), on loopback; the slowest rank's per iteration."""
+    """Median seconds of the serving loop's per-iteration exchange (``megatron.inference.loop``:
+    the all-gather of every rank's header, with its work and engine stats), on loopback; the
+    slowest rank's per iteration."""
     import torch
     import torch.distributed as dist
 
-    from megatron.inference.frontend import Commands
+    from megatron.inference.engine import STAT_FIELDS
+    from megatron.inference.loop import HEADER_FIELDS
     from moe_variants.common import collectives
 
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
-        box = [(Commands(), {})]
-        collectives.broadcast_object_list(box, src=0)
-        gathered = [None] * world
-        collectives.all_gather_object(gathered, (eng.local_work(), [], eng.stats()))
+        stats = eng.stats()
+        header = torch.tensor([eng.local_work(), 0, 0, 0] + [float(stats[k]) for k in STAT_FIELDS],
+                              dtype=torch.float64)
+        assert header.numel() == len(HEADER_FIELDS)
+        collectives.all_gather([torch.empty_like(header) for _ in range(world)], header)
         row = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)
         times.append(float(row[0]))

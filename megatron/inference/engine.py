@@ -6,32 +6,42 @@
 chunked prefill), a ``TextGenerationController`` and the ``DynamicInferenceEngine``. On CPU the
 engine runs through ``megatron.compat.inference`` (plain-torch paged attention, no NVTX).
 
-Two things are ours, in ``ServingController`` (a subclass of the upstream controller):
+Ours is ``ServingController`` (a subclass of the upstream controller), which samples and scores
+each request as it asked (``megatron.inference.sampling``):
 
-- sampling never picks a padded-vocabulary id: the output layer has ``padded_vocab_size`` columns
-  (a multiple of 128 x TP) but only the tokenizer's ids are tokens, so their logits are set to
-  ``-inf`` before sampling; greedy decoding then equals ``argmax`` over the tokenizer's vocabulary,
-  which is what ``lm_eval_adapter``'s generation takes;
-- a request may carry its own ``seed`` (OpenAI's ``seed``): it is then sampled with its own
-  ``torch.Generator``, so its tokens do not depend on which other requests share its steps.
+- only the tokenizer's ids are candidates: the output layer has ``padded_vocab_size`` columns (a
+  multiple of 128 x TP), its padding columns are cut off before sampling and scoring, so greedy
+  decoding equals ``argmax`` over the tokenizer's vocabulary (what ``lm_eval_adapter`` takes);
+- temperature, top-k and top-p apply together; unseeded requests draw from one generator seeded
+  by ``--seed`` (mixed with the data-parallel rank), a request with its own ``seed`` from its own
+  generator, made on the logits' device, so its tokens do not depend on the batch it shares;
+  a chunk of a prefill that is not the last draws nothing;
+- requests that ask get the log-probability of each sampled token and its most likely
+  alternatives; a request that scores its prompt (``echo``) makes the model materialise every
+  token's logits in the steps that prefill it (``materialize_only_last_token_logits`` off for
+  that step only), and each prompt position is scored once, also across prefill chunks;
+- a sampling error fails the requests it belongs to, not the step.
 
-``RankEngine`` wraps the engine for the serving loop: add and cancel requests, step, run the
-dummy forward of an idle expert-parallel rank, and report per-request token deltas and the
-rank's KV-cache, all-to-all and local-activation counters (Sem-MoE's LAR: the (token, routed
-expert) pairs of real tokens whose expert sits on this rank, counted from the routers' top-k;
-padding and dummy forwards are not counted).
+``RankEngine`` wraps the engine for the serving loop: add (refusing what can never be served:
+ids outside the vocabulary, more tokens than the context or the KV cache holds) and cancel
+requests, step, run the dummy forward of an idle expert-parallel rank, and report per-request
+token deltas with their log-probs and the rank's KV-cache, all-to-all and (``routing_stats``)
+local-activation counters (Sem-MoE's LAR: the (token, routed expert) pairs of real tokens whose
+expert sits on this rank, counted from the routers' top-k; padding and dummy forwards are not
+counted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Optional
 
 import torch
 
-__all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "build_engine"]
+from megatron.inference.sampling import RequestSampling, sample, token_logprobs
+
+__all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "STAT_FIELDS", "build_engine", "sampling_seed"]
 
 
 @dataclasses.dataclass
@@ -67,42 +77,118 @@ def _controller_class():
     )
 
     class ServingController(TextGenerationController):
-        """``TextGenerationController`` with the tokenizer's vocabulary and per-request seeds
-        (see the module docstring)."""
+        """``TextGenerationController`` that samples and scores each request as it asked (see the
+        module docstring). Upstream's own sampling buckets and log-prob path are not used: they
+        refuse top-k with top-p, share one generator, and key top-N log-probs by token text."""
 
-        def __init__(self, inference_wrapped_model, tokenizer, *, vocab_size: int, pp_group=None):
+        def __init__(self, inference_wrapped_model, tokenizer, *, vocab_size: int, seed: int = 0,
+                     pp_group=None):
             super().__init__(inference_wrapped_model, tokenizer, pp_group)
             self.vocab_size = int(vocab_size)
-            self.request_generators: dict[int, torch.Generator] = {}
+            self.seed = int(seed)
+            self.rng: Optional[torch.Generator] = None  # unseeded requests' generator (made on first use)
+            self.specs: dict[int, RequestSampling] = {}
+            self.generators: dict[int, torch.Generator] = {}  # seeded requests' own
+            self.prompts: dict[int, list] = {}  # prompts of requests that score them
+            self.prompt_scored: dict[int, int] = {}  # request -> prompt positions scored so far
+            self.logprobs: dict[int, list] = {}  # request -> LogprobEntry per sampled token
+            self.prompt_logprobs: dict[int, list] = {}  # request -> new prompt entries (taken by RankEngine)
+            self.failed: dict[int, str] = {}  # request -> why its sampling failed (taken by RankEngine)
+
+        # --- requests ---------------------------------------------------------------------
+        def admit(self, request_id: int, spec: RequestSampling, prompt: list) -> None:
+            self.specs[request_id] = spec
+            if spec.logprobs is not None:
+                self.logprobs[request_id] = []
+            if spec.prompt_logprobs:
+                self.prompts[request_id] = list(prompt)
+                self.prompt_scored[request_id] = 0
+                self.prompt_logprobs[request_id] = []
+
+        def forget(self, request_id: int) -> None:
+            for table in (self.specs, self.generators, self.prompts, self.prompt_scored, self.logprobs,
+                          self.prompt_logprobs, self.failed):
+                table.pop(request_id, None)
+
+        def _generator(self, request_id: int, spec: RequestSampling, device) -> torch.Generator:
+            if spec.seed is None:
+                if self.rng is None or self.rng.device != device:
+                    self.rng = torch.Generator(device=device).manual_seed(self.seed)
+                return self.rng
+            gen = self.generators.get(request_id)
+            if gen is None:
+                gen = self.generators[request_id] = torch.Generator(device=device).manual_seed(spec.seed)
+            return gen
+
+        # --- one step -----------------------------------------------------------------------
+        def _scores_prompt_this_step(self) -> bool:
+            context = self.inference_wrapped_model.inference_context
+            ids = context.request_ids[context.paused_request_count:context.total_request_count].tolist()
+            return any(rid in self.prompts and self.prompt_scored[rid] < len(self.prompts[rid]) - 1 for rid in ids)
+
+        def _dynamic_step_context_init(self, *args, **kwargs):
+            # every token's logits only in a step that scores some request's prompt
+            context = self.inference_wrapped_model.inference_context
+            context.materialize_only_last_token_logits = not self._scores_prompt_this_step()
+            return super()._dynamic_step_context_init(*args, **kwargs)
 
         def _dynamic_step_sample_logits(self, logits):
-            if logits.shape[-1] > self.vocab_size:
-                logits[..., self.vocab_size:] = float("-inf")
             context = self.inference_wrapped_model.inference_context
             active = slice(context.paused_request_count, context.total_request_count)
             ids = context.request_ids[active].tolist()
-            seeded = {i for i, rid in enumerate(ids) if rid in self.request_generators}
-            if not seeded:
-                return super()._dynamic_step_sample_logits(logits)
-            if context.materialize_only_last_token_logits:
-                last_BV = logits.squeeze(0)
-            else:
-                last_BV = context.last_token_logits(logits)
-            tokens, indices = [], []
-            for bucket, temp, top_k, top_p in self._torch_sampling_buckets:
-                plain = [i for i in bucket if i not in seeded]
-                if plain:
-                    tokens.append(self._torch_sampling_func(last_BV[plain, :], temp, top_k, top_p))
-                    indices.append(torch.tensor(plain))
-                for i in bucket:
-                    if i in seeded:
-                        shared, self.sampling_rng = self.sampling_rng, self.request_generators[ids[i]]
-                        try:
-                            tokens.append(self._torch_sampling_func(last_BV[[i], :], temp, top_k, top_p))
-                        finally:
-                            self.sampling_rng = shared
-                        indices.append(torch.tensor([i]))
-            self._sampled_tokens_cuda[torch.cat(indices)] = torch.cat(tokens)
+            full = not context.materialize_only_last_token_logits
+            last_BV = (context.last_token_logits(logits) if full else logits.squeeze(0))[:, :self.vocab_size]
+            tokens_B = torch.argmax(last_BV, dim=-1)  # greedy, and the chunked prefill's unused token
+            groups: dict = {}
+            for i, rid in enumerate(ids):
+                spec = self.specs.get(rid)
+                if spec is None or spec.greedy or rid == context.chunked_prefill_request_id:
+                    continue  # no RNG draw for a chunk: seeded output must not depend on chunking
+                key = ("seed", rid) if spec.seed is not None else spec.bucket()
+                groups.setdefault(key, []).append(i)
+            for rows in groups.values():
+                spec = self.specs[ids[rows[0]]]
+                try:
+                    gen = self._generator(ids[rows[0]], spec, last_BV.device)
+                    tokens_B[rows] = sample(last_BV[rows], spec, gen)
+                except Exception as err:  # fails these requests only (RankEngine finishes them)
+                    for i in rows:
+                        self.failed[ids[i]] = f"sampling failed: {type(err).__name__}: {err}"
+            self._sampled_tokens_cuda[:len(ids)] = tokens_B
+            self._score(ids, last_BV, tokens_B, logits if full else None)
+            context.materialize_only_last_token_logits = True
+
+        def _score(self, ids: list, last_BV, tokens_B, logits) -> None:
+            """Log-probs of the sampled tokens and, with all logits, of the prompt tokens."""
+            context = self.inference_wrapped_model.inference_context
+            rows = [i for i, rid in enumerate(ids) if rid in self.logprobs and rid != context.chunked_prefill_request_id]
+            if rows:
+                top_n = max(self.specs[ids[i]].logprobs for i in rows)
+                for i, entry in zip(rows, token_logprobs(last_BV[rows], tokens_B[rows], top_n)):
+                    n = self.specs[ids[i]].logprobs
+                    self.logprobs[ids[i]].append((entry[0], entry[1], entry[2][:n]))
+            if logits is None:
+                return
+            active = slice(context.paused_request_count, context.total_request_count)
+            lengths = context.request_query_lengths[active].tolist()
+            offsets = context.request_kv_length_offsets[active].tolist()  # position of each request's first row
+            all_TV = logits.squeeze(0)[:, :self.vocab_size]
+            start = 0
+            for i, rid in enumerate(ids):
+                row0, start = start, start + lengths[i]
+                prompt = self.prompts.get(rid)
+                if prompt is None:
+                    continue
+                # row j predicts position offsets[i] + j + 1; score prompt positions not yet scored
+                lo = max(self.prompt_scored[rid] + 1, offsets[i] + 1)
+                hi = min(len(prompt), offsets[i] + lengths[i] + 1)
+                if lo >= hi:
+                    continue
+                first = row0 + lo - 1 - offsets[i]
+                targets = torch.tensor(prompt[lo:hi], device=all_TV.device)
+                entries = token_logprobs(all_TV[first:first + hi - lo], targets, self.specs[rid].logprobs)
+                self.prompt_logprobs[rid].extend(entries)
+                self.prompt_scored[rid] = hi - 1
 
     return ServingController
 
@@ -127,12 +213,29 @@ class _TokenizerForEngine:
 
 @dataclasses.dataclass
 class TokenUpdate:
-    """New tokens of one request since the last report (a rank -> the frontend)."""
+    """New tokens of one request since the last report (a rank -> the frontend).
+
+    ``logprobs``: a ``LogprobEntry`` per new token (requests that asked); ``prompt_logprobs``: new
+    entries of the prompt's positions 1.. (requests that score their prompt). ``failed``: why the
+    request failed (it is finished); ``status``: the HTTP status that failure maps to."""
 
     request_id: int
     tokens: list
     finished: bool = False
     failed: Optional[str] = None
+    status: int = 500
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
+
+
+def sampling_seed(seed: int, pg_collection) -> int:
+    """The generator seed of unseeded requests on this rank: ``--seed`` mixed with the
+    data-parallel rank (tensor-parallel peers hold the same requests and must draw alike; two
+    data-parallel ranks must not draw the same tokens for the same prompt)."""
+    import torch.distributed as dist
+
+    dp_rank = dist.get_rank(pg_collection.dp) if pg_collection.dp is not None else 0
+    return (int(seed) + 0x9E3779B97F4A7C15 * dp_rank) % 2**63
 
 
 def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
@@ -189,7 +292,7 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
     wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
     wrapped.prep_model_for_inference()
     controller = _controller_class()(wrapped, _TokenizerForEngine(tokenizer), vocab_size=tokenizer.vocab_size,
-                                     pp_group=pg_collection.pp)
+                                     seed=sampling_seed(cfg.seed, pg_collection), pp_group=pg_collection.pp)
     engine = DynamicInferenceEngine(controller, context, random_seed=int(cfg.seed), pg_collection=pg_collection)
     return engine, controller, context
 
@@ -197,8 +300,11 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
 class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
-    def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1):
-        """``ep_rank`` None: no local-activation counting (defined for attention-DP, TP = 1)."""
+    def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1,
+                 routing_stats: bool = False):
+        """``routing_stats``: count local activations (Sem-MoE's LAR; defined for attention-DP,
+        TP = 1: ``ep_rank`` None turns it off). Off by default: the routers' observers read their
+        top-k on the host in every MoE layer of every forward."""
         from moe_variants.common.moe_layer import comm_counters, moe_layers
 
         self.model = model
@@ -207,35 +313,56 @@ class RankEngine:
         self.context = context
         self.counters = comm_counters([model])
         self.sent: dict[int, int] = {}  # request id -> tokens already reported
+        self.failed: set = set()  # requests reported failed whose engine entry is still finishing
         self.tokens_forwarded = 0  # real (unpadded) tokens through the model
         self.steps = 0
         self.dummy_steps = 0
         self.busy_s = 0.0  # wall time inside engine steps and dummy forwards
         self.comm = {"a2a_bytes": 0, "a2a_calls": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested
         self.requests_added = 0
-        self.activations = None  # LocalActivationCounter when every MoE layer's router reports its top-k
-        if ep_rank is not None and moe_layers(model) and all(hasattr(m.router, "routing_observer") for m in moe_layers(model)):
+        self.activations = None  # LocalActivationCounter when counting and every router reports its top-k
+        layers = moe_layers(model)
+        if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
 
             self.activations = LocalActivationCounter(model, ep_rank, ep_size).__enter__()
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens one request may hold: the KV blocks a request can use (all but
+        the engine's dummy block and the paused reserve) times the block size."""
+        return int(self.context.block_allocator.active_count) * int(self.context.block_size_tokens)
+
     # --- requests ---------------------------------------------------------------------------
-    def add(self, request_id: int, prompt: list, *, max_tokens: int, temperature: float, top_p: float,
-            top_k: int, termination_id: int, seed: Optional[int]) -> None:
+    def add(self, request_id: int, prompt: list, *, max_tokens: int, sampling: RequestSampling,
+            termination_id: int) -> None:
+        """Queue a request. Raises ``ValueError`` for one the engine could never serve (the
+        frontend refuses those first; this guards every other caller)."""
         from megatron.core.inference.sampling_params import SamplingParams
 
-        greedy = temperature == 0.0
-        params = SamplingParams(
-            temperature=1.0 if greedy else float(temperature),
-            top_k=1 if greedy else int(top_k),
-            top_p=0.0 if greedy or top_k > 0 or top_p >= 1.0 else float(top_p),
-            num_tokens_to_generate=int(max_tokens), termination_id=int(termination_id),
-        )
-        if seed is not None and not greedy:
-            self.controller.request_generators[request_id] = torch.Generator().manual_seed(int(seed))
+        vocab = self.controller.vocab_size
+        if not prompt or any(not 0 <= int(t) < vocab for t in prompt):
+            raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab}) and not empty")
+        if len(prompt) + max_tokens > self.context.max_sequence_length:
+            raise ValueError(f"request {request_id}: {len(prompt)} prompt + {max_tokens} output tokens exceed the "
+                             f"context of {self.context.max_sequence_length}")
+        if len(prompt) + max_tokens > self.max_request_tokens:
+            raise ValueError(f"request {request_id}: {len(prompt)} prompt + {max_tokens} output tokens exceed the "
+                             f"{self.max_request_tokens} tokens of KV cache a request can hold")
+        if request_id in self.sent or request_id in self.engine.requests:
+            raise ValueError(f"request {request_id} was added twice")
+        # upstream's own sampling fields are unused (ServingController samples from ``sampling``)
+        params = SamplingParams(temperature=1.0, top_k=1, top_p=0.0, num_tokens_to_generate=int(max_tokens),
+                                termination_id=int(termination_id))
+        self.controller.admit(request_id, sampling, prompt)
         self.sent[request_id] = 0
+        try:
+            self.engine.add_request(request_id, [int(t) for t in prompt], params)
+        except BaseException:
+            self.engine.requests.pop(request_id, None)
+            self._forget(request_id)
+            raise
         self.requests_added += 1
-        self.engine.add_request(request_id, list(prompt), params)
 
     def cancel(self, request_id: int) -> Optional[TokenUpdate]:
         """Stop a request: a waiting one is dropped at once (its update is returned); an active one
@@ -254,46 +381,68 @@ class RankEngine:
 
     def _forget(self, request_id: int) -> None:
         self.sent.pop(request_id, None)
-        self.controller.request_generators.pop(request_id, None)
+        self.controller.forget(request_id)
 
     def local_work(self) -> int:
         return self.context.get_active_request_count() + len(self.engine.waiting_request_ids)
 
     # --- steps ------------------------------------------------------------------------------
-    def step(self) -> list:
-        """One engine step; the token deltas of this rank's requests."""
+    def step(self) -> tuple:
+        """One engine step: (token deltas of this rank's requests, whether a forward ran). A step
+        whose requests all wait (no KV blocks free yet) runs none: its expert-parallel peers must
+        then be matched by a dummy forward (the loop does that)."""
         engine = self.engine
         start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
         real_tokens = int(self.context.active_token_count)
         self.tokens_forwarded += real_tokens
         result = engine.step_modern()
-        self.steps += 1
+        forwarded = real_tokens > 0
+        self.steps += int(forwarded)
         self._harvest(start)
-        self._count_activations(real_tokens)
+        if forwarded:
+            self._count_activations(real_tokens)
+        failed_now = dict(self.controller.failed)
+        self.controller.failed.clear()
         updates = []
         for rid in result["active_request_ids"]:
             entry = engine.requests.get(rid)
-            if entry is not None:
+            if rid in failed_now:
+                updates.append(TokenUpdate(rid, [], finished=True, failed=failed_now.pop(rid)))
+                self.failed.add(rid)
+                self.cancel(rid)  # the engine finishes it next step; its record is dropped then
+                self._forget(rid)
+            elif entry is not None and rid not in self.failed:
                 update = self._delta(rid, entry.record, finished=False)
                 if update.tokens:
                     updates.append(update)
         for record in result["finished_request_records"]:
             rid = record.request_id
-            failed = None
+            if rid in self.failed:
+                self.failed.discard(rid)
+                continue
+            failed = failed_now.pop(rid, None)
             status = record[-1].status
-            if status is not None and status.name == "FAILED":
+            if failed is None and status is not None and status.name == "FAILED":
                 events = [e for e in (record[-1].events or []) if getattr(e, "payload", None) is not None]
                 failed = str(events[-1].payload) if events else "the engine refused the request"
             updates.append(self._delta(rid, record, finished=True, failed=failed))
             self._forget(rid)
-        return updates
+        return updates, forwarded
 
     def _delta(self, rid: int, record, *, finished: bool, failed=None) -> TokenUpdate:
         generated = [int(t) for r in record.requests for t in (r.generated_tokens or [])]
         start = self.sent.get(rid, 0)
         self.sent[rid] = len(generated)
-        return TokenUpdate(rid, generated[start:], finished=finished, failed=failed)
+        entries = self.controller.logprobs.get(rid)
+        prompt_entries = None
+        if len(generated) > start or finished:  # reported: the update is sent (chunk steps send none)
+            prompt_entries = self.controller.prompt_logprobs.get(rid)
+            if prompt_entries:
+                self.controller.prompt_logprobs[rid] = []
+        return TokenUpdate(rid, generated[start:], finished=finished, failed=failed,
+                           logprobs=entries[start:len(generated)] if entries is not None else None,
+                           prompt_logprobs=prompt_entries or None)
 
     def dummy_step(self) -> None:
         """The forward an idle expert-parallel rank runs while its peers have work (upstream's
@@ -335,7 +484,7 @@ class RankEngine:
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """This rank's engine and all-to-all counters (plain numbers, for the frontend's metrics)."""
+        """This rank's engine and all-to-all counters (``STAT_FIELDS``, plain numbers)."""
         allocator = self.context.block_allocator
         return {
             "requests_active": int(self.context.get_active_request_count()),
@@ -349,10 +498,17 @@ class RankEngine:
             "requests_added": self.requests_added,
             "local_activations": int(self.activations.local.sum()) if self.activations else 0,
             "routed_activations": int(self.activations.total.sum()) if self.activations else 0,
-            "activations_to_device": self.activations.to_device.tolist() if self.activations else [],  # [L][D]
             **self.comm,
         }
 
+    def routing_matrix(self) -> list:
+        """[L][D] routed (real token, expert) pairs whose expert is on each device ([] when not
+        counting)."""
+        return self.activations.to_device.tolist() if self.activations else []
 
-def kv_blocks_needed(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
+
+STAT_FIELDS = ("requests_active", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "tokens_forwarded",
+               "steps", "dummy_steps", "busy_s", "requests_added", "local_activations", "routed_activations",
+               "a2a_bytes", "a2a_calls", "a2a_time_s", "a2a_exposed_s")
+
+

@@ -60,10 +60,11 @@ class ServingMetrics:
 
     def __init__(self, model: str):
         self.model = model
-        self.requests = {"completed": 0, "aborted": 0, "failed": 0, "rejected": 0}
+        self.requests = {"completed": 0, "aborted": 0, "failed": 0, "timeout": 0, "rejected": 0}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
+        self.queued = 0
         self.ttft = Histogram()
         self.tpot = Histogram()
         self.e2e = Histogram()
@@ -98,14 +99,17 @@ class ServingMetrics:
             lines.append(f"# TYPE {name} {kind}")
             lines.extend(samples)
 
-        metric("moe_serve_requests_total", "counter", "Requests by outcome.",
+        metric("moe_serve_requests_total", "counter",
+               "Engine requests by outcome (one per prompt; rejected: HTTP requests refused).",
                [f'moe_serve_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()])
         metric("moe_serve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                [f"moe_serve_prompt_tokens_total {self.prompt_tokens}"])
         metric("moe_serve_generation_tokens_total", "counter", "Tokens returned to clients.",
                [f"moe_serve_generation_tokens_total {self.generation_tokens}"])
-        metric("moe_serve_requests_in_flight", "gauge", "Requests the frontend is serving.",
+        metric("moe_serve_requests_in_flight", "gauge", "HTTP requests the frontend is serving.",
                [f"moe_serve_requests_in_flight {self.running}"])
+        metric("moe_serve_requests_queued", "gauge", "Engine requests without a first token yet.",
+               [f"moe_serve_requests_queued {self.queued}"])
         metric("moe_serve_time_to_first_token_seconds", "histogram", "Arrival to first token.",
                self.ttft.lines("moe_serve_time_to_first_token_seconds"))
         metric("moe_serve_time_per_output_token_seconds", "histogram",

@@ -10,20 +10,34 @@ placed and converted checkpoints alike), builds megatron-core's ``DynamicInferen
 also serves HTTP (``megatron.inference.frontend``). Attention is data-parallel over the ranks
 that do not share a tensor-parallel group; experts are split over ``--expert-model-parallel-size``
 ranks; requests go to the data-parallel ranks in turn, or by a variant's request scheduler
-(``--semmoe-tables DIR``: Sem-MoE's Algorithm 2). SIGTERM or SIGINT: stop accepting, finish in-flight requests (``--shutdown-timeout``),
-exit 0. See docs/serving.md.
+(``--semmoe-tables DIR``: Sem-MoE's Algorithm 2). SIGTERM or SIGINT: stop accepting, finish
+in-flight requests (``--shutdown-timeout``), exit 0.
+
+One bad request fails alone (``frontend``, ``loop``). The engine itself failing (an exception in a
+step or a collective, e.g. a peer rank died) fails every in-flight request with a 503 and exits 1;
+a rank that stops making progress (stopped, hung, deadlocked: every peer then waits in a
+collective) turns ``/health`` 503 after ``--stall-timeout`` and ends the server after
+``--watchdog-timeout`` (in-flight requests get a 503, the process exits 3 with every thread's
+stack on stderr; torchrun then stops the other ranks). See docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import sys
 import tempfile
+import traceback
 
-__all__ = ["build_parser", "main"]
+from megatron.inference.watchdog import EXIT_STALLED
+
+__all__ = ["build_parser", "main", "API_KEY_ENV"]
+
+API_KEY_ENV = "MOE_SERVE_API_KEY"
+SERVE_EXTRA = ("hypercorn", "einops", "jinja2")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +60,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size-tokens", type=int, default=None, help="KV-cache block size (default 256 with flash-attn, else 32)")
     p.add_argument("--max-sequence-length", type=int, default=None, help="prompt + output tokens (default: the checkpoint's seq_length)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    p.add_argument("--seed", type=int, default=1234, help="sampling seed of requests that give none")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator of requests that give none "
+                   "(mixed with the data-parallel rank)")
     p.add_argument("--ready-file", default=None, help="write {url, port, ...} as JSON here once serving")
+    g = p.add_argument_group("reliability")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV}) on every path but "
+                        "/health and /metrics")
+    g.add_argument("--max-queued-requests", type=int, default=512,
+                   help="requests waiting for their first token before new ones get 503 + Retry-After")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take before it is cancelled and answered 504 (0: no limit)")
+    g.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="/health turns 503 when no engine loop iteration completed for this long")
+    g.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help=f"a rank whose loop made no progress for this long fails in-flight requests and exits "
+                        f"{EXIT_STALLED} (0: never)")
+    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 beyond)")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (special tokens, chat template: lm-eval's remote tokenizer)")
+    g = p.add_argument_group("statistics")
+    g.add_argument("--routing-stats", action="store_true",
+                   help="count local activations and expert load per device (Sem-MoE's LAR; attention-DP only): "
+                        "the routers then read their top-k on the host in every MoE layer")
+    g.add_argument("--metrics-interval", type=float, default=1.0,
+                   help="seconds between the ranks' routing counts reaching /metrics")
     from moe_variants import registry
 
     registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables (request scheduling)
@@ -66,9 +103,21 @@ def _check_args(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    for flag in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+    for flag in ("tensor_model_parallel_size", "expert_model_parallel_size", "max_queued_requests",
+                 "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("request_timeout", "watchdog_timeout"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    for flag in ("stall_timeout", "metrics_interval"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.api_key is not None and not all(args.api_key):
+        raise ValueError("--api-key must not be empty")
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
 
 
 def _init_distributed(stack) -> None:
@@ -119,12 +168,35 @@ def chat_renderer(tokenizer_dir: str | None):
     return simple_chat_prompt, f"simple template ({SIMPLE_CHAT_TEMPLATE})"
 
 
+def api_keys(args) -> tuple:
+    """``--api-key`` values, else ``$MOE_SERVE_API_KEY`` (comma-separated), else none."""
+    if args.api_key:
+        return tuple(args.api_key)
+    env = os.environ.get(API_KEY_ENV, "")
+    return tuple(k.strip() for k in env.split(",") if k.strip())
+
+
+def _engine_failed(rank: int, frontend, err: BaseException) -> None:
+    """The loop raised: fail every in-flight request, print the traceback, exit 1 at once (a
+    teardown could wait on the peer that failed)."""
+    reason = traceback.format_exception_only(type(err), err)[-1].strip()
+    if frontend is not None:
+        frontend.mark_dead(f"the engine loop failed on rank {rank} ({reason})")
+        frontend.wait_answered(2.0)
+    traceback.print_exc()
+    print(f"rank {rank}: the engine loop failed ({reason}); exiting with status 1", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def serve(args) -> int:
     import torch.distributed as dist
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
-    from megatron.inference.frontend import Frontend
+    from megatron.inference.frontend import Frontend, FrontendConfig
     from megatron.inference.loop import serve_loop
+    from megatron.inference.protocol import Limits
+    from megatron.inference.watchdog import Heartbeat, Watchdog, fatal_exit
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants import registry
@@ -152,7 +224,7 @@ def serve(args) -> int:
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
         tp1 = args.tensor_model_parallel_size == 1
         rank_engine = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp1 else None,
-                                 ep_size=dist.get_world_size(pgc.ep))
+                                 ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats)
 
         stop = {"signal": None}
 
@@ -162,14 +234,20 @@ def serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
 
+        heartbeat = Heartbeat()
         frontend = None
         if rank == 0:
             tok_model = manifest.get("tokenizer_files", {}).get("tokenizer_model")
             render, chat_kind = chat_renderer(os.path.dirname(os.path.join(ckpt, tok_model)) if tok_model else None)
             name = args.served_model_name or os.path.basename(os.path.abspath(args.load).rstrip("/"))
-            frontend = Frontend(tokenizer=tokenizer, served_model=name, context_length=context.max_sequence_length,
-                                chat_render=render, host=args.host, port=args.port,
-                                shutdown_timeout=args.shutdown_timeout)
+            limits = Limits(context=context.max_sequence_length, vocab_size=tokenizer.vocab_size,
+                            max_request_tokens=rank_engine.max_request_tokens)
+            frontend = Frontend(tokenizer=tokenizer, chat_render=render, heartbeat=heartbeat, config=FrontendConfig(
+                served_model=name, limits=limits, host=args.host, port=args.port,
+                shutdown_timeout=args.shutdown_timeout, api_keys=api_keys(args),
+                max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
+                stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
+                enable_tokenizer_info=args.enable_tokenizer_info_endpoint))
             port = frontend.start()
             url = f"http://{args.host if ':' not in args.host else f'[{args.host}]'}:{port}"
             info = {"url": url, "port": port, "model": name, "world_size": world,
@@ -178,6 +256,8 @@ def serve(args) -> int:
                     "data_parallel_size": dist.get_world_size(pgc.dp),
                     "context_length": context.max_sequence_length, "chat": chat_kind,
                     "kv_blocks_per_rank": rank_engine.stats()["kv_blocks_total"],
+                    "max_request_tokens": rank_engine.max_request_tokens,
+                    "routing_stats": rank_engine.activations is not None,
                     "request_scheduler": scheduler.name if scheduler is not None else "round-robin"}
             if args.ready_file:
                 from moe_variants.common.files import write_json
@@ -186,13 +266,28 @@ def serve(args) -> int:
             print(f"serving {name} on {url} ({world} ranks, EP {args.expert_model_parallel_size}, "
                   f"TP {args.tensor_model_parallel_size}; chat: {chat_kind})", flush=True)
 
+        def on_stall(age):
+            reason = (f"no engine loop iteration completed on rank {rank} for {age:.1f} s (--watchdog-timeout "
+                      f"{args.watchdog_timeout:g}): a rank is stopped, hung or dead")
+            if frontend is not None:
+                frontend.mark_dead(reason)
+                frontend.wait_answered(2.0)
+            fatal_exit(EXIT_STALLED, f"rank {rank}: {reason}; exiting with status {EXIT_STALLED}")
+
         def on_iteration(busy):
             if rank == 0 and stop["signal"] is not None and not frontend.stop_requested.is_set():
                 print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
                 frontend.request_stop()
 
-        serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration,
-                   schedule=scheduler.online() if scheduler is not None else None)
+        watchdog = Watchdog(heartbeat, args.watchdog_timeout, on_stall).start()
+        try:
+            serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
+                       schedule=scheduler.online() if scheduler is not None else None,
+                       stats_interval_s=args.metrics_interval)
+        except Exception as err:
+            _engine_failed(rank, frontend, err)
+        finally:
+            watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
             print("server stopped", flush=True)

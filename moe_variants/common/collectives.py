@@ -38,6 +38,7 @@ __all__ = [
     "barrier",
     "observe_all_to_all_single",
     "ReduceOp",
+    "gather",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -160,6 +161,21 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     if moved is not tensor:
         tensor.copy_(moved)
     return tensor
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 0, group=None) -> Optional[list]:
+    """On global rank ``dst``, ``gather_list[r]`` = rank r's ``tensor`` (same shapes everywhere;
+    ``gather_list`` None elsewhere); returns ``gather_list``."""
+    moved = _to_group(tensor, group).contiguous()
+    parts = None
+    if gather_list is not None:
+        parts = [t if t.device == moved.device and t.is_contiguous() else torch.empty_like(moved) for t in gather_list]
+    dist.gather(moved, parts, dst=dst, group=group)
+    if gather_list is not None:
+        for out, src in zip(gather_list, parts):
+            if out is not src:
+                out.copy_(src)
+    return gather_list
 
 
 def all_gather_object(object_list: list, obj: Any, group=None) -> list:

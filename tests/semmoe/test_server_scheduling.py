@@ -32,7 +32,7 @@ def _prompt_ids(tiny_model) -> list:
 
 
 def _serve(ckpt, tmp_path, prompts, extra=()):
-    srv = Server(ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2", *extra])
+    srv = Server(ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2", "--routing-stats", *extra])
     try:
         out = []
         for ids in prompts:

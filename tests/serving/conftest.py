@@ -2,7 +2,8 @@
 
 Checkpoints: the lm-eval tests' 2-layer, 4-expert model (``tests/eval/conftest.save_tiny``, init std
 0.5 so next-token distributions are peaked) with a 128-token context, as standard, BigMac and
-FarSkip (all layers). The server runs as a subprocess (``python -m megatron.inference.serve``, or
+FarSkip (all layers), and ``flat`` (standard with init std 0.02: near-uniform next-token
+distributions, for the sampling tests). The server runs as a subprocess (``python -m megatron.inference.serve``, or
 torchrun for several ranks) on 127.0.0.1 and a free port it picks itself (``--port 0
 --ready-file``).
 """
@@ -20,7 +21,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LENGTH = 128
-VARIANTS = {"standard": {}, "bigmac": {"moe_variant": "bigmac", "bigmac_ratio": 0.5}, "farskip": {"farskip": "all"}}
+VARIANTS = {"standard": {}, "bigmac": {"moe_variant": "bigmac", "bigmac_ratio": 0.5}, "farskip": {"farskip": "all"},
+            "flat": {"init_method_std": 0.02}}  # near-uniform next-token distributions (sampling tests)
 PROMPTS = ["First Citizen:", "Before we proceed any further, hear me speak.", "All:",
            "You are all resolved rather to die than to famish?", "Speak, speak.", "MENENIUS:"]
 

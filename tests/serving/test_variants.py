@@ -25,6 +25,7 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
     """Greedy tokens of all prompts submitted together; with ``cancel_after`` >= 0, also the KV
     blocks in use before and after cancelling every request after that many steps."""
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.sampling import RequestSampling
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
@@ -36,15 +37,14 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
     out = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         tokens = p if isinstance(p, list) else tokenizer.tokenize(p)
-        engine.add(i, tokens, max_tokens=max_new, temperature=0.0, top_p=1.0, top_k=0,
-                   termination_id=tokenizer.eod, seed=None)
+        engine.add(i, tokens, max_tokens=max_new, sampling=RequestSampling(), termination_id=tokenizer.eod)
     blocks = []
     while engine.local_work():
         if engine.steps == cancel_after:
             blocks.append(engine.stats()["kv_blocks_used"])
             for i in range(len(prompts)):
                 engine.cancel(i)
-        for update in engine.step():
+        for update in engine.step()[0]:
             out[update.request_id] += update.tokens
     blocks.append(engine.stats()["kv_blocks_used"])
     eod = tokenizer.eod

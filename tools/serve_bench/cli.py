@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-requests", type=positive_int, default=16, help="--mode serve: requests decoding at once "
                    "per rank")
     g.add_argument("--kv-cache-gb", type=positive_float, default=0.25, help="KV-cache buffer per rank")
+    g.add_argument("--routing-stats", action=argparse.BooleanOptionalAction, default=True,
+                   help="servers count local activations and expert load (serve --routing-stats: the LAR and "
+                        "imbalance columns); --no-routing-stats serves as the server's default does")
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results here")
     g.add_argument("--plots", metavar="DIR", help="PNG plots here (default: beside --json)")
@@ -509,6 +512,8 @@ class _Server:
                      "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
                      "--shutdown-timeout", str(_SHUTDOWN_TIMEOUT_S)]
+        if args.routing_stats:
+            self.argv.append("--routing-stats")
         if preset:
             self.argv += ["--variant", preset]
         self.argv += list(extra)

@@ -1,0 +1,265 @@
+"""The HTTP front end (frontend.py) on 127.0.0.1 with a scripted engine in place of the serving
+loop: a thread that takes the frontend's commands and publishes the token updates a test
+chooses. Tests admission (queue limit with Retry-After, request timeout 504 with the request
+cancelled in the engine), the API key, /health's states (starting, ok, stalled, draining,
+dead), a failed request next to one that succeeds, stop token ids, batched prompts with echo
+and log-probs, and the tokenizer endpoints. No model, no torch.distributed; exact comparisons.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from megatron.inference import protocol as P
+from megatron.inference.engine import TokenUpdate
+from megatron.inference.frontend import Frontend, FrontendConfig
+from megatron.inference.watchdog import Heartbeat
+
+EOD = 0
+VOCAB = 300
+
+
+class CharTokenizer:
+    """One id per character; id 0 is the end-of-document token "<eod>"."""
+
+    eod = EOD
+    vocab_size = VOCAB
+
+    def tokenize(self, text):
+        if text == "<eod>":
+            return [EOD]
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids):
+        return "".join("<eod>" if i == EOD else chr(i) for i in ids)
+
+
+class ScriptedEngine:
+    """Plays the serving loop: ``script(submit) -> [TokenUpdate]`` answers each new request
+    (None: never answer); cancellations are recorded."""
+
+    def __init__(self, frontend, script):
+        self.frontend, self.script = frontend, script
+        self.submits, self.cancels = [], []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            cmds = self.frontend.take_commands(0.01)
+            self.frontend.heartbeat.tick()
+            self.cancels.extend(cmds.cancels)
+            updates = []
+            for submit in cmds.submits:
+                self.submits.append(submit)
+                updates.extend(self.script(submit) or [])
+            if updates:
+                self.frontend.publish(updates, [])
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(5)
+
+
+def _frontend(script, heartbeat=None, engine=True, **config):
+    limits = P.Limits(context=64, vocab_size=VOCAB, max_request_tokens=48)
+    frontend = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt, heartbeat=heartbeat or Heartbeat(),
+                        config=FrontendConfig(served_model="m", limits=limits, port=0, **config))
+    frontend.start()
+    frontend.url = f"http://127.0.0.1:{frontend.port}"
+    frontend.engine = ScriptedEngine(frontend, script) if engine else None
+    return frontend
+
+
+def _close(frontend):
+    if frontend.engine is not None:
+        frontend.engine.stop()
+    frontend.request_stop()
+    frontend.join(10)
+
+
+def _request(url, path, body=None, headers=None, timeout=30):
+    """(status, JSON body, response headers)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), {k.lower(): v for k, v in err.headers.items()}
+
+
+def _echo_tokens(text, logprob=-0.5):
+    """A script answering each prompt with the tokens of ``text`` (one update, finished), each
+    with a log-prob and one alternative, and prompt log-probs when asked."""
+
+    def script(submit):
+        ids = [ord(c) for c in text][:submit.max_tokens]
+        spec = submit.sampling
+        entries = [(t, logprob, ((t, logprob),) * min(1, spec.logprobs or 0)) for t in ids] \
+            if spec.logprobs is not None else None
+        prompt = [(t, -1.0, ()) for t in submit.prompt[1:]] if spec.prompt_logprobs else None
+        return [TokenUpdate(submit.request_id, ids, finished=True, logprobs=entries, prompt_logprobs=prompt)]
+
+    return script
+
+
+@pytest.fixture
+def frontend():
+    made = []
+
+    def make(script, **kw):
+        made.append(_frontend(script, **kw))
+        return made[-1]
+
+    yield make
+    for f in made:
+        _close(f)
+
+
+def test_request_timeout_answers_504_and_cancels_in_the_engine(frontend):
+    f = frontend(lambda submit: None, request_timeout=0.3)
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "ab", "max_tokens": 4})
+    assert status == 504 and body["error"]["code"] == "timeout"
+    deadline = time.monotonic() + 5
+    while not f.engine.cancels and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert f.engine.cancels == [f.engine.submits[0].request_id]
+    assert f.queued == 0 and f.in_flight == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after(frontend):
+    f = frontend(lambda submit: None, max_queued_requests=2, request_timeout=2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_request, f.url, "/v1/completions", {"prompt": "ab"})
+        deadline = time.monotonic() + 5
+        while f.queued < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, body, headers = _request(f.url, "/v1/completions", {"prompt": ["a", "b"]})  # two more
+        assert status == 503 and headers.get("retry-after") == "1" and "--max-queued-requests" in body["error"]["message"]
+        status, _, _ = _request(f.url, "/v1/completions", {"prompt": "a", "max_tokens": 1})  # one more fits
+        assert status == 504  # (nothing answers in this test)
+        assert waiting.result()[0] == 504
+
+
+def test_api_key_guards_every_path_but_health_and_metrics(frontend):
+    f = frontend(_echo_tokens("hi"), api_keys=("s3cret",))
+    body = {"prompt": "a", "max_tokens": 2}
+    status, err, headers = _request(f.url, "/v1/completions", body)
+    assert status == 401 and headers.get("www-authenticate") == "Bearer" and err["error"]["code"] == "invalid_api_key"
+    assert _request(f.url, "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert _request(f.url, "/tokenize", {"prompt": "a"})[0] == 401
+    assert _request(f.url, "/v1/models")[0] == 401
+    assert _request(f.url, "/no/such/path")[0] == 401  # no route discovery without the key
+    status, out, _ = _request(f.url, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
+    assert status == 200 and out["choices"][0]["text"] == "hi"
+    assert _request(f.url, "/health")[0] == 200
+    with urllib.request.urlopen(f.url + "/metrics", timeout=10) as resp:
+        assert resp.status == 200
+
+
+def test_health_follows_the_heartbeat_drain_and_death(frontend):
+    heartbeat = Heartbeat()
+    f = frontend(lambda submit: None, heartbeat=heartbeat, engine=False, stall_timeout=1.0)
+    assert _request(f.url, "/health")[:2] == (503, {"status": "starting"})
+    heartbeat.tick()
+    assert _request(f.url, "/health")[0] == 200
+    heartbeat.at -= 5.0  # the loop has not completed an iteration for 5 s
+    status, body, _ = _request(f.url, "/health")
+    assert status == 503 and body["status"] == "stalled" and body["seconds_since_last_step"] >= 5
+    heartbeat.tick()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+        deadline = time.monotonic() + 5
+        while not f.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        f.mark_dead("rank 1 died")
+        status, body, _ = pending.result(timeout=10)
+    assert status == 503 and "rank 1 died" in body["error"]["message"]
+    assert _request(f.url, "/health")[:2] == (503, {"status": "dead", "reason": "rank 1 died"})
+    assert _request(f.url, "/v1/completions", {"prompt": "a"})[0] == 503
+
+
+def test_a_failed_request_is_a_5xx_and_the_next_one_succeeds(frontend):
+    def script(submit):
+        if submit.prompt == [ord("x")]:
+            return [TokenUpdate(submit.request_id, [], finished=True, failed="sampling failed: boom")]
+        return _echo_tokens("ok")(submit)
+
+    f = frontend(script)
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "x"})
+    assert status == 500 and "boom" in body["error"]["message"] and body["error"]["type"] == "server_error"
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "y"})
+    assert status == 200 and body["choices"][0]["text"] == "ok"
+    assert f.metrics.requests["failed"] == 1 and f.metrics.requests["completed"] == 1
+
+
+def test_stop_token_ids_cut_the_output_and_cancel(frontend):
+    def script(submit):
+        return [TokenUpdate(submit.request_id, [ord("a"), ord("b")]),
+                TokenUpdate(submit.request_id, [ord("c"), ord("d")])]
+
+    f = frontend(script)
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "q", "max_tokens": 8, "return_token_ids": True,
+                                                          "stop_token_ids": [ord("c")]})
+    assert status == 200 and body["choices"][0]["text"] == "ab" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["token_ids"] == [ord("a"), ord("b")]
+    deadline = time.monotonic() + 5
+    while not f.engine.cancels and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert f.engine.cancels == [f.engine.submits[0].request_id]
+
+
+def test_batched_prompts_echo_and_logprobs(frontend):
+    f = frontend(_echo_tokens("xy"))
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": ["ab", [ord("c")]], "max_tokens": 2,
+                                                          "echo": True, "logprobs": 1, "temperature": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    first, second = body["choices"]
+    assert first["text"] == "abxy" and second["text"] == "cxy"
+    lp = first["logprobs"]
+    assert lp["tokens"] == ["a", "b", "x", "y"] and lp["token_logprobs"] == [None, -1.0, -0.5, -0.5]
+    assert lp["top_logprobs"] == [None, {"b": -1.0}, {"x": -0.5}, {"y": -0.5}] and lp["text_offset"] == [0, 1, 2, 3]
+    assert second["logprobs"]["token_logprobs"] == [None, -0.5, -0.5]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert all(s.sampling.prompt_logprobs for s in f.engine.submits)
+    # streamed: the prompt comes in each choice's first chunk; offsets continue across chunks
+    req = urllib.request.Request(f.url + "/v1/completions", data=json.dumps(
+        {"prompt": "ab", "max_tokens": 2, "echo": True, "logprobs": 0, "stream": True}).encode(),
+        headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "abxy"
+    chat = _request(f.url, "/v1/chat/completions", {"messages": [{"role": "u", "content": "hi"}], "max_tokens": 2,
+                                                    "logprobs": True, "top_logprobs": 1})[1]
+    assert [c["token"] for c in chat["choices"][0]["logprobs"]["content"]] == ["x", "y"]
+
+
+def test_tokenizer_endpoints(frontend):
+    f = frontend(_echo_tokens("z"), enable_tokenizer_info=True)
+    status, body, _ = _request(f.url, "/tokenize", {"prompt": "ab", "add_special_tokens": False,
+                                                    "return_token_strs": True})
+    assert status == 200 and body == {"count": 2, "max_model_len": 64, "tokens": [97, 98], "token_strs": ["a", "b"]}
+    assert _request(f.url, "/v1/detokenize", {"tokens": [104, 105]})[1] == {"prompt": "hi"}
+    assert _request(f.url, "/detokenize", {"tokens": [VOCAB]})[0] == 400
+    info = _request(f.url, "/tokenizer_info")[1]
+    assert info["eos_token"] == "<eod>" and info["bos_token"] is None and info["model_max_length"] == 64
+    assert P.ChatTemplate(info["chat_template"])([{"role": "u", "content": "x"}]) == "u: x\nassistant:"
+    g = frontend(_echo_tokens("z"))
+    assert _request(g.url, "/tokenizer_info")[0] == 404  # opt-in, as vLLM's
+
+
+def test_bodies_over_the_limit_are_413(frontend):
+    f = frontend(_echo_tokens("z"), max_body_bytes=100)
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a" * 200})
+    assert status == 413 and "--max-body-bytes" in body["error"]["message"]
