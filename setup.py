@@ -10,10 +10,11 @@ EXTRAS = {
     # Transformer Engine range accepted by megatron-core 0.16.1's own `dev` extra.
     "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
     "log": ["wandb", "tensorboard"],
-    "eval": ["lm-eval>=0.4.9,<0.5"],
+    # the [api] extra: lm-eval's local-completions model, which scores through the server
+    "eval": ["lm-eval[api]>=0.4.9,<0.5"],
     "data": ["datasets", "tokenizers>=0.15"],
     "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib",
-            "openai==3.51.0"],
+            "openai==3.51.0", "hypothesis>=6.100,<7"],
     # megatron.inference.serve: hypercorn serves the HTTP API; einops is megatron-core's optional
     # dependency for its dynamic-batching attention; jinja2 renders tokenizer chat templates.
     "serve": ["hypercorn==0.18.0", "einops==0.8.2", "jinja2>=3.1"],

@@ -1,7 +1,7 @@
 """How the server picks tokens and scores them: pure functions over logits, no engine state.
 
 ``RequestSampling`` is what one request asked for. ``sample`` draws the next token of a group of
-requests that share their parameters: greedy (temperature 0) is the argmax; otherwise the logits
+requests that share their parameters: greedy (temperature below 1e-5, as vLLM) is the argmax; otherwise the logits
 are divided by the temperature, cut to the ``top_k`` largest, then to the smallest set whose
 probability reaches ``top_p`` (both filters apply when both are given, in that order, as vLLM
 and Hugging Face do), and one token is drawn with the given ``torch.Generator``. ``token_logprobs``
@@ -23,6 +23,7 @@ import torch
 __all__ = ["RequestSampling", "LogprobEntry", "filter_logits", "sample", "token_logprobs", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default cap)
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-124 overflow
 
 # (token id, its log-probability, ((alternative id, log-probability), ... best first))
 LogprobEntry = tuple
@@ -41,7 +42,7 @@ class RequestSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def bucket(self) -> tuple:
         """Requests with equal buckets are sampled together (unseeded ones only)."""

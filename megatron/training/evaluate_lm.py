@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens the model reads at once (default: the checkpoint's seq_length); lm-eval's API "
+                        "models keep two tokens back: --max-length L-2 scores as local-completions with max_length=L")
     registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables
     return p
 
@@ -217,7 +220,7 @@ def evaluate(args, manager) -> dict:
         scheduler = registry.request_scheduler(args, manifest, dist.get_world_size())
         lm = MegatronCheckpointLM.from_checkpoint(
             args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed,
+            expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed, max_length=args.max_length,
             batch_size=args.batch_size, max_gen_toks=args.max_gen_toks, generation=args.generation,
             request_scheduler=scheduler,
         )

@@ -250,14 +250,19 @@ class MegatronCheckpointLM(TemplateLM):
 
     @classmethod
     def from_checkpoint(cls, path: str, *, tensor_model_parallel_size: int = 1,
-                        expert_model_parallel_size: int = 1, seed: int = 1234, **kwargs) -> "MegatronCheckpointLM":
+                        expert_model_parallel_size: int = 1, seed: int = 1234, max_length: Optional[int] = None,
+                        **kwargs) -> "MegatronCheckpointLM":
         """Initialise the layout (torch.distributed must already be initialised), load the model at
-        it and wrap it. Layout errors are ``ValueError``s naming the flag."""
+        it and wrap it. ``max_length``: tokens read at once (default and upper bound: the
+        checkpoint's ``seq_length``). Layout errors are ``ValueError``s naming the flag."""
         from moe_variants.config import ParallelConfig, validate
         from megatron.training.loading import checkpoint_configs, load_model
         from megatron.training.parallel import initialize_parallel
 
         configs, _, _ = checkpoint_configs(path)
+        seq_length = configs.model.seq_length
+        if max_length is not None and not 2 <= max_length <= seq_length:
+            raise ValueError(f"--max-length must be in [2, {seq_length}] (the checkpoint's seq_length), got {max_length}")
         parallel = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
                                   expert_model_parallel_size=expert_model_parallel_size)
         world = dist.get_world_size()
@@ -267,7 +272,7 @@ class MegatronCheckpointLM(TemplateLM):
                              f"the {world} ranks")
         pgc = initialize_parallel(parallel, seed=seed)
         model, configs, tokenizer, _ = load_model(path, parallel=parallel, pg_collection=pgc)
-        return cls(model, tokenizer, max_length=configs.model.seq_length, pg_collection=pgc,
+        return cls(model, tokenizer, max_length=max_length or configs.model.seq_length, pg_collection=pgc,
                    capacity_factor=configs.model.moe_expert_capacity_factor, **kwargs)
 
     # --- lm-eval properties ----------------------------------------------------------------

@@ -47,6 +47,8 @@ def test_temperature_and_seeds():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     greedy = sample(logits, RequestSampling(), torch.Generator())
     assert greedy.tolist() == [int(logits.argmax())]
+    # a temperature so small that logits / temperature overflow is greedy (found by the fuzz test)
+    assert sample(logits * 1e3, RequestSampling(temperature=8e-124), torch.Generator()).tolist() == greedy.tolist()
     spec = RequestSampling(temperature=1.5)
 
     def draws(seed):
