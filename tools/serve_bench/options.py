@@ -1,0 +1,247 @@
+"""bench_serve's command line: the parser and the checks that run before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Optional
+
+from moe_variants.common.cli import float_list, nonneg_int, positive_float, positive_int
+from tools.bench import netns
+from tools.bench.cli import add_model_options, model_overrides
+
+from .loadgen import load_prompt_pairs
+
+__all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", "PLACED", "PROG",
+           "DEFAULT_NUM_REQUESTS"]
+
+PROG = "bench_serve.py"
+DEFAULT_NUM_REQUESTS = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("network")
+    g.add_argument("--ranks", type=positive_int, default=2, help="server ranks = expert-parallel size (1-4; default 2)")
+    g.add_argument("--link-gbit", type=float, default=1.0, help="per-rank link rate, each direction (the rate "
+                   "search's start with --target-comm-fraction)")
+    g.add_argument("--shaper", choices=[s.value for s in netns.Shaper], default=netns.Shaper.tbf.value)
+    g.add_argument("--no-netns", action="store_true", help="run over unshaped loopback")
+    g.add_argument("--target-comm-fraction", type=float, metavar="F",
+                   help="first pick the link rate giving the probe variant's forwards this all-to-all share")
+    g.add_argument("--probe-variant", help="variant the rate search measures (default: standard if requested, "
+                   "else the first)")
+    g.add_argument("--probe-rounds", type=positive_int, default=3,
+                   help="calibration bursts per probe (prefill: one full step per rank; serve: --ranks x 4 requests)")
+    g.add_argument("--max-probes", type=positive_int, default=8)
+    g.add_argument("--fraction-tol", type=float, default=0.02, help="stop the rate search within this")
+    g = ap.add_argument_group("model")
+    g.add_argument("--load", metavar="CKPT", help="serve this checkpoint (variants: presets that keep its parameters)")
+    add_model_options(g)
+    g.add_argument("--semmoe-tables", metavar="DIR", help="with --load: DIR/eplb and DIR/semmoe hold tables "
+                   "(tools.semmoe solve --ep RANKS) for the variants eplb and semmoe (placed checkpoints; semmoe "
+                   "also schedules requests by Algorithm 2)")
+    g.add_argument("--train-steps", type=positive_int, default=30,
+                   help="with --config (or the default model): training steps per variant's checkpoint")
+    g.add_argument("--variants", default="standard", help="comma-separated registry presets (standard, bigmac, "
+                   "farskip, farskip-simple, ...; '+' combines)")
+    g.add_argument("--seed", type=int, default=1234, help="training, prompt order, arrivals")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    g = ap.add_argument_group("load")
+    g.add_argument("--mode", choices=["serve", "prefill"], default="serve")
+    g.add_argument("--request-rates", type=float_list, default=[1.0, 2.0, 4.0], help="requests/s, comma-separated "
+                   "(inf: all at once)")
+    g.add_argument("--num-requests", type=positive_int, default=None,
+                   help=f"requests per rate (default {DEFAULT_NUM_REQUESTS})")
+    g.add_argument("--duration", type=positive_float, default=None, help="seconds of arrivals per rate, instead "
+                   "of --num-requests")
+    g.add_argument("--prompts", metavar="FILE", help="JSONL with a 'text' field, or ShareGPT JSON (default: "
+                   "windows of the embedded corpus, which need --input-len)")
+    g.add_argument("--input-len", type=positive_int, help="prompt tokens (prompts are cut or repeated to it; "
+                   "--mode prefill default: the largest power of two below the model's context and "
+                   "--prefill-tokens)")
+    g.add_argument("--output-len", type=positive_int, help="output tokens per request (default: the prompt file's "
+                   "answer length, else --max-output-len)")
+    g.add_argument("--max-output-len", type=positive_int, default=64, help="cap on output tokens (default 64)")
+    g.add_argument("--warmup-requests", type=nonneg_int, default=4, help="unrecorded burst before the rates")
+    g.add_argument("--slo-ttft", type=positive_float, help="goodput SLO on time to first token, seconds")
+    g.add_argument("--slo-tpot", type=positive_float, help="goodput SLO on time per output token, seconds")
+    g.add_argument("--prefill-tokens", type=positive_int, default=512,
+                   help="--mode prefill: tokens per engine step per rank (a multiple of 64 avoids padding)")
+    g.add_argument("--prefill-batches", type=positive_int, default=8,
+                   help="--mode prefill: full steps per rank in each measured burst")
+    g.add_argument("--prefill-repeats", type=positive_int, default=3,
+                   help="--mode prefill: measured bursts (throughputs are medians over them)")
+    g = ap.add_argument_group("server")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=512, help="--mode serve: tokens per engine step")
+    g.add_argument("--max-requests", type=positive_int, default=16, help="--mode serve: requests decoding at once "
+                   "per rank")
+    g.add_argument("--kv-cache-gb", type=positive_float, default=0.25, help="KV-cache buffer per rank")
+    g.add_argument("--routing-stats", action=argparse.BooleanOptionalAction, default=True,
+                   help="servers count local activations and expert load (serve --routing-stats: the LAR and "
+                        "imbalance columns); --no-routing-stats serves as the server's default does")
+    g = ap.add_argument_group("output")
+    g.add_argument("--json", metavar="PATH", help="write the results here")
+    g.add_argument("--plots", metavar="DIR", help="PNG plots here (default: beside --json)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--work-dir", help="keep checkpoints, logs and raw results here (default: temporary); a "
+                   "checkpoint trained there with the same settings is reused")
+    g.add_argument("--timeout-s", type=float, default=3600.0, help="wall-clock limit of the whole command")
+    return ap
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+PLACED = ("eplb", "semmoe")  # variants that serve --load placed by --semmoe-tables DIR/<name>
+
+
+def variant_list(text: str, tables: Optional[str] = None) -> list:
+    from moe_variants import registry
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise ValueError("--variants is empty")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variants lists a variant twice: {text}")
+    for v in names:
+        if v in PLACED:
+            if tables is None:
+                raise ValueError(f"--variants {v}: give --load CKPT and --semmoe-tables DIR (DIR/{v} holds the "
+                                 "placement's tables)")
+            continue
+        if any(p in v.split("+") for p in PLACED):
+            raise ValueError(f"--variants {v}: placed variants ({', '.join(PLACED)}) do not combine with others")
+        registry.preset_overrides(v)  # an unknown preset fails here
+    return names
+
+
+def check_tables(args, variants: list) -> None:
+    """``--semmoe-tables DIR``: DIR/<variant> are tables for --load's experts at D = --ranks."""
+    from moe_variants.semmoe.placement import moe_shape
+    from moe_variants.semmoe.tables import load_tables
+    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+
+    if not args.load:
+        raise ValueError("--semmoe-tables places the experts of --load CKPT: give --load")
+    if not os.path.isdir(args.semmoe_tables):
+        raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
+    placed = [v for v in variants if v in PLACED]
+    if not placed:
+        raise ValueError("--semmoe-tables: --variants names neither eplb nor semmoe")
+    manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+    layers, experts = moe_shape(manifest, args.load)
+    for v in placed:
+        path = os.path.join(args.semmoe_tables, v)
+        if not os.path.isdir(path):
+            raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no {v}/ tables directory in it "
+                             f"(python -m tools.semmoe solve --method {v} --ep {args.ranks} --out {path})")
+        try:
+            tables = load_tables(path)
+        except ValueError as err:
+            raise ValueError(f"--semmoe-tables {path}: {str(err).splitlines()[0]}") from None
+        if (tables.num_layers, tables.num_experts, tables.num_devices) != (layers, experts, args.ranks):
+            raise ValueError(f"--semmoe-tables {path}: tables for {tables.num_layers} MoE layers x "
+                             f"{tables.num_experts} experts on {tables.num_devices} devices; --load has "
+                             f"{layers} x {experts} and --ranks is {args.ranks}")
+        if v == "semmoe" and not tables.has_schedule:
+            raise ValueError(f"--semmoe-tables {path}: tables of method {tables.method!r} carry no token table "
+                             "(solve with --method semmoe)")
+
+
+def check_args(args) -> None:
+    """Everything that can be checked before any process starts or any file is written."""
+    variants = variant_list(args.variants, args.semmoe_tables)
+    if args.load and (args.config or model_overrides(args)):
+        raise ValueError("--load serves a checkpoint as it is: drop --config and the model overrides")
+    if args.config and not os.path.isfile(args.config):
+        raise ValueError(f"--config {args.config}: no such file")
+    if args.load:
+        from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+
+        try:
+            if find_latest_checkpoint(args.load) is None:
+                raise ValueError(f"--load {args.load}: no complete checkpoint found")
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+    if not 1 <= args.ranks <= netns.MAX_RANKS:
+        raise ValueError(f"--ranks must be between 1 and {netns.MAX_RANKS}, got {args.ranks}")
+    netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate
+    if args.target_comm_fraction is not None:
+        if not 0 < args.target_comm_fraction < 1:
+            raise ValueError(f"--target-comm-fraction must be in (0, 1), got {args.target_comm_fraction}")
+        if args.no_netns:
+            raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); it cannot "
+                             "be used with --no-netns")
+        ok, why = netns.netns_available()
+        if not ok:
+            raise ValueError(f"--target-comm-fraction needs a shaped link: {why}")
+    if args.probe_variant and args.probe_variant not in variants:
+        raise ValueError(f"--probe-variant {args.probe_variant} is not one of --variants")
+    if args.num_requests is not None and args.duration is not None:
+        raise ValueError("give --num-requests or --duration, not both")
+    if args.mode == "serve":
+        if not args.request_rates:
+            raise ValueError("--request-rates is empty")
+        for r in args.request_rates:
+            if not r > 0:
+                raise ValueError(f"--request-rates: rates must be > 0, got {r:g}")
+        if len(set(args.request_rates)) != len(args.request_rates):
+            raise ValueError("--request-rates lists a rate twice")
+        if args.duration is not None and any(math.isinf(r) for r in args.request_rates):
+            raise ValueError("--duration needs finite --request-rates")
+        if args.prompts is None and args.input_len is None:
+            raise ValueError("give --prompts FILE or --input-len (with --output-len) for the requests")
+        if args.max_batch_tokens < args.max_requests:
+            raise ValueError(f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-requests "
+                             f"({args.max_requests})")
+    else:
+        if args.input_len is not None and args.input_len > args.prefill_tokens:
+            raise ValueError(f"--input-len {args.input_len} is longer than --prefill-tokens {args.prefill_tokens}")
+    if args.prompts is not None:
+        load_prompt_pairs(args.prompts)  # readable and parseable, or a one-line error
+    for flag in ("json",):
+        path = getattr(args, flag)
+        if path and os.path.isdir(path):
+            raise ValueError(f"--{flag} {path}: is a directory, expected a file path")
+    if args.plots and os.path.isfile(args.plots):
+        raise ValueError(f"--plots {args.plots}: is a file, expected a directory")
+    if args.timeout_s <= 0:
+        raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.semmoe_tables is not None:
+        check_tables(args, variants)
+    if args.load:
+        check_load_variants(args.load, [v for v in variants if v not in PLACED])  # last: builds meta models
+
+
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def check_load_variants(ckpt: str, variants: list) -> None:
+    """With ``--load``, every variant must keep the checkpoint's parameters (built on the meta device)."""
+    from megatron.training.arguments import configs_to_dict
+    from megatron.training.loading import checkpoint_configs
+    from moe_variants import registry
+
+    base = configs_to_dict(checkpoint_configs(ckpt)[0])
+    changing = [v for v in variants
+                if configs_to_dict(checkpoint_configs(ckpt, registry.preset_overrides(v))[0]) != base]
+    if not changing:
+        return
+    from megatron import compat
+    from megatron.training.loading import parameter_changes
+    from megatron.training.parallel import initialize_parallel, single_process_group
+    from moe_variants.config import ParallelConfig
+
+    compat.apply()
+    with single_process_group():
+        initialize_parallel(ParallelConfig(), seed=0)
+        for v in changing:
+            changes = parameter_changes(ckpt, registry.preset_overrides(v))
+            if changes:
+                raise ValueError(f"--load with --variants {v}: {v} changes the parameters of {ckpt} ({len(changes)} "
+                                 f"tensors, e.g. {changes[0]}); only connectivity-only variants (e.g. farskip, "
+                                 "farskip-simple) run on another variant's checkpoint: train one checkpoint per "
+                                 "variant with --config instead")
