@@ -86,6 +86,26 @@ TORCH_PRIVATE_APIS = [
 # megatron-core's dynamic inference engine on CPU / without flash-attn (compat/inference.py).
 from megatron.compat.inference import INFERENCE_SITES  # noqa: E402,F401 (re-exported for the staleness test)
 
+# The server's ServingController (megatron/inference/engine.py) overrides two private steps of the
+# dynamic controller: it turns materialize_only_last_token_logits off for the steps that score a
+# prompt (read per forward by GPTModel), samples into _sampled_tokens_cuda itself, and maps each
+# request's logits rows to prompt positions through request_kv_length_offsets; RankEngine cancels
+# an active request through the engine's stop-word early termination.
+SERVING_SITES = [
+    ("inference/text_generation_controllers/text_generation_controller.py", 106,
+     "self._sampled_tokens_cuda = torch.empty(max_requests, dtype=torch.int64, device=device)"),
+    ("inference/text_generation_controllers/text_generation_controller.py", 491, "def _dynamic_step_context_init("),
+    ("inference/text_generation_controllers/text_generation_controller.py", 631,
+     "def _dynamic_step_sample_logits(self, logits: Tensor):"),
+    ("inference/text_generation_controllers/text_generation_controller.py", 906,
+     "self._dynamic_step_sample_logits(logits)"),
+    ("models/gpt/gpt_model.py", 664,
+     "if in_inference_mode and inference_context.materialize_only_last_token_logits:"),
+    ("inference/contexts/dynamic_context.py", 626, "self.request_kv_length_offsets = torch.empty_like(self.request_ids)"),
+    ("inference/contexts/dynamic_context.py", 1518, "def last_token_logits(self, logits: Tensor) -> Tensor:"),
+    ("inference/engines/dynamic_engine.py", 1030,
+     "result = self.stop_word_finished_request_ids & set(active_request_ids)"),
+]
 # CpuEvent.elapsed_time (cpu_device.py): the engines time their steps with CUDA events.
 CPU_EVENT_SITES = [
     ("inference/text_generation_controllers/text_generation_controller.py", 1361,

@@ -31,7 +31,8 @@ def test_a_killed_rank_fails_in_flight_requests_at_once(serve_ckpts, tmp_path):
 
 def test_a_stopped_rank_is_noticed_and_ends_the_server(serve_ckpts, tmp_path):
     r = inject(serve_ckpts["standard"], "SIGSTOP", str(tmp_path), stall_timeout=2.0, watchdog_timeout=5.0)
-    assert r.health_not_ok_s is not None and 2.0 <= r.health_not_ok_s < 2.0 + 5, r
+    # the heartbeat last ticked up to one loop iteration before the signal
+    assert r.health_not_ok_s is not None and 2.0 - 0.5 <= r.health_not_ok_s < 2.0 + 5, r
     assert r.client_status == 503 and "a rank is stopped, hung or dead" in r.client_message, r
     assert 5.0 <= r.client_answer_s < 5.0 + 10, r
     assert r.launcher_code not in (None, 0) and r.launcher_exit_s < 5.0 + 30 + 15, r
