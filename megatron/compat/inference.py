@@ -11,10 +11,21 @@ computes attention over them with two flash-attn kernels, called from
 - ``flash_attn_with_kvcache(q=, k_cache=, v_cache=, cache_seqlens=, causal=True, block_table=,
   num_splits=)`` for decode-only steps (``:872``): one query per request.
 
+Multi-latent attention decodes with FlashMLA instead (``:826-855``): ``get_mla_metadata`` and
+``flash_mla_with_kvcache(q, kv_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+num_splits, softmax_scale=, causal=True)`` over the paged *latent* cache (one "head" of
+``kv_lora_rank + qk_pos_emb_head_dim`` channels per token, blocks of 64 tokens), with queries
+already absorbed through the key up-projection; its prefill steps go through
+``flash_attn_varlen_func`` over the cache uncompressed to per-head keys and values
+(``:611-618``).
+
 Without flash-attn both names are ``None`` (``:93-97``) and ``Attention.forward`` asserts a
-flash-attn version for dynamic batching (``:926``). ``apply_inference()`` supplies the plain-torch
-equivalents below in their place (only where flash-attn is absent, so a GPU machine with
-flash-attn keeps its kernels) and relaxes that assertion to "a kernel is present". On CPU it also
+flash-attn version for dynamic batching (``:926``); without FlashMLA its two names are ``None``
+(``:83-88``). ``apply_inference()`` supplies the plain-torch
+equivalents below in their place (only where flash-attn or FlashMLA is absent, so a GPU machine
+with them keeps its kernels, and with a one-line warning the first time an MLA model decodes
+through the equivalent: slow but correct) and relaxes that assertion to "a kernel is present";
+``megatron.compat.mla.apply_mla_serving`` fixes what else keeps upstream's MLA path from running. On CPU it also
 replaces the NVTX range functions ``dynamic_engine`` imported at its import (``:20``, called at
 ``:1191``), which raise on a CPU build of torch. Step timing needs ``CpuEvent.elapsed_time``
 (``cpu_device.py``). The output rearrangement (``:1178``) needs ``einops``, a dependency of the
@@ -42,6 +53,8 @@ __all__ = [
     "apply_inference",
     "paged_varlen_attention",
     "paged_kvcache_attention",
+    "paged_mla_decode",
+    "mla_metadata",
     "INFERENCE_SITES",
 ]
 
@@ -49,6 +62,10 @@ __all__ = [
 INFERENCE_SITES = [
     ("transformer/attention.py", 96, "flash_attn_varlen_func = None"),
     ("transformer/attention.py", 97, "flash_attn_with_kvcache = None"),
+    ("transformer/attention.py", 87, "flash_mla_with_kvcache = None"),
+    ("transformer/attention.py", 88, "get_mla_metadata = None"),
+    ("transformer/attention.py", 838, "tile_scheduler_metadata, num_splits = get_mla_metadata("),
+    ("transformer/attention.py", 845, "output_total, softmax_lse = flash_mla_with_kvcache("),
     ("transformer/attention.py", 814, "output_total = flash_attn_varlen_func("),
     ("transformer/attention.py", 872, "output_total = flash_attn_with_kvcache(**flash_attn_args)"),
     ("transformer/attention.py", 926, "assert HAVE_FA3 or is_fa_min_version("),
@@ -132,6 +149,40 @@ def paged_kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return out
 
 
+def paged_mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, tile_scheduler_metadata=None,
+                     num_splits=None, softmax_scale: Optional[float] = None, causal: bool = False, **unsupported):
+    """Plain-torch ``flash_mla_with_kvcache`` (FlashMLA's decode kernel, as ``attention.py:845``
+    calls it): q [B, Lq, Hq, Dk] (absorbed queries: latent channels then rotary channels), a paged
+    latent cache [N, P, 1, Dk] with ``block_table`` [B, M] and ``cache_seqlens`` [B]; every head
+    attends over the request's cached latents with the full Dk channels as keys and their first
+    ``head_dim_v`` (the latent, ``kv_lora_rank``) as values. -> (out [B, Lq, Hq, head_dim_v],
+    softmax_lse [B, Hq, Lq] fp32). ``causal`` aligns the mask to the bottom right as FlashMLA does;
+    the scheduler metadata and split count only steer FlashMLA's tiling and are ignored."""
+    _refuse(unsupported, 0.0)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    num_b, num_q, num_h, _ = q.shape
+    out = q.new_zeros(num_b, num_q, num_h, head_dim_v)
+    lse = torch.full((num_b, num_h, num_q), float("-inf"), dtype=torch.float32, device=q.device)
+    latent_NPD = k_cache.squeeze(2)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if length <= 0:
+            continue
+        keys = _gather_blocks(latent_NPD, block_table[b], length)[:, None, :]  # [L, 1, Dk]
+        out[b] = _attend(q[b], keys, keys[..., :head_dim_v], scale, causal)
+        scores = torch.einsum("qhd,kd->hqk", q[b].float(), keys[:, 0].float()) * scale
+        if causal:
+            q_pos = torch.arange(num_q, device=q.device)[:, None] + (length - num_q)
+            scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > q_pos, float("-inf"))
+        lse[b] = torch.logsumexp(scores, dim=-1)
+    return out, lse
+
+
+def mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k):
+    """Plain-torch ``get_mla_metadata``: FlashMLA's tile scheduling, which the equivalent does
+    not use."""
+    return None, None
+
+
 def _refuse(unsupported: dict, dropout_p: float) -> None:
     active = {name: value for name, value in unsupported.items()
               if value not in (None, False, 0, 0.0, (-1, -1))}
@@ -145,7 +196,8 @@ _applied: Optional[dict] = None
 
 def apply_inference() -> dict:
     """Make megatron-core's dynamic inference engine run here (idempotent). Returns what it did:
-    ``{"attention_kernels": "flash-attn" | "torch", "nvtx": "kept" | "no-op"}``."""
+    ``{"attention_kernels": "flash-attn" | "torch", "mla_decode_kernel": "flash-mla" | "torch",
+    "nvtx": "kept" | "no-op"}``."""
     global _applied
     if _applied is not None:
         return _applied
@@ -165,6 +217,14 @@ def apply_inference() -> dict:
         # the version assertion guards the two kernels just supplied
         attention.is_fa_min_version = lambda version, check_equality=True: True
         done["attention_kernels"] = "torch"
+    done["mla_decode_kernel"] = "flash-mla"
+    if attention.flash_mla_with_kvcache is None or attention.get_mla_metadata is None:
+        attention.flash_mla_with_kvcache = paged_mla_decode
+        attention.get_mla_metadata = mla_metadata
+        done["mla_decode_kernel"] = "torch"
+    from megatron.compat.mla import apply_mla_serving
+
+    apply_mla_serving()
     if not torch.cuda.is_available():
         dynamic_engine.range_push = torch.cuda.nvtx.range_push  # compat's no-op stand-ins
         dynamic_engine.range_pop = torch.cuda.nvtx.range_pop

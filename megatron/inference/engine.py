@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
 
 __all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "STAT_FIELDS", "build_engine", "sampling_seed"]
+
+MLA_BLOCK_SIZE = 64  # FlashMLA's block size; DynamicInferenceContext asserts it for the latent cache
 
 
 @dataclasses.dataclass
@@ -228,6 +231,22 @@ class TokenUpdate:
     prompt_logprobs: Optional[list] = None
 
 
+def replicate_activations(model) -> int:
+    """Turn sequence parallelism off in every module of ``model`` (serving with TP > 1): every
+    tensor-parallel rank then holds all of a step's tokens outside the experts, as megatron-core's
+    own inference does for MoE models with TP and EP (``text_generation_controller.py:1112-1125``;
+    its ``exclude_modules=[BaseMoELayer]`` compares module instances with the class and so
+    excludes nothing). Returns the number of modules changed."""
+    changed = 0
+    model.config.sequence_parallel = False
+    for module in model.modules():
+        for attr in ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings"):
+            if getattr(module, attr, False) is True:
+                setattr(module, attr, False)
+                changed += 1
+    return changed
+
+
 def sampling_seed(seed: int, pg_collection) -> int:
     """The generator seed of unseeded requests on this rank: ``--seed`` mixed with the
     data-parallel rank (tensor-parallel peers hold the same requests and must draw alike; two
@@ -254,9 +273,7 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
     cfg.validate()
     applied = apply_inference()
     config = model.config
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError("serving multi-latent attention (DeepSeek-V2 family) is not supported: the dynamic "
-                         "engine decodes MLA with FlashMLA, which has no CPU equivalent here")
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if pg_collection.pp.size() != 1:
         raise ValueError("--pipeline-model-parallel-size must be 1 for serving")
     seq_length = cfg.max_sequence_length or configs.model.seq_length
@@ -265,6 +282,19 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
         raise ValueError(f"--max-sequence-length {seq_length} exceeds the model's {max_positions} "
                          "learned positions")
     block = cfg.block_size_tokens or (256 if applied["attention_kernels"] == "flash-attn" else 32)
+    if mla:
+        # megatron-core serves MLA from its latent cache only, in FlashMLA's 64-token blocks
+        if cfg.block_size_tokens not in (None, MLA_BLOCK_SIZE):
+            raise ValueError(f"--block-size-tokens {cfg.block_size_tokens}: multi-latent attention caches latents "
+                             f"in blocks of {MLA_BLOCK_SIZE} tokens (FlashMLA's)")
+        block = MLA_BLOCK_SIZE
+        from megatron.compat.mla import use_latent_cache
+
+        use_latent_cache(model)
+        if applied["mla_decode_kernel"] == "torch" and torch.cuda.is_available():
+            warnings.warn("FlashMLA is not installed: multi-latent attention decodes with the plain-torch "
+                          "equivalent (megatron.compat.inference.paged_mla_decode): correct, slow; "
+                          "pip install flash-mla for the kernel", stacklevel=2)
     dtype = config.params_dtype
     padded_vocab = model.output_layer.weight.shape[0] * pg_collection.tp.size() \
         if getattr(model, "output_layer", None) is not None and model.output_layer.weight is not None \
@@ -285,10 +315,15 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
         max_tokens=cfg.max_batch_tokens,
         block_size_tokens=block,
         pg_collection=pg_collection,
+        cache_mla_latent=mla,
+        kv_lora_rank=config.kv_lora_rank if mla else None,
+        qk_pos_emb_head_dim=config.qk_pos_emb_head_dim if mla else None,
         materialize_only_last_token_logits=True,
         use_cuda_graphs_for_non_decode_steps=False,
         use_flashinfer_fused_rope=False,
     )
+    if pg_collection.tp.size() > 1:
+        replicate_activations(model)
     wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
     wrapped.prep_model_for_inference()
     controller = _controller_class()(wrapped, _TokenizerForEngine(tokenizer), vocab_size=tokenizer.vocab_size,

@@ -137,3 +137,34 @@ def get_metrics(url: str) -> dict:
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         return parse_metrics(resp.read().decode())
+
+
+# A DeepSeek-V2-Lite-shaped model, scaled down (examples/bench_farskip_dsv2lite_cpu.yaml's layout:
+# MLA without query compression, latent KV with decoupled RoPE heads and latent norms, YaRN, a dense
+# first layer, two shared experts, fine-grained routed experts with softmax before top-k), trained
+# a few steps by pretrain_gpt at EP=2. Init std 0.3 and a small learning rate keep its next-token
+# distributions peaked, so greedy comparisons hinge on real differences, not last-bit rounding.
+MLA_ARGS = [
+    "--num-layers", 3, "--hidden-size", 64, "--num-attention-heads", 4, "--ffn-hidden-size", 128,
+    "--seq-length", 128, "--max-position-embeddings", 128, "--multi-latent-attention", "--kv-lora-rank", 16,
+    "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 8, "--qk-layernorm", "--rope-type", "yarn",
+    "--rotary-scaling-factor", 4, "--original-max-position-embeddings", 32, "--mscale", 0.707,
+    "--mscale-all-dim", 0.707, "--norm-epsilon", 1e-6, "--num-experts", 8, "--moe-router-topk", 3,
+    "--moe-ffn-hidden-size", 24, "--moe-shared-expert-intermediate-size", 48, "--moe-layer-freq", "[0,1,1]",
+    "--moe-router-pre-softmax", "--transformer-impl", "local", "--init-method-std", 0.3,
+    "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 1e-4, "--lr-warmup-iters", 1,
+    "--log-interval", 1, "--eval-interval", 100, "--eval-iters", 1, "--split", "949,50,1",
+]
+
+
+@pytest.fixture(scope="session")
+def mla_ckpt(tmp_path_factory) -> str:
+    from tests.helpers import torchrun
+
+    root = tmp_path_factory.mktemp("mla")
+    save = root / "dsv2_tiny"
+    proc = torchrun("megatron.training.pretrain_gpt", MLA_ARGS + [
+        "--train-iters", 4, "--expert-model-parallel-size", 2, "--save", save, "--save-interval", 4,
+        "--data-cache-path", root / "cache"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(save)

@@ -6,12 +6,17 @@ with a ``StaticInferenceContext`` or no context) on dense [s, b, h, d] tensors w
 the equivalents read the same keys/values scattered over a paged cache through a shuffled block
 table, for a mixed batch of prefills, a chunked prefill (queries after cached keys) and decodes.
 Tolerance 1e-5 absolute in fp32: same math, different summation order.
+
+The FlashMLA equivalent (``paged_mla_decode``) is checked against multi-latent attention computed
+the unabsorbed way: per-head keys and values up-projected from the latents, then softmax attention;
+its absorbed queries over the paged latent cache, followed by the value up-projection, must give
+the same outputs (1e-5) and the same log-sum-exp.
 """
 
 import pytest
 import torch
 
-from megatron.compat.inference import paged_kvcache_attention, paged_varlen_attention
+from megatron.compat.inference import paged_kvcache_attention, paged_mla_decode, paged_varlen_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -120,3 +125,36 @@ def test_unsupported_arguments_are_refused():
     with pytest.raises(NotImplementedError, match="window_size"):
         paged_varlen_attention(q[:, 0], q[:, 0], q[:, 0], torch.tensor([0, 2]), torch.tensor([0, 2]),
                                window_size=(4, 0))
+
+
+def test_mla_decode_over_paged_latents_equals_unabsorbed_attention():
+    gen = torch.Generator().manual_seed(5)
+    heads, rank, rope, dk, dv, block = 4, 16, 4, 8, 6, 4
+    lengths = [1, 7, 12]
+    w_uk = torch.randn(heads, dk, rank, generator=gen) / rank ** 0.5  # [H, dk, R]
+    w_uv = torch.randn(heads, dv, rank, generator=gen) / rank ** 0.5  # [H, dv, R]
+    latents = [torch.randn(n, rank + rope, generator=gen) for n in lengths]  # [L, R + rope] per request
+    num_blocks = sum((n + block - 1) // block for n in lengths) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.randn(num_blocks, block, 1, rank + rope, generator=gen)
+    table = torch.zeros(len(lengths), 3, dtype=torch.int32)
+    for b, lat in enumerate(latents):
+        for j in range((lat.shape[0] + block - 1) // block):
+            table[b, j] = blk = order.pop()
+            piece = lat[j * block:(j + 1) * block]
+            cache[blk, :piece.shape[0], 0] = piece
+    q_nope = torch.randn(len(lengths), heads, dk, generator=gen)
+    q_pe = torch.randn(len(lengths), heads, rope, generator=gen)
+    scale = (dk + rope) ** -0.5
+    q_abs = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], -1)[:, None]  # [B, 1, H, R + rope]
+    out, lse = paged_mla_decode(q_abs, cache, table, torch.tensor(lengths, dtype=torch.int32), rank,
+                                None, None, softmax_scale=scale, causal=True)
+    out = torch.einsum("bshr,hdr->bshd", out, w_uv)[:, 0]  # the value up-projection after attention
+    for b, lat in enumerate(latents):
+        c, k_pe = lat[:, :rank], lat[:, rank:]
+        keys = torch.cat([torch.einsum("lr,hdr->lhd", c, w_uk), k_pe[:, None].expand(-1, heads, -1)], -1)
+        values = torch.einsum("lr,hdr->lhd", c, w_uv)
+        scores = torch.einsum("hd,lhd->hl", torch.cat([q_nope[b], q_pe[b]], -1), keys) * scale
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse[b, :, 0], torch.logsumexp(scores, -1), atol=1e-5, rtol=0)

@@ -97,12 +97,14 @@ def logprobs_rank(rank, world_size, ckpt):
             1: (prompts[1], 4, RequestSampling(logprobs=0, prompt_logprobs=True)),
             2: (prompts[2], 4, RequestSampling())}  # asks for nothing: no entries, no extra cost
     got = _run(engine, jobs)
+    # the reference: a fresh copy (serving may have switched the model's attention to its latent cache)
+    plain, _, _, _ = load_model(ckpt, parallel=ParallelConfig(), pg_collection=pgc)
     reference = []
     for i, prompt in enumerate(prompts):
         tokens = prompt + got[i][0]
         ids = torch.tensor([tokens])
         with torch.no_grad():
-            logits = model(ids, torch.arange(len(tokens))[None], causal_attention_mask(len(tokens)))
+            logits = plain(ids, torch.arange(len(tokens))[None], causal_attention_mask(len(tokens)))
         reference.append(torch.log_softmax(logits[0, :, :vocab].float(), -1))
     return got, [r.tolist() for r in reference]
 

@@ -21,9 +21,10 @@ from tests.serving.conftest import PROMPTS, offline_greedy
 MAX_NEW = 20
 
 
-def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cancel_after: int = -1):
+def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cancel_after: int = -1, sizes=None):
     """Greedy tokens of all prompts submitted together; with ``cancel_after`` >= 0, also the KV
-    blocks in use before and after cancelling every request after that many steps."""
+    blocks in use before and after cancelling every request after that many steps. ``sizes``:
+    EngineConfig fields (default: a 0.01 GB KV cache)."""
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
     from megatron.training.loading import load_model
@@ -33,7 +34,8 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
     parallel = ParallelConfig()
     pgc = initialize_parallel(parallel, seed=0)
     model, configs, tokenizer, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
-    engine = RankEngine(*build_engine(model, configs, tokenizer, pgc, EngineConfig(kv_cache_gb=0.01)), model)
+    engine = RankEngine(*build_engine(model, configs, tokenizer, pgc, EngineConfig(**{"kv_cache_gb": 0.01, **(sizes or {})})),
+                        model)
     out = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         tokens = p if isinstance(p, list) else tokenizer.tokenize(p)
@@ -51,10 +53,10 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
     return [[t for t in out[i] if t != eod] for i in range(len(prompts))], blocks
 
 
-def _engine(ckpt, prompts, max_new, cancel_after=-1):
+def _engine(ckpt, prompts, max_new, cancel_after=-1, sizes=None):
     from megatron.training.testing import run_distributed
 
-    return run_distributed(engine_greedy_rank, 1, ckpt, prompts, max_new, cancel_after, timeout_s=240)[0]
+    return run_distributed(engine_greedy_rank, 1, ckpt, prompts, max_new, cancel_after, sizes, timeout_s=240)[0]
 
 
 @pytest.mark.parametrize("variant,mode", [("standard", "kv_cache"), ("bigmac", "kv_cache"), ("farskip", "recompute")])
@@ -70,17 +72,20 @@ def test_cancel_releases_kv_blocks(serve_ckpts):
     assert blocks[0] >= len(PROMPTS) and blocks[-1] == 0
 
 
-def test_converted_hf_model_equals_transformers_generate(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_converted_hf_model_equals_transformers_generate(tmp_path, family):
+    """Qwen3-MoE (grouped-query attention) and DeepSeek-V2 (multi-latent attention: served from
+    megatron-core's latent cache with absorbed decoding, megatron/compat/mla.py)."""
     pytest.importorskip("transformers")
     from megatron.training.testing import run_distributed
     from tests.convert import hf_models as H
 
-    hf_dir = H.make_hf_model(str(tmp_path / "hf"), "qwen3_moe")
+    hf_dir = H.make_hf_model(str(tmp_path / "hf"), family)
     ckpt = str(tmp_path / "ckpt")
     codes = run_distributed(H.cli_rank, 1, [["--from", "hf", "--hf-dir", hf_dir, "--to", "mcore", "--out", ckpt]],
                             timeout_s=240)[0]
     assert codes[0][0] == 0, codes
-    model = H.load_hf_model(hf_dir, "qwen3_moe")
+    model = H.load_hf_model(hf_dir, family)
     prompts = H.PROMPT.tolist()
     expected = []
     with torch.no_grad():

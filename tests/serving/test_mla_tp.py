@@ -1,0 +1,105 @@
+"""Multi-latent attention and tensor parallelism in the server: the layouts the papers serve in.
+
+- The DeepSeek-V2-Lite-shaped checkpoint (``mla_ckpt``: MLA with YaRN and latent norms, a dense
+  first layer, shared and fine-grained routed experts, trained a few steps by pretrain_gpt) through
+  megatron-core's dynamic engine (latent KV cache, absorbed decoding through the FlashMLA
+  equivalent, megatron/compat/mla.py) gives evaluate_lm's greedy tokens (its recompute
+  generation: the plain forward without a cache), with prompts of one token (a prefill step of
+  one-token queries) and of 100 tokens chunked over two steps.
+- Its prefill-chunk and decode log-probs equal the plain forward's within 1e-4 (fp32, another
+  summation order: the paged attention and the absorbed product).
+- Served over HTTP at EP=2, TP=2 and TP=2 x EP=2 (4 processes), the standard and the MLA model give
+  the same greedy tokens as the same model at TP=1/EP=1 without a cache (exact); BigMac and FarSkip
+  (all layers) at TP=2 x EP=2 too.
+- Layouts that cannot work are refused in one line before the server starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.serving.conftest import PROMPTS, REPO, Server, offline_greedy, post
+
+pytestmark = pytest.mark.slow  # the MLA checkpoint is trained with torchrun; servers are processes
+
+MAX_NEW = 12
+
+
+def _prompts(tokenizer_ckpt):
+    from megatron.training.loading import checkpoint_configs, load_tokenizer
+
+    configs, manifest, path = checkpoint_configs(tokenizer_ckpt)
+    tok = load_tokenizer(manifest, path)
+    long = tok.tokenize(" ".join(PROMPTS * 4))[:100]
+    return [tok.tokenize(p) for p in PROMPTS[:3]] + [[tok.tokenize("Hello")[0]], long]
+
+
+def test_mla_engine_equals_the_forward_without_cache(mla_ckpt):
+    from tests.serving.test_variants import _engine
+
+    prompts = _prompts(mla_ckpt)
+    reference, mode = offline_greedy(mla_ckpt, prompts, MAX_NEW, generation="recompute")
+    assert mode == "recompute"
+    tokens, blocks = _engine(mla_ckpt, prompts, MAX_NEW, sizes={"max_batch_tokens": 64, "max_requests": 8})
+    assert tokens == [t for t, _ in reference]
+    assert blocks == [0]  # every latent block released
+
+
+def test_mla_prefill_chunks_and_decode_logprobs_equal_the_forward(mla_ckpt):
+    from megatron.training.testing import run_distributed
+    from tests.serving.test_engine_sampling import logprobs_rank
+
+    got, reference = run_distributed(logprobs_rank, 1, mla_ckpt, timeout_s=300)[0]
+    for i in (0, 1):
+        tokens, entries, prompt_entries = got[i]
+        logp = torch.tensor(reference[i])
+        assert len(prompt_entries) == logp.shape[0] - len(tokens) - 1 and len(entries) == len(tokens) == 4
+        for pos, (token, lp, _) in enumerate(prompt_entries + entries, start=1):
+            assert lp == pytest.approx(float(logp[pos - 1, token]), abs=1e-4)
+
+
+LAYOUTS = {
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2ep2": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+}
+
+
+CASES = [(m, layout) for m in ("standard", "mla") for layout in sorted(LAYOUTS)] + [
+    ("bigmac", "tp2ep2"), ("farskip", "tp2ep2")]
+
+
+@pytest.mark.parametrize("model,layout", CASES)
+def test_served_layouts_equal_tp1_ep1(model, layout, serve_ckpts, mla_ckpt, tmp_path):
+    ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
+    prompts = _prompts(ckpt)[:4]
+    reference, _ = offline_greedy(ckpt, prompts, MAX_NEW, generation="recompute")
+    nproc, extra = LAYOUTS[layout]
+    srv = Server(ckpt, tmp_path, nproc=nproc, extra=extra)
+    try:
+        got = []
+        for ids in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
+                                                             "return_token_ids": True})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+    finally:
+        srv.stop()
+    assert got == [t for t, _ in reference]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
+    (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
+    (["--block-size-tokens", "32"], "blocks of 64 tokens"),
+])
+def test_bad_layouts_are_one_line(flags, needle, mla_ckpt):
+    proc = subprocess.run([sys.executable, "-m", "megatron.inference.serve", "--load", mla_ckpt, "--port", "0", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
