@@ -103,3 +103,21 @@ def test_bad_layouts_are_one_line(flags, needle, mla_ckpt):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+def test_bench_serve_runs_an_mla_checkpoint_at_tp2(mla_ckpt, tmp_path):
+    """bench_serve's --tensor-model-parallel-size: the servers' layout in its JSON, every request's
+    tokens served (loopback, no root needed)."""
+    import json
+
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_serve.py", "--load", mla_ckpt, "--no-netns", "--ranks", "2",
+                           "--tensor-model-parallel-size", "2", "--input-len", "16", "--output-len", "6",
+                           "--request-rates", "inf", "--num-requests", "4", "--warmup-requests", "0", "--no-plots",
+                           "--json", str(out), "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["tensor_model_parallel_size"] == 2 and data["config"]["expert_model_parallel_size"] == 1
+    rate = data["variants"]["standard"]["rates"]["inf"]
+    assert rate["num_requests"] == 4 and rate["output_tokens"] == 4 * 6 and rate["failed_requests"] == 0

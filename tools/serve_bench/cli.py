@@ -126,7 +126,8 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
         "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
         "mode": args.mode,
         "config": {
-            "ranks": args.ranks, "expert_model_parallel_size": args.ranks, "variants": variants, "seed": args.seed,
+            "ranks": args.ranks, "expert_model_parallel_size": args.serve_ep,
+            "tensor_model_parallel_size": args.tensor_model_parallel_size, "variants": variants, "seed": args.seed,
             "semmoe_tables": os.path.abspath(args.semmoe_tables) if args.semmoe_tables else None,
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
@@ -150,7 +151,8 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
     print()
     print(f"network: {network['mode']}" + (f", {network['link']['gbit']:.4g} Gbit/s per rank link, "
           f"{network['link']['shaper']}" if network["shaped"] else " (UNSHAPED loopback)") +
-          f"; {args.ranks} ranks (EP {args.ranks}); ratios vs {variants[0]}")
+          f"; {args.ranks} ranks (EP {args.serve_ep}, TP {args.tensor_model_parallel_size}); "
+          f"ratios vs {variants[0]}")
     print(prefill_table(result) if args.mode == "prefill" else serve_table(result))
     if args.json:
         write_json(args.json, result)

@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("network")
-    g.add_argument("--ranks", type=positive_int, default=2, help="server ranks = expert-parallel size (1-4; default 2)")
+    g.add_argument("--ranks", type=positive_int, default=2, help="server ranks (1-4; default 2)")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="attention tensor parallelism of the servers (divides --ranks; data-parallel engines = "
+                        "--ranks / TP; expert parallelism: --expert-model-parallel-size, default --ranks / TP)")
     g.add_argument("--link-gbit", type=float, default=1.0, help="per-rank link rate, each direction (the rate "
                    "search's start with --target-comm-fraction)")
     g.add_argument("--shaper", choices=[s.value for s in netns.Shaper], default=netns.Shaper.tbf.value)
@@ -168,6 +171,15 @@ def check_args(args) -> None:
             raise ValueError(str(err)) from None
     if not 1 <= args.ranks <= netns.MAX_RANKS:
         raise ValueError(f"--ranks must be between 1 and {netns.MAX_RANKS}, got {args.ranks}")
+    tp = args.tensor_model_parallel_size
+    if args.ranks % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ranks {args.ranks}")
+    args.serve_ep = args.expert_model_parallel_size or args.ranks // tp  # the servers' expert parallelism
+    if args.ranks % args.serve_ep:
+        raise ValueError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
+    if args.semmoe_tables and tp > 1:
+        raise ValueError("--semmoe-tables with --tensor-model-parallel-size > 1: the server schedules requests by "
+                         "Sem-MoE's Algorithm 2 (attention data-parallel) only")
     netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate
     if args.target_comm_fraction is not None:
         if not 0 < args.target_comm_fraction < 1:

@@ -17,10 +17,11 @@ def phase_requests_for(args, tokenizer, context: int) -> dict:
     """The requests of every phase (identical for every variant)."""
     tokenize = tokenizer.tokenize
     info = {"context": context}
+    engines = args.ranks // args.tensor_model_parallel_size  # data-parallel engines (TP peers share one)
     if args.mode == "prefill":
         per_step = math.ceil(args.prefill_tokens / args.input_len)
-        num = args.ranks * per_step * args.prefill_batches
-        probe_num = args.ranks * per_step
+        num = engines * per_step * args.prefill_batches
+        probe_num = engines * per_step
         total = num * args.prefill_repeats + probe_num * (args.probe_rounds + 1)
         reqs, info = base_requests(args, tokenize, context, total, output_len=1, info=info)
         chunks = iter([reqs[i:i + num] for i in range(0, num * args.prefill_repeats, num)])
@@ -36,7 +37,7 @@ def phase_requests_for(args, tokenizer, context: int) -> dict:
     for k, rate in enumerate(args.request_rates):
         num = None if args.duration is not None else (args.num_requests or DEFAULT_NUM_REQUESTS)
         arrivals[rate] = workload.arrivals_for(rate, args.seed + 1 + k, num=num, duration_s=args.duration)
-    longest = max([len(a) for a in arrivals.values()] + [args.warmup_requests, args.ranks * 4])
+    longest = max([len(a) for a in arrivals.values()] + [args.warmup_requests, engines * 4])
     reqs, info = base_requests(args, tokenize, context, longest, output_len=args.output_len, info=info)
     phases = {}
     if args.warmup_requests:
@@ -44,7 +45,7 @@ def phase_requests_for(args, tokenizer, context: int) -> dict:
         phases["warmup"] = workload.phase_requests(warm, [0.0] * len(warm))
     for rate, times in arrivals.items():
         phases[f"rate-{rate:g}"] = workload.phase_requests(reqs, times)
-    probe = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 32)) for r in reqs[:args.ranks * 4]]
+    probe = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 32)) for r in reqs[:engines * 4]]
     probes = [workload.phase_requests(probe, [0.0] * len(probe)) for _ in range(args.probe_rounds)]
     info["output_tokens_mean"] = sum(r.max_tokens for r in reqs) / len(reqs)
     info["prompt_tokens_mean"] = sum(len(r.prompt) for r in reqs) / len(reqs)

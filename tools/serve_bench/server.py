@@ -47,7 +47,8 @@ class Server:
             max_batch, max_requests = args.max_batch_tokens, args.max_requests
         self.engine = {"max_batch_tokens": max_batch, "max_requests": max_requests, "kv_cache_gb": args.kv_cache_gb}
         self.argv = ["-m", SERVE_MODULE, "--load", os.path.abspath(ckpt), "--expert-model-parallel-size",
-                     str(args.ranks), "--host", "127.0.0.1", "--port", "0", "--ready-file", self.ready_file,
+                     str(args.serve_ep), "--tensor-model-parallel-size",
+                     str(args.tensor_model_parallel_size), "--host", "127.0.0.1", "--port", "0", "--ready-file", self.ready_file,
                      "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
                      "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
