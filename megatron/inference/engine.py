@@ -5,6 +5,12 @@
 ``GPTInferenceWrapper``, its ``DynamicInferenceContext`` (paged KV cache, continuous batching,
 chunked prefill), a ``TextGenerationController`` and the ``DynamicInferenceEngine``. On CPU the
 engine runs through ``megatron.compat.inference`` (plain-torch paged attention, no NVTX).
+Multi-latent attention (DeepSeek-V2/V3) is served as megatron-core serves it: the paged cache holds
+each token's latent and rotary key in 64-token blocks, prefill uncompresses it, decode absorbs the
+key up-projection into the query (FlashMLA, or its plain-torch equivalent);
+``megatron.compat.mla`` closes the gaps of that path in 0.16.1. With tensor parallelism every
+module runs without sequence parallelism (``replicate_activations``): each TP rank holds all of a
+step's tokens outside the experts, as megatron-core's own inference does for MoE with TP and EP.
 
 Ours is ``ServingController`` (a subclass of the upstream controller), which samples and scores
 each request as it asked (``megatron.inference.sampling``):

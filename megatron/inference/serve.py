@@ -218,6 +218,12 @@ def serve(args) -> int:
             raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                              f"the {world} ranks")
         scheduler = registry.request_scheduler(args, manifest, world)  # None: round-robin
+        if args.tensor_model_parallel_size > 1 and scheduler is not None:
+            raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: request scheduling "
+                             f"({scheduler.name}) is for attention data-parallel layouts (TP = 1)")
+        if args.tensor_model_parallel_size > 1 and args.routing_stats:
+            raise ValueError("--routing-stats counts local activations of attention data-parallel layouts "
+                             "(TP = 1): with TP > 1 every rank of a TP group routes the same tokens")
         pgc = initialize_parallel(parallel, seed=args.seed)
         model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
                                                          pg_collection=pgc)

@@ -70,7 +70,7 @@ LAYOUTS = {
 
 
 CASES = [(m, layout) for m in ("standard", "mla") for layout in sorted(LAYOUTS)] + [
-    ("bigmac", "tp2ep2"), ("farskip", "tp2ep2")]
+    (m, layout) for m in ("bigmac", "farskip") for layout in ("tp2", "tp2ep2")] + [("farskip", "ep2")]
 
 
 @pytest.mark.parametrize("model,layout", CASES)
@@ -121,3 +121,94 @@ def test_bench_serve_runs_an_mla_checkpoint_at_tp2(mla_ckpt, tmp_path):
     assert data["config"]["tensor_model_parallel_size"] == 2 and data["config"]["expert_model_parallel_size"] == 1
     rate = data["variants"]["standard"]["rates"]["inf"]
     assert rate["num_requests"] == 4 and rate["output_tokens"] == 4 * 6 and rate["failed_requests"] == 0
+
+
+def recompute_greedy_rank(rank, world_size, ckpt, prompts, max_new, overrides):
+    """Greedy tokens by the plain forward over the whole sequence at every step (no cache), of the
+    checkpoint loaded with ``overrides`` (a connectivity-only preset)."""
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.builder import causal_attention_mask
+    from moe_variants.config import ParallelConfig
+
+    pgc = initialize_parallel(ParallelConfig(), seed=0)
+    model, _, tokenizer, _ = load_model(ckpt, parallel=ParallelConfig(), overrides=overrides, pg_collection=pgc)
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(max_new):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], causal_attention_mask(len(ids)))
+            ids.append(int(logits[0, -1, :tokenizer.vocab_size].argmax()))
+        out.append(ids[len(prompt):])
+    return out
+
+
+def test_farskip_preset_on_the_mla_model_served_at_ep2(mla_ckpt, tmp_path):
+    """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
+    overlapped inference schedule around MLA's latent-cache attention), at EP=2, equals that model's
+    forward without a cache."""
+    from megatron.training.testing import run_distributed
+    from moe_variants import registry
+
+    prompts = _prompts(mla_ckpt)[:3]
+    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
+                                registry.preset_overrides("farskip"), timeout_s=300)[0]
+    srv = Server(mla_ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2", "--variant", "farskip"])
+    try:
+        got = []
+        for ids in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
+                                                             "return_token_ids": True, "ignore_eos": True})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+    finally:
+        srv.stop()
+    assert got == reference
+
+
+MLA_TINY = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                v_head_dim=8, qk_layernorm=True, seq_length=128, moe_layer_freq=[0, 1], ffn_hidden_size=64,
+                moe_variant="bigmac", bigmac_ratio=0.5)
+
+
+def _save_bigmac_mla(path):
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from tests.eval.conftest import save_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        save_tiny(path, MLA_TINY)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_bigmac_with_mla_engine_equals_the_forward_without_cache(tmp_path):
+    """BigMac's low-dimension all-to-all on an MLA model (a checkpoint of its own: BigMac changes
+    parameters), through the engine's latent cache, equals the forward without a cache."""
+    from tests.serving.test_variants import _engine
+
+    ckpt = str(tmp_path / "bigmac_mla")
+    code = f"import sys; sys.path.insert(0, {REPO!r}); from tests.serving.test_mla_tp import _save_bigmac_mla; " \
+           f"_save_bigmac_mla({ckpt!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prompts = _prompts(ckpt)[:4]
+    reference, _ = offline_greedy(ckpt, prompts, MAX_NEW, generation="recompute")
+    tokens, _ = _engine(ckpt, prompts, MAX_NEW)
+    assert tokens == [t for t, _ in reference]
+
+
+def test_tp_with_routing_stats_is_refused_in_one_line(serve_ckpts, tmp_path):
+    from tests.helpers import torchrun
+
+    proc = torchrun("megatron.inference.serve", ["--load", serve_ckpts["standard"], "--port", "0",
+                                                 "--tensor-model-parallel-size", "2", "--routing-stats"])
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "megatron.inference.serve: error" in line]
+    assert len(lines) == 1 and "--routing-stats" in lines[0], proc.stderr[-2000:]
