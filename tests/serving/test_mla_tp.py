@@ -144,17 +144,8 @@ def recompute_greedy_rank(rank, world_size, ckpt, prompts, max_new, overrides):
     return out
 
 
-def test_farskip_preset_on_the_mla_model_served_at_ep2(mla_ckpt, tmp_path):
-    """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
-    overlapped inference schedule around MLA's latent-cache attention), at EP=2, equals that model's
-    forward without a cache."""
-    from megatron.training.testing import run_distributed
-    from moe_variants import registry
-
-    prompts = _prompts(mla_ckpt)[:3]
-    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
-                                registry.preset_overrides("farskip"), timeout_s=300)[0]
-    srv = Server(mla_ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2", "--variant", "farskip"])
+def _served_tokens(ckpt, tmp_path, prompts, extra, nproc):
+    srv = Server(ckpt, tmp_path, nproc=nproc, extra=extra)
     try:
         got = []
         for ids in prompts:
@@ -162,9 +153,24 @@ def test_farskip_preset_on_the_mla_model_served_at_ep2(mla_ckpt, tmp_path):
                                                              "return_token_ids": True, "ignore_eos": True})
             assert status == 200, body
             got.append(body["choices"][0]["token_ids"])
+        return got
     finally:
         srv.stop()
-    assert got == reference
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp2ep2"])
+def test_farskip_preset_on_the_mla_model(layout, mla_ckpt, tmp_path):
+    """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
+    overlapped inference schedule around MLA's latent-cache attention) equals that model's forward
+    without a cache."""
+    from megatron.training.testing import run_distributed
+    from moe_variants import registry
+
+    prompts = _prompts(mla_ckpt)[:3]
+    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
+                                registry.preset_overrides("farskip"), timeout_s=300)[0]
+    nproc, extra = LAYOUTS[layout]
+    assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", "farskip"], nproc) == reference
 
 
 MLA_TINY = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
@@ -188,20 +194,32 @@ def _save_bigmac_mla(path):
         dist.destroy_process_group()
 
 
-def test_bigmac_with_mla_engine_equals_the_forward_without_cache(tmp_path):
-    """BigMac's low-dimension all-to-all on an MLA model (a checkpoint of its own: BigMac changes
-    parameters), through the engine's latent cache, equals the forward without a cache."""
-    from tests.serving.test_variants import _engine
-
-    ckpt = str(tmp_path / "bigmac_mla")
+@pytest.fixture(scope="module")
+def bigmac_mla_ckpt(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("bigmac_mla") / "ckpt")
     code = f"import sys; sys.path.insert(0, {REPO!r}); from tests.serving.test_mla_tp import _save_bigmac_mla; " \
            f"_save_bigmac_mla({ckpt!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    prompts = _prompts(ckpt)[:4]
-    reference, _ = offline_greedy(ckpt, prompts, MAX_NEW, generation="recompute")
-    tokens, _ = _engine(ckpt, prompts, MAX_NEW)
-    assert tokens == [t for t, _ in reference]
+    return ckpt
+
+
+@pytest.mark.parametrize("layout", ["engine", "ep2", "tp2", "tp2ep2"])
+def test_bigmac_with_mla_equals_the_forward_without_cache(layout, bigmac_mla_ckpt, tmp_path):
+    """BigMac's low-dimension all-to-all on an MLA model (a checkpoint of its own: BigMac changes
+    parameters), through the engine's latent cache in process and served, equals the forward
+    without a cache."""
+    from tests.serving.test_variants import _engine
+
+    prompts = _prompts(bigmac_mla_ckpt)[:3]
+    reference, _ = offline_greedy(bigmac_mla_ckpt, prompts, MAX_NEW, generation="recompute")
+    expected = [t for t, _ in reference]
+    if layout == "engine":
+        assert _engine(bigmac_mla_ckpt, prompts, MAX_NEW)[0] == expected
+        return
+    nproc, extra = LAYOUTS[layout]
+    got = _served_tokens(bigmac_mla_ckpt, tmp_path, prompts, extra, nproc)
+    assert [g[:len(e)] for g, e in zip(got, expected)] == expected  # offline stops at EOD; served ignores it
 
 
 def test_tp_with_routing_stats_is_refused_in_one_line(serve_ckpts, tmp_path):
