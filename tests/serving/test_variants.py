@@ -76,6 +76,12 @@ def test_cancel_releases_kv_blocks(serve_ckpts):
 def test_converted_hf_model_equals_transformers_generate(tmp_path, family):
     """Qwen3-MoE (grouped-query attention) and DeepSeek-V2 (multi-latent attention: served from
     megatron-core's latent cache with absorbed decoding, megatron/compat/mla.py)."""
+    _converted_engine_run(tmp_path, family)
+
+
+def _converted_engine_run(tmp_path, family):
+    """Convert a tiny random HF model, check the engine's greedy tokens against transformers'
+    ``generate``; (checkpoint, prompts, expected tokens)."""
     pytest.importorskip("transformers")
     from megatron.training.testing import run_distributed
     from tests.convert import hf_models as H
@@ -95,6 +101,26 @@ def test_converted_hf_model_equals_transformers_generate(tmp_path, family):
             expected.append([t for t in out if t != 2][:H.NEW_TOKENS] if 2 not in out else out[:out.index(2)])
     tokens, _ = _engine(ckpt, prompts, H.NEW_TOKENS)
     assert tokens == expected
+    return ckpt, prompts, expected
+
+
+@pytest.mark.slow  # a server started as a process
+def test_converted_deepseek_v2_served_at_ep2_equals_transformers_generate(tmp_path):
+    """The converted DeepSeek-V2 through the HTTP server on two ranks (EP=2, MLA's latent cache)."""
+    from tests.serving.conftest import Server, post
+
+    ckpt, prompts, expected = _converted_engine_run(tmp_path, "deepseek_v2")
+    srv = Server(ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2"])
+    try:
+        got = []
+        for prompt in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                             "return_token_ids": True})
+            assert status == 200, body
+            got.append(body["choices"][0]["token_ids"])
+    finally:
+        srv.stop()
+    assert got == expected
 
 
 @pytest.mark.slow  # a server started as a process
