@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -158,7 +159,7 @@ def _served_tokens(ckpt, tmp_path, prompts, extra, nproc):
         srv.stop()
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["one", "ep2", "tp2", "tp2ep2"])
 def test_farskip_preset_on_the_mla_model(layout, mla_ckpt, tmp_path):
     """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
     overlapped inference schedule around MLA's latent-cache attention) equals that model's forward
@@ -169,7 +170,7 @@ def test_farskip_preset_on_the_mla_model(layout, mla_ckpt, tmp_path):
     prompts = _prompts(mla_ckpt)[:3]
     reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
                                 registry.preset_overrides("farskip"), timeout_s=300)[0]
-    nproc, extra = LAYOUTS[layout]
+    nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
     assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", "farskip"], nproc) == reference
 
 
@@ -230,3 +231,31 @@ def test_tp_with_routing_stats_is_refused_in_one_line(serve_ckpts, tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "megatron.inference.serve: error" in line]
     assert len(lines) == 1 and "--routing-stats" in lines[0], proc.stderr[-2000:]
+
+
+def _place_mla(rank, world, ckpt, root):
+    """Profile the MLA checkpoint on generated prompts, solve Sem-MoE tables for 2 devices, apply."""
+    from moe_variants.semmoe.methods import place
+    from moe_variants.semmoe.tables import save_tables
+    from tests.semmoe.conftest import write_prompts
+    from tools.semmoe.apply import apply_placement
+    from tools.semmoe.model_run import RunOptions, profile_rank
+
+    write_prompts(Path(root) / "prompts.jsonl", 48, seed=3)
+    profile = profile_rank(RunOptions(load=ckpt, data=f"{root}/prompts.jsonl", batch_tokens=256))
+    save_tables(place("semmoe", profile, 2, seed=0), f"{root}/tables2")
+    apply_placement(ckpt, f"{root}/tables2", f"{root}/placed2")
+
+
+def test_semmoe_placed_mla_model_with_algorithm_2_equals_the_unplaced_model(mla_ckpt, tmp_path):
+    """Sem-MoE's placement (experts permuted over the two EP ranks) and request scheduling
+    (Algorithm 2) on the DeepSeek-V2-shaped model: the served tokens equal the unplaced model's
+    forward without a cache."""
+    from megatron.training.testing import run_distributed
+
+    run_distributed(_place_mla, 1, mla_ckpt, str(tmp_path), timeout_s=600)
+    prompts = _prompts(mla_ckpt)[:3]
+    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW, {}, timeout_s=300)[0]
+    got = _served_tokens(str(tmp_path / "placed2"), tmp_path, prompts,
+                         ["--expert-model-parallel-size", "2", "--semmoe-tables", str(tmp_path / "tables2")], 2)
+    assert got == reference
