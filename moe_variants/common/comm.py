@@ -230,9 +230,11 @@ class PendingComm:
     """
 
     def __init__(self, work, output, counters, backward: bool, name: str, timeline=None, *,
-                 clock=timing.HOST, start=None, done=None):
+                 clock=timing.HOST, start=None, done=None, source=None):
         self.work = work
         self.output = output
+        # the tensor the collective reads: kept alive until waited (its caller may drop it at once)
+        self.source = source
         self.counters = counters
         self.backward = backward
         self.name = name
@@ -295,7 +297,7 @@ class PendingComm:
             # recorded even when it did not block: its start ends the collective's compute window
             self.timeline.add(f"wait {self.name}", "wait", t0, t1)
         self._done = True
-        output, self.output, self.work = self.output, None, None
+        output, self.output, self.work, self.source = self.output, None, None, None
         return output
 
     def _wait_device(self) -> torch.Tensor:
@@ -305,7 +307,7 @@ class PendingComm:
             self.counters.add_span(self.backward, self.start_stamp, self.done_stamp, wait_at,
                                    self.name if self.timeline is not None else None)
         self._done = True
-        output, self.output, self.work = self.output, None, None
+        output, self.output, self.work, self.source = self.output, None, None, None
         return output
 
 
@@ -334,7 +336,7 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
         )
 
     if not clock.device_side:
-        return PendingComm(launch(), output, counters, backward, name, timeline, clock=clock)
+        return PendingComm(launch(), output, counters, backward, name, timeline, clock=clock, source=tensor)
     comm = clock.communication_stream()
     clock.wait_for(clock.stamp(), comm)  # the inputs are produced on the compute stream
     with clock.stream_context(comm):
@@ -342,7 +344,16 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
         work = launch()
         work.wait()  # the communication stream waits for NCCL's: the next event marks completion
         done = clock.stamp(comm)
-    return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done)
+    # Both buffers came from the compute stream's pool, but NCCL reads and writes them on another
+    # stream. Since torch 2.7 ProcessGroupNCCL no longer records its streams on them, and it drops
+    # its own references at work.wait() above, while the collective may not have run yet. Without
+    # this, the caching allocator could hand the input (often a .contiguous() copy that only this
+    # frame holds) to the next compute-stream allocation while NCCL still reads it. The input is
+    # also kept until the compute stream has waited (PendingComm.source).
+    tensor.record_stream(comm)
+    output.record_stream(comm)
+    return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done,
+                       source=tensor)
 
 
 class _AllToAll(torch.autograd.Function):
