@@ -42,6 +42,7 @@ __all__ = [
     "preset_overrides",
     "add_runtime_arguments",
     "request_scheduler",
+    "serving_model",
 ]
 
 
@@ -104,6 +105,13 @@ class Variant:
         inference from the application's parsed ``args``, or None. Raise ``ValueError`` on bad input."""
         return None
 
+    def serving_model(self, args, manifest: dict, model, pg_collection):
+        """Change a model the server has built its engine on (``args``: the server's), or return
+        None. What it returns may offer ``local_rows(layer, num_real) -> [rows] bool``: which rows
+        of an MoE layer's last forward on this rank are real tokens (when the rows are not the
+        step's tokens in order)."""
+        return None
+
 
 _REGISTRY: dict[str, Variant] = {}
 _DISCOVERED = False
@@ -164,6 +172,15 @@ def add_runtime_arguments(parser) -> None:
     """Every variant's options for an inference application (evaluate_lm, the server)."""
     for v in variants():
         v.add_runtime_arguments(parser)
+
+
+def serving_model(args, manifest: dict, model, pg_collection):
+    """The change a variant makes to a served model for these arguments, or None (at most one)."""
+    found = [(v.name, c) for v in variants() for c in [v.serving_model(args, manifest, model, pg_collection)]
+             if c is not None]
+    if len(found) > 1:
+        raise ValueError(f"two variants change the served model ({found[0][0]} and {found[1][0]}): choose one")
+    return found[0][1] if found else None
 
 
 def request_scheduler(args, manifest: dict, world_size: int):

@@ -342,10 +342,11 @@ class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
     def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1,
-                 routing_stats: bool = False):
+                 routing_stats: bool = False, local_rows=None):
         """``routing_stats``: count local activations (Sem-MoE's LAR; defined for attention-DP,
-        TP = 1: ``ep_rank`` None turns it off). Off by default: the routers' observers read their
-        top-k on the host in every MoE layer of every forward."""
+        TP = 1, or where ``local_rows(layer, num_real)`` says which rows of an MoE layer's forward
+        are real tokens: ``ep_rank`` None turns it off). Off by default: the routers' observers
+        read their top-k on the host in every MoE layer of every forward."""
         from moe_variants.common.moe_layer import comm_counters, moe_layers
 
         self.model = model
@@ -362,6 +363,7 @@ class RankEngine:
         self.comm = {"a2a_bytes": 0, "a2a_calls": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested
         self.requests_added = 0
         self.activations = None  # LocalActivationCounter when counting and every router reports its top-k
+        self.local_rows = local_rows
         layers = moe_layers(model)
         if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
@@ -502,6 +504,9 @@ class RankEngine:
         last = self.activations.recorder.last
         if any(t is None for t in last):  # a forward that routed nothing (e.g. no MoE layer ran)
             self.activations.recorder.last = [None] * len(last)
+            return
+        if self.local_rows is not None:  # each layer's rows are its own share of the step's tokens
+            self.activations.count_layers([self.local_rows(layer, real_tokens) for layer in range(len(last))])
             return
         rows = int(last[0].shape[0])
         real = torch.zeros(1, rows, dtype=torch.bool)

@@ -221,16 +221,21 @@ def serve(args) -> int:
         if args.tensor_model_parallel_size > 1 and scheduler is not None:
             raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: request scheduling "
                              f"({scheduler.name}) is for attention data-parallel layouts (TP = 1)")
-        if args.tensor_model_parallel_size > 1 and args.routing_stats:
-            raise ValueError("--routing-stats counts local activations of attention data-parallel layouts "
-                             "(TP = 1): with TP > 1 every rank of a TP group routes the same tokens")
         pgc = initialize_parallel(parallel, seed=args.seed)
         model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
                                                          pg_collection=pgc)
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
+        changed = registry.serving_model(args, manifest, model, pgc)  # e.g. Sem-MoE's Algorithm 3 (TP > 1)
+        rows = getattr(changed, "local_rows", None)
         tp1 = args.tensor_model_parallel_size == 1
-        rank_engine = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp1 else None,
-                                 ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats)
+        if not tp1 and args.routing_stats and rows is None:
+            raise ValueError("--routing-stats counts local activations of attention data-parallel layouts "
+                             "(TP = 1) or of Sem-MoE's Algorithm 3: with plain TP > 1 every rank of a TP group "
+                             "routes the same tokens")
+        rank_engine = RankEngine(engine, controller, context, model,
+                                 ep_rank=dist.get_rank(pgc.ep) if tp1 or rows is not None else None,
+                                 ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats,
+                                 local_rows=rows)
 
         stop = {"signal": None}
 
@@ -264,7 +269,8 @@ def serve(args) -> int:
                     "kv_blocks_per_rank": rank_engine.stats()["kv_blocks_total"],
                     "max_request_tokens": rank_engine.max_request_tokens,
                     "routing_stats": rank_engine.activations is not None,
-                    "request_scheduler": scheduler.name if scheduler is not None else "round-robin"}
+                    "request_scheduler": scheduler.name if scheduler is not None else "round-robin",
+                    "token_scheduler": type(changed).__name__ if changed is not None else None}
             if args.ready_file:
                 from moe_variants.common.files import write_json
 

@@ -218,6 +218,9 @@ def evaluate(args, manager) -> dict:
         ckpt = find_latest_checkpoint(args.load)
         manifest = read_manifest(ckpt, verify=False)
         scheduler = registry.request_scheduler(args, manifest, dist.get_world_size())
+        if getattr(args, "semmoe_tables", None) and args.tensor_model_parallel_size > 1:
+            raise ValueError("--semmoe-tables: evaluate_lm schedules requests by Algorithm 2 (attention "
+                             "data-parallel, --tensor-model-parallel-size 1)")
         lm = MegatronCheckpointLM.from_checkpoint(
             args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed, max_length=args.max_length,

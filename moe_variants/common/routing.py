@@ -127,6 +127,20 @@ class LocalActivationCounter:
         self.local += out.sum(1)
         return out
 
+    def count_layers(self, real_per_layer: list) -> None:
+        """Count the last forward when each MoE layer routed its own rows (Sem-MoE's Algorithm 3
+        re-batches the tokens before every layer): ``real_per_layer[l]`` [T_l] bool marks the rows
+        of layer ``l`` that are real tokens."""
+        k = self.recorder.top_k
+        for l, (topk, real) in enumerate(zip(self.recorder.take(), real_per_layer)):
+            real = real.cpu()
+            dev_TK = self.expert2device[topk.cpu()]
+            hit_TK = dev_TK == self.ep_rank
+            self.to_device[l] += np.bincount(dev_TK[real].reshape(-1).numpy(), minlength=self.to_device.shape[1])
+            self.remote_all += int((~hit_TK).sum())
+            self.local[l] += int((hit_TK & real[:, None]).sum())
+            self.total[l] += int(real.sum()) * k
+
     def summary(self, group=None) -> dict:
         """LAR over the counted tokens of every rank of ``group`` (all-reduce; collective)."""
         t = torch.from_numpy(np.concatenate([self.local, self.total, [self.remote_all]])).double()

@@ -3,8 +3,10 @@
 The placement itself is applied to a checkpoint by a pass (``python -m tools.semmoe apply``): it
 permutes experts and router rows, so the built model needs no change and the variant has no config
 section. What the variant adds is for the inference-side applications (evaluate_lm, the server):
-``--semmoe-tables DIR`` assigns requests to data-parallel ranks by Algorithm 2, after checking that
-the tables fit the checkpoint (MoE layers x experts, its applied placement) and the layout.
+``--semmoe-tables DIR`` assigns requests to data-parallel ranks by Algorithm 2 (TP = 1), or with
+attention tensor parallelism (TP = EP = the tables' devices) re-batches the tokens of every MoE
+layer by Algorithm 3 (``attention_tp``), after checking that the tables fit the checkpoint (MoE
+layers x experts, its applied placement) and the layout.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ class SemMoE(Variant):
         parser.add_argument(
             "--semmoe-tables", metavar="DIR", default=None,
             help="Sem-MoE tables (python -m tools.semmoe solve) of the checkpoint's placement: requests go to "
-                 "data-parallel ranks by Algorithm 2 (EP = world = the tables' devices, TP = 1)",
+                 "data-parallel ranks by Algorithm 2 (EP = world = the tables' devices, TP = 1), or, with TP = EP = "
+                 "the tables' devices, every MoE layer's tokens are re-batched by Algorithm 3",
         )
 
-    def request_scheduler(self, args, manifest: dict, world_size: int):
+    def _tables(self, args, manifest: dict, world_size: int):
+        """The checked tables of ``--semmoe-tables``, or None."""
         path = getattr(args, "semmoe_tables", None)
         if path is None:
             return None
         from moe_variants.semmoe.placement import check_tables_match_checkpoint, moe_shape
-        from moe_variants.semmoe.scheduling import request_scheduler
         from moe_variants.semmoe.tables import load_tables
 
         flag = f"--semmoe-tables {path}"
@@ -48,13 +51,41 @@ class SemMoE(Variant):
             raise ValueError(f"{flag}: tables for {tables.num_layers} MoE layers x {tables.num_experts} experts, "
                              f"the model of --load has {layers} x {experts}")
         d = tables.num_devices
-        tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-        if tp != 1 or ep != d or world_size != d:
-            raise ValueError(f"--semmoe-tables are for {d} devices: run with {d} ranks, "
-                             f"--expert-model-parallel-size {d} and --tensor-model-parallel-size 1 "
-                             f"(got {world_size} ranks, EP {ep}, TP {tp})")
+        tp, ep = getattr(args, "tensor_model_parallel_size", 1), args.expert_model_parallel_size
+        attention_dp = tp == 1 and ep == d and world_size == d
+        attention_tp = tp == d and ep == d and world_size % d == 0
+        if not (attention_dp or attention_tp):
+            raise ValueError(f"--semmoe-tables are for {d} devices: run with {d} ranks, --expert-model-parallel-size "
+                             f"{d} and --tensor-model-parallel-size 1 (Algorithm 2, attention data-parallel), or "
+                             f"--tensor-model-parallel-size {d} --expert-model-parallel-size {d} (Algorithm 3, "
+                             f"attention tensor-parallel) (got {world_size} ranks, EP {ep}, TP {tp})")
         check_tables_match_checkpoint(tables, manifest, path, args.load, flag="--semmoe-tables")
         if not tables.has_schedule:
             raise ValueError(f"{flag}: tables of method {tables.method!r} carry no token table to schedule "
                              "requests with (solve with --method semmoe)")
-        return request_scheduler(tables, path)
+        return tables
+
+    def request_scheduler(self, args, manifest: dict, world_size: int):
+        """Algorithm 2 (attention data-parallel: TP = 1)."""
+        tables = self._tables(args, manifest, world_size)
+        if tables is None or getattr(args, "tensor_model_parallel_size", 1) != 1:
+            return None
+        from moe_variants.semmoe.scheduling import request_scheduler
+
+        return request_scheduler(tables, args.semmoe_tables)
+
+    def serving_model(self, args, manifest: dict, model, pg_collection):
+        """Algorithm 3 (attention tensor-parallel: TP = EP = the tables' devices) in the served model."""
+        if getattr(args, "tensor_model_parallel_size", 1) == 1:
+            return None
+        import torch.distributed as dist
+
+        tables = self._tables(args, manifest, dist.get_world_size())
+        if tables is None:
+            return None
+        if dist.get_process_group_ranks(pg_collection.tp) != dist.get_process_group_ranks(pg_collection.ep):
+            raise ValueError("--semmoe-tables with tensor parallelism: Algorithm 3 needs each TP group to be an "
+                             "EP group (--tensor-model-parallel-size = --expert-model-parallel-size)")
+        from moe_variants.semmoe.attention_tp import install
+
+        return install(model, tables, pg_collection.tp)

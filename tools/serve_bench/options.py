@@ -177,9 +177,9 @@ def check_args(args) -> None:
     args.serve_ep = args.expert_model_parallel_size or args.ranks // tp  # the servers' expert parallelism
     if args.ranks % args.serve_ep:
         raise ValueError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
-    if args.semmoe_tables and tp > 1:
-        raise ValueError("--semmoe-tables with --tensor-model-parallel-size > 1: the server schedules requests by "
-                         "Sem-MoE's Algorithm 2 (attention data-parallel) only")
+    if args.semmoe_tables and tp > 1 and tp != args.serve_ep:
+        raise ValueError(f"--semmoe-tables with --tensor-model-parallel-size {tp}: Sem-MoE's Algorithm 3 needs "
+                         f"TP = EP (got EP {args.serve_ep})")
     netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate
     if args.target_comm_fraction is not None:
         if not 0 < args.target_comm_fraction < 1:

@@ -52,7 +52,8 @@ class Server:
                      "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
                      "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-        if args.routing_stats and args.tensor_model_parallel_size == 1:  # LAR is defined for attention-DP
+        # LAR is defined for attention-DP, and for attention-TP with Sem-MoE's Algorithm 3 (tables given)
+        if args.routing_stats and (args.tensor_model_parallel_size == 1 or "--semmoe-tables" in extra):
             self.argv.append("--routing-stats")
         if preset:
             self.argv += ["--variant", preset]
