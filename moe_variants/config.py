@@ -239,7 +239,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = dataclasses.field(default=1, metadata={"help": "pipeline-parallel stages (PP)"})
     expert_model_parallel_size: int = dataclasses.field(default=1, metadata={"help": "expert-parallel size (EP): ranks the experts are spread over"})
     expert_tensor_parallel_size: int = dataclasses.field(default=1, metadata={"help": "tensor-parallel size inside each expert"})
-    sequence_parallel: Optional[bool] = dataclasses.field(default=None, metadata={"help": "sequence parallelism; default: on whenever TP > 1 (megatron-core requires it for MoE)"})
+    sequence_parallel: Optional[bool] = dataclasses.field(default=None, metadata={"help": "sequence parallelism; default: on whenever TP > 1 (megatron-core requires it for MoE training; the server turns it off)"})
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
