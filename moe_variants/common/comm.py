@@ -350,8 +350,9 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
     # this, the caching allocator could hand the input (often a .contiguous() copy that only this
     # frame holds) to the next compute-stream allocation while NCCL still reads it. The input is
     # also kept until the compute stream has waited (PendingComm.source).
-    tensor.record_stream(comm)
-    output.record_stream(comm)
+    if tensor.device.type == "cuda":  # streams of CUDA's caching allocator (not a fake clock's test streams)
+        tensor.record_stream(comm)
+        output.record_stream(comm)
     return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done,
                        source=tensor)
 
