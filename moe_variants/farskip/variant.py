@@ -15,6 +15,8 @@ class FarSkip(Variant):
         "farskip-simple": {"farskip": "all", "farskip_impl": "simple"},
         "farskip": {"farskip": "all", "farskip_impl": "overlapped"},
         "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
+        # inference at TP > 1 (paper §4.2): the attention output's TP reduction flies behind the MoE
+        "farskip-async-tp": {"farskip": "all", "farskip_impl": "overlapped", "farskip_async_tp": True},
     }
     off = {"farskip": "none"}
 

@@ -159,11 +159,13 @@ def _served_tokens(ckpt, tmp_path, prompts, extra, nproc):
         srv.stop()
 
 
-@pytest.mark.parametrize("layout", ["one", "ep2", "tp2", "tp2ep2"])
-def test_farskip_preset_on_the_mla_model(layout, mla_ckpt, tmp_path):
+@pytest.mark.parametrize("layout,preset", [("one", "farskip"), ("ep2", "farskip"), ("tp2", "farskip"),
+                                           ("tp2ep2", "farskip"), ("tp2ep2", "farskip-async-tp")])
+def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
     """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
-    overlapped inference schedule around MLA's latent-cache attention) equals that model's forward
-    without a cache."""
+    overlapped inference schedule around MLA's latent-cache attention; ``farskip-async-tp``: with
+    the attention's TP reduction in flight behind the MoE, paper §4.2) equals that model's forward
+    without a cache (the async reduction changes when the sum is taken, not what it is)."""
     from megatron.training.testing import run_distributed
     from moe_variants import registry
 
@@ -171,7 +173,7 @@ def test_farskip_preset_on_the_mla_model(layout, mla_ckpt, tmp_path):
     reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
                                 registry.preset_overrides("farskip"), timeout_s=300)[0]
     nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
-    assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", "farskip"], nproc) == reference
+    assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", preset], nproc) == reference
 
 
 MLA_TINY = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
