@@ -2,11 +2,14 @@
 # Sem-MoE in the server, end to end: profile a checkpoint's routing on ShareGPT's profiling split,
 # solve EPLB-style and Sem-MoE placements for EP ranks, predict their LAR on the held-out split,
 # then serve the held-out prompts with bench_serve.py: standard (contiguous, round-robin), eplb
-# (placed, round-robin) and semmoe (placed, Algorithm 2 request scheduling). docs/semmoe.md.
+# (placed, round-robin) and semmoe (placed, Algorithm 2 request scheduling; with TP = EP,
+# attention tensor-parallel with Algorithm 3 token re-batching). docs/semmoe.md.
 #
 #   sudo CKPT=runs/corpus_moe8_cpu EP=2 scripts/semmoe_serving.sh runs/semmoe_serve
+#   sudo CKPT=runs/corpus_moe8_cpu EP=2 TP=2 scripts/semmoe_serving.sh runs/semmoe_serve_tp
 #
-# Environment: CKPT (a trained checkpoint), EP (ranks, default 2), RATES (default 2,4,8),
+# Environment: CKPT (a trained checkpoint), EP (ranks, default 2), TP (attention tensor
+# parallelism: 1, or EP for Algorithm 3 on the same ranks; default 1), RATES (default 2,4,8),
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
 # OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
 # PY (default .venv/bin/python). Steps whose output exists are skipped.
@@ -15,6 +18,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
 CKPT=${CKPT:?set CKPT to a trained checkpoint directory}
 EP=${EP:-2}
+TP=${TP:-1}
 RATES=${RATES:-2,4,8}
 NUM_REQUESTS=${NUM_REQUESTS:-32}
 FRACTION=${FRACTION:-0.4}
@@ -38,6 +42,6 @@ done
 [ -f "$OUT/evaluation.json" ] || $PY -m tools.semmoe evaluate --tables "$OUT/tables/contiguous" \
   "$OUT/tables/eplb" "$OUT/tables/semmoe" --profile "$OUT/sharegpt_eval.npz" --mode both --out "$OUT/evaluation.json"
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants standard,eplb,semmoe \
-  --ranks "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
+  --ranks "$EP" --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
   --target-comm-fraction "$FRACTION" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
   --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --work-dir "$OUT/work" --json "$OUT/serve.json"

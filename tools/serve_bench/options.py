@@ -157,7 +157,8 @@ def check_tables(args, variants: list) -> None:
 def check_args(args) -> None:
     """Everything that can be checked before any process starts or any file is written."""
     variants = variant_list(args.variants, args.semmoe_tables)
-    if args.load and (args.config or model_overrides(args)):
+    # --expert-model-parallel-size is a layout of the servers, not a model change: --load takes it
+    if args.load and (args.config or set(model_overrides(args)) - {"expert_model_parallel_size"}):
         raise ValueError("--load serves a checkpoint as it is: drop --config and the model overrides")
     if args.config and not os.path.isfile(args.config):
         raise ValueError(f"--config {args.config}: no such file")
