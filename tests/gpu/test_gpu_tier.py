@@ -1,9 +1,11 @@
 """The GPU tier (``scripts/gpu_check.sh``, or ``pytest -m gpu tests/gpu``): what CPU CI cannot show.
 
 Each check asserts what must hold on any GPU (the run completes, the loss falls, the overlapped
-FarSkip forward is bit-identical to the simple one, CUDA-event timing books non-zero times,
-converted models match transformers) and reports its figures in the tier's table; timings are
-reported, never asserted. Process groups are NCCL, in spawned processes (``run_distributed``) or
+FarSkip forward is bit-identical to the simple one and its gradients agree within a stated
+tolerance, deferred weight gradients run inside all-to-all windows, CUDA-event timing books non-zero
+times, converted models match transformers, served tokens equal the offline forward) and reports
+its figures in the tier's table; timings are reported, never asserted. Each check's docstring says
+what it asserts and with which tolerance. Process groups are NCCL, in spawned processes (``run_distributed``) or
 under torchrun. Skipped on machines without a CUDA GPU.
 """
 
