@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from megatron.training.testing import DistributedTestError, requires_gpu, run_distributed
+from megatron.training.testing import requires_gpu, run_distributed
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
