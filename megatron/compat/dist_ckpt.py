@@ -18,6 +18,12 @@ only the execution: the write buckets are written one after another by the calli
 the results go through a plain in-process queue. No process is created, so nothing can be killed
 under a save or outlive its rank. The checkpoint is as large and as fast to write on these CPU
 runs; on a GPU cluster the loss is the parallelism of ``thread_count`` writer processes per rank.
+
+``async_save`` returns megatron-core's ``AsyncRequest`` with the same in-process writer, for
+``checkpointing.save_checkpoint(async_save=True)`` to run in a thread (its finalize functions, which
+gather the write results and write ``.metadata``, stay collective calls of the training thread).
+The writer is called without megatron-core's ``_disable_gc`` wrapper: that guards forked CUDA
+children, and in a thread it would switch garbage collection off for the whole rank.
 """
 
 from __future__ import annotations
@@ -52,12 +58,12 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 
     results: Union[dict, Exception] = {}
     local_results, count = queue.Queue(), queue.Queue()
+    write = FileSystemWriterAsync.write_preloaded_data
+    write = getattr(write, "__wrapped__", write)  # without _disable_gc (see module doc)
     for index, bucket in enumerate(write_buckets):
         count.put(index)
         kwargs = {"use_msc": use_msc} if use_msc else {}
-        FileSystemWriterAsync.write_preloaded_data(
-            transform_list, index, bucket, local_results, count, True, **kwargs
-        )
+        write(transform_list, index, bucket, local_results, count, True, **kwargs)
         local_index, outcome = local_results.get_nowait()
         if isinstance(outcome, Exception):
             results = outcome
@@ -72,9 +78,11 @@ def _strategy_class():
     class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         """``torch_dist`` save whose file writes run in the calling process (see module doc)."""
 
-        def save(self, sharded_state_dict, checkpoint_dir: Union[str, Path]):
+        def async_save(self, sharded_state_dict, checkpoint_dir: Union[str, Path]):
+            """megatron-core's request (planned, bytes items serialised) whose ``async_fn``
+            writes in the calling process (or thread); args ``(rank, write_buckets, queue)``."""
             with _in_process_results_queue():
-                request = self.async_save(sharded_state_dict, checkpoint_dir)
+                request = super().async_save(sharded_state_dict, checkpoint_dir)
             fn = request.async_fn
             if fn is not None:
                 # fn is partial(write_preloaded_data_multiproc, transform_list, use_msc)
@@ -83,7 +91,10 @@ def _strategy_class():
                     raise RuntimeError("megatron-core's async save function changed shape; "
                                        "review megatron/compat/dist_ckpt.py")
                 request = request._replace(async_fn=functools.partial(_write_buckets_in_process, *fn.args))
-            request.execute_sync()
+            return request
+
+        def save(self, sharded_state_dict, checkpoint_dir: Union[str, Path]):
+            self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
     return InProcessTorchDistSaveStrategy
 

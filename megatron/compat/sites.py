@@ -145,4 +145,8 @@ DIST_CKPT_WRITER_SITES = [
     ("dist_checkpointing/strategies/filesystem_async.py", 206,
      "partial(self.write_preloaded_data_multiproc, transform_list, self.use_msc),"),
     ("dist_checkpointing/strategies/filesystem_async.py", 266, 'ctx = mp.get_context("fork")'),
+    # the writer called through __wrapped__ in a thread (no process-wide gc.disable); CPU tensors
+    # are not copied when planned, so checkpointing's async save copies them itself
+    ("dist_checkpointing/strategies/filesystem_async.py", 341, "@_disable_gc()"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 151, "return ten.clone() if is_view else ten"),
 ]
