@@ -8,7 +8,7 @@ Layout on disk::
       iter_0000100/
         .metadata, __*_*.distcp, common.pt, metadata.json    megatron-core torch_dist format
         manifest.json                      ours: iteration, layout, configs, lineage, config hash,
-                                           every file's size+sha256
+                                           every file's size (and sha256, per --verify-checkpoint)
       iter_0000200.corrupt-20250101-120000 a bad checkpoint moved aside (never deleted)
 
 A checkpoint is written into a hidden temporary directory (``.tmp-iter_N-*``) by this process
@@ -22,8 +22,26 @@ Every run has a *lineage* (a random id recorded in its manifests and inherited w
 checkpoints in the same directory are never deleted (``save_dir.prepare_save_dir`` refuses such a
 directory at start-up anyway).
 
+The files are hashed by all ranks at once, each a share (``hash_shares``: the shards it wrote,
+and the other files balanced by size), and rank 0 writes the digests into the manifest;
+``--verify-checkpoint`` (``VerifyCheckpoint``, default ``full``) chooses what is recorded and
+checked: ``full`` every file's sha256, ``sizes`` every file's size and the ``.metadata`` file's
+sha256, ``off`` nothing (sizes are recorded anyway). Manifests of any mode, and of earlier
+versions (every file hashed), load under any mode: a check the manifest has no hash for is skipped.
+
+``save_checkpoint(..., async_save=True)`` plans the save and copies the state to host memory in
+the training thread, writes the shards from a daemon thread, and returns; the checkpoint is
+completed (hashes, manifest, rename, latest pointer) by ``finalize_pending_save``, a collective
+that the next save and the end of the run call on every rank, so at most one save is in flight
+and the write-then-rename rule is the synchronous save's.
+
+The RNG state saved per rank holds python's, numpy's, torch's and CUDA's generators and, when it
+has any, megatron-core's CUDA RNG tracker states (the tensor/expert-parallel streams dropout under
+TP/EP draws from), restored on load at the same world size.
+
 On load the newest checkpoint is checked before anything is read: its manifest (file sizes and
-hashes), its pickled parts through restricted readers (``checkpoint_safety``: a crafted
+hashes, checked by all ranks in parallel, each a share; a bad file is the same one-line error on
+every rank), its pickled parts through restricted readers (``checkpoint_safety``: a crafted
 ``.metadata`` fails instead of running code) and its model tensors' names and shapes against the
 model being loaded (a different architecture is one line naming the differing config fields). An
 incomplete or corrupt newest checkpoint is an error naming it; an older one is used only when
@@ -48,14 +66,17 @@ import random
 import re
 import secrets
 import shutil
+import threading
 import time
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron import compat
+from megatron.training.config import VerifyCheckpoint
 from moe_variants.common import collectives
 from moe_variants.common.files import write_json, write_text
 
@@ -75,12 +96,18 @@ __all__ = [
     "one_line_error",
     "broadcast_object",
     "read_manifest_quietly",
+    "VerifyCheckpoint",
+    "PendingSave",
+    "pending_save",
+    "finalize_pending_save",
+    "hash_shares",
 ]
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-iter_"
+METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's metadata (hashed even with --verify-checkpoint sizes)
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # config sections that do not change what a checkpoint holds (left out of its config hash)
 _RUN_SECTIONS = ("parallel", "training", "data", "checkpoint", "logging")
@@ -167,16 +194,93 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _file_table(directory: str) -> dict:
-    table = {}
+def _verify_mode(verify: Union[bool, str, VerifyCheckpoint, None]) -> VerifyCheckpoint:
+    """A ``VerifyCheckpoint`` from the value callers pass (``True``/``None``: full, ``False``: off)."""
+    if verify is None or verify is True:
+        return VerifyCheckpoint.full
+    if verify is False:
+        return VerifyCheckpoint.off
+    return VerifyCheckpoint(verify)
+
+
+def _hashed(rel: str, mode: VerifyCheckpoint) -> bool:
+    """Whether a file's sha256 is recorded (save) or checked (load) under ``mode``."""
+    return mode is VerifyCheckpoint.full or (mode is VerifyCheckpoint.sizes and rel == METADATA_FILE)
+
+
+_RANK_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def hash_shares(sizes: dict, world: int) -> list:
+    """Split a checkpoint's files between ``world`` ranks for hashing (a pure function).
+
+    ``sizes``: ``{relative path: bytes}``. A ``__R_*.distcp`` shard goes to rank R (the rank that
+    wrote it, when the world size is the saving one); every other file, largest first, to the rank
+    with the fewest bytes so far (ties: the lowest rank). Returns ``world`` sorted lists of paths,
+    disjoint, covering every file; deterministic.
+    """
+    shares = [[] for _ in range(world)]
+    loads = [0] * world
+    rest = []
+    for rel, size in sizes.items():
+        match = _RANK_SHARD.match(rel)
+        if match and int(match.group(1)) < world:
+            shares[int(match.group(1))].append(rel)
+            loads[int(match.group(1))] += size
+        else:
+            rest.append(rel)
+    for rel in sorted(rest, key=lambda r: (-sizes[r], r)):
+        rank = min(range(world), key=lambda i: (loads[i], i))
+        shares[rank].append(rel)
+        loads[rank] += sizes[rel]
+    return [sorted(share) for share in shares]
+
+
+def _list_files(directory: str) -> dict:
+    """``{relative path: bytes}`` of a checkpoint directory's files (the manifest excepted)."""
+    sizes = {}
     for root, _, files in os.walk(directory):
         for name in sorted(files):
-            if name == MANIFEST:
-                continue
             full = os.path.join(root, name)
             rel = os.path.relpath(full, directory)
-            table[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
-    return table
+            if rel != MANIFEST:
+                sizes[rel] = os.path.getsize(full)
+    return sizes
+
+
+def _hash_files(directory: str, rels: list) -> dict:
+    """``{rel: sha256}``, a few files at a time (hashlib releases the GIL on large buffers)."""
+    if len(rels) <= 1:
+        return {rel: _sha256(os.path.join(directory, rel)) for rel in rels}
+    with ThreadPoolExecutor(max_workers=min(4, len(rels))) as pool:
+        return dict(zip(rels, pool.map(lambda rel: _sha256(os.path.join(directory, rel)), rels)))
+
+
+def _file_problem(path: str, rel: str, info: dict, mode: VerifyCheckpoint) -> Optional[str]:
+    """Why one file of a checkpoint fails its manifest entry under ``mode``; None if it passes."""
+    if mode is VerifyCheckpoint.off:
+        return None
+    full = os.path.join(path, rel)
+    if not os.path.isfile(full):
+        return f"checkpoint {path} is incomplete: {rel} is missing"
+    size = os.path.getsize(full)
+    if size != info["bytes"]:
+        return f"checkpoint {path} is corrupt: {rel} has {size} bytes, expected {info['bytes']}"
+    if _hashed(rel, mode) and "sha256" in info and _sha256(full) != info["sha256"]:
+        return f"checkpoint {path} is corrupt: {rel} fails its sha256 check"
+    return None
+
+
+def _first_problem(path: str, files: dict, rels: list, mode: VerifyCheckpoint) -> Optional[tuple]:
+    """``(rel, message)`` of the first file of ``rels`` (by name) that fails its check, or None."""
+    for rel in sorted(rels):
+        try:
+            problem = _file_problem(path, rel, files[rel], mode)
+        except OSError as e:
+            problem = f"checkpoint {path}: {rel}: {one_line_error(e)}"
+        if problem:
+            return rel, problem
+    return None
 
 
 def _fsync_dir(path: str) -> None:
@@ -228,6 +332,37 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def _tracker_states() -> dict:
+    """``{name: state}`` of megatron-core's CUDA RNG tracker (the tensor-parallel, data-parallel and
+    expert-parallel streams that dropout inside TP/EP regions draws from). Empty on CPU, where
+    ``parallel.set_seed`` installs the inference tracker, which holds none. A graph-safe tracker's
+    generators are stored as their state tensors."""
+    from megatron.core import tensor_parallel
+
+    states = {}
+    for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        if isinstance(value, torch.Generator):
+            value = value.get_state()
+        if isinstance(value, torch.Tensor):
+            states[name] = value.detach().cpu().clone()
+    return states
+
+
+def _set_tracker_states(saved: dict) -> None:
+    """Restore ``_tracker_states`` into the tracker (generators of a graph-safe tracker in place)."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    states = dict(current)
+    for name, value in saved.items():
+        if isinstance(current.get(name), torch.Generator):
+            current[name].set_state(value)
+        else:
+            states[name] = value
+    tracker.set_states(states)
+
+
 def _rng_state() -> dict:
     state = {
         "python": random.getstate(),
@@ -236,6 +371,9 @@ def _rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    tracker = _tracker_states()
+    if tracker:
+        state["cuda_tracker"] = tracker
     return state
 
 
@@ -245,6 +383,8 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+    if state.get("cuda_tracker"):
+        _set_tracker_states(state["cuda_tracker"])
 
 
 def _sharded_state(model_chunks, optimizer, scheduler, *, is_loading: bool, rank: int, world: int,
@@ -298,6 +438,8 @@ def save_checkpoint(
     keep_last: Optional[int] = None,
     tokenizer_files: Optional[dict] = None,
     lineage: Optional[str] = None,
+    verify: Union[bool, str, VerifyCheckpoint] = VerifyCheckpoint.full,
+    async_save: bool = False,
 ) -> str:
     """Save a checkpoint collectively (every rank calls it). Returns the final directory.
 
@@ -306,14 +448,23 @@ def save_checkpoint(
     checkpoint alone. ``tokenizer_files`` ({role: path}, e.g. ``{"tokenizer_model": ...}``) are
     copied into ``iter_N/tokenizer/`` so the checkpoint is self-contained. ``lineage`` (default: a
     new one) is recorded in the manifest; ``keep_last`` then prunes older checkpoints of that
-    lineage only. A complete ``iter_N`` that already exists is never overwritten (an error); an
-    incomplete one is moved aside first. Any failure (a full disk, a read-only directory) is a
-    one-line ``CheckpointError`` on every rank, and the temporary directory is removed.
+    lineage only. ``verify`` is what the manifest records besides every file's size (full: every
+    file's sha256, sizes: the ``.metadata`` file's, off: none), hashed by all ranks in parallel. A
+    complete ``iter_N`` that already exists is never overwritten (an error); an incomplete one is
+    moved aside first. Any failure (a full disk, a read-only directory) is a one-line
+    ``CheckpointError`` on every rank, and the temporary directory is removed.
+
+    ``async_save``: the state is planned and copied to host memory now, written by a background
+    thread while training goes on, and becomes ``iter_N`` (manifest, rename, latest pointer,
+    pruning) only when ``finalize_pending_save`` is called on every rank; the returned path does
+    not exist before that. A save first finalizes the one in flight, so at most one is.
     """
     from megatron.core import dist_checkpointing
 
     from megatron.compat.dist_ckpt import in_process_save_strategy
 
+    global _PENDING
+    finalize_pending_save()
     rank, world = dist.get_rank(), dist.get_world_size()
     lineage = lineage or new_lineage()
     final = os.path.join(save_dir, _iter_name(iteration))
@@ -341,24 +492,22 @@ def save_checkpoint(
     )
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
+    finish = dict(save_dir=save_dir, tmp=tmp, final=final, iteration=iteration,
+                  consumed_samples=consumed_samples, layout=layout, configs=configs,
+                  has_optimizer=optimizer is not None, tokenizer_files=tokenizer_files, lineage=lineage,
+                  keep_last=keep_last, mode=_verify_mode(verify))
     try:
         try:
-            dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy())
+            request = dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy(),
+                                              async_sharded_save=async_save)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # torch's CheckpointException is a BaseException
             raise CheckpointError(f"cannot save checkpoint {final}: {one_line_error(e)}") from e
-        collectives.barrier()
-        error = None
-        if rank == 0:
-            try:
-                _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs,
-                             optimizer is not None, tokenizer_files, lineage, keep_last)
-            except OSError as e:
-                error = f"cannot save checkpoint {final}: {one_line_error(e)}"
-        error = broadcast_object(error)
-        if error:
-            raise CheckpointError(error)
+        if async_save:
+            _PENDING = PendingSave(request, finish)
+            return final
+        _complete_save(**finish)
     except BaseException:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -366,10 +515,52 @@ def save_checkpoint(
     return final
 
 
-def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
-                 tokenizer_files, lineage, keep_last) -> None:
-    """Rank 0, once every rank has written its shards: tokenizer files, manifest, rename, latest
-    pointer, pruning (in that order, so the pointer only ever names a complete checkpoint)."""
+def _complete_save(*, save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
+                   tokenizer_files, lineage, keep_last, mode) -> None:
+    """Collective, once every rank's shards are written: rank 0 copies the tokenizer files and lists
+    the files, every rank hashes its share (``hash_shares``), and rank 0 writes the manifest and
+    renames (``_finish_save``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collectives.barrier()
+
+    def cannot(e: OSError) -> CheckpointError:
+        return CheckpointError(f"cannot save checkpoint {final}: {one_line_error(e)}")
+
+    def listing():
+        try:
+            return _copy_tokenizer_files(tmp, tokenizer_files), _list_files(tmp)
+        except OSError as e:
+            raise cannot(e) from None
+
+    copied, sizes = _from_rank0(listing)
+    share = hash_shares({rel: n for rel, n in sizes.items() if _hashed(rel, mode)}, world)[rank]
+    try:
+        mine = ("ok", _hash_files(tmp, share))
+    except OSError as e:
+        mine = ("error", str(cannot(e)))
+    gathered = [None] * world
+    collectives.all_gather_object(gathered, mine)
+    errors = [value for status, value in gathered if status == "error"]
+    if errors:
+        raise CheckpointError(errors[0])
+    digests = {}
+    for _, value in gathered:
+        digests.update(value)
+    files = {rel: {"bytes": n, **({"sha256": digests[rel]} if rel in digests else {})}
+             for rel, n in sorted(sizes.items())}
+
+    def finish():
+        try:
+            _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
+                         copied, files, mode, lineage, keep_last)
+        except OSError as e:
+            raise cannot(e) from None
+
+    _from_rank0(finish)
+
+
+def _copy_tokenizer_files(tmp: str, tokenizer_files: Optional[dict]) -> dict:
+    """Rank 0: ``tokenizer_files`` ({role: path}) copied into ``tmp/tokenizer/``; {role: relative path}."""
     copied = {}
     if tokenizer_files:
         os.makedirs(os.path.join(tmp, "tokenizer"))
@@ -377,6 +568,13 @@ def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, conf
             dst = os.path.join("tokenizer", os.path.basename(src))
             shutil.copyfile(src, os.path.join(tmp, dst))
             copied[role] = dst
+    return copied
+
+
+def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
+                 copied, files, mode, lineage, keep_last) -> None:
+    """Rank 0, once every file is written and hashed: manifest, rename, latest pointer, pruning (in
+    that order, so the pointer only ever names a complete checkpoint)."""
     manifest = {
         "format_version": FORMAT_VERSION,
         "iteration": iteration,
@@ -388,7 +586,8 @@ def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, conf
         "lineage": lineage,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "tokenizer_files": copied,
-        "files": _file_table(tmp),
+        "verify": mode.value,
+        "files": files,
     }
     write_json(os.path.join(tmp, MANIFEST), manifest, default=str)
     os.rename(tmp, final)
@@ -396,6 +595,102 @@ def _finish_save(save_dir, tmp, final, iteration, consumed_samples, layout, conf
     write_latest(save_dir, iteration)
     if keep_last:
         prune(save_dir, keep_last, lineage, keep=final)
+
+
+# --------------------------------------------------------------------------------------------------
+# Asynchronous saves
+# --------------------------------------------------------------------------------------------------
+
+_PENDING: Optional["PendingSave"] = None
+
+
+def _copy_to_host(write_buckets: list) -> list:
+    """megatron-core's write buckets with every tensor copied to host memory. On CPU the planned
+    tensors are the parameters and optimizer state themselves (megatron-core copies only views,
+    ``filesystem_async.py:151``), which training goes on changing while the thread writes; on GPU
+    this is the device-to-host copy."""
+    return [(file_name, key, (bytes_data, [(item, t.detach().to("cpu", copy=True)) for item, t in tensor_data]))
+            for file_name, key, (bytes_data, tensor_data) in write_buckets]
+
+
+class PendingSave:
+    """An asynchronous save in flight (``save_checkpoint(..., async_save=True)``): this rank's
+    shards written by a daemon thread from a host copy of the state (bytes items, ``common.pt``
+    and the plan were made in the training thread). Nothing of it is a checkpoint until
+    ``finalize_pending_save``; a process that dies first leaves only a ``.tmp-iter_*`` directory."""
+
+    def __init__(self, request, finish: dict):
+        self.final: str = finish["final"]
+        self.iteration: int = finish["iteration"]
+        self.request = request
+        self.finish = finish
+        self.error: Optional[BaseException] = None
+        self._args = list(request.async_fn_args)
+        if request.async_fn is not None:
+            self._args[1] = _copy_to_host(self._args[1])
+        self.thread = threading.Thread(target=self._write, name=f"checkpoint-writer-{self.iteration}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _write(self) -> None:
+        try:
+            if self.request.async_fn is None:  # nothing to write on this rank
+                return
+            self.request.async_fn(*self._args, **self.request.async_fn_kwargs)
+            results = self._args[2]  # the in-process results queue (megatron/compat/dist_ckpt.py)
+            outcome = results.get_nowait()
+            results.put(outcome)  # megatron-core's finalize reads it again
+            if isinstance(outcome, BaseException):
+                raise outcome
+        except BaseException as e:
+            self.error = e
+
+    def done(self) -> bool:
+        """Whether this rank's writer has finished (the checkpoint still needs finalizing)."""
+        return not self.thread.is_alive()
+
+
+def pending_save() -> Optional[PendingSave]:
+    """The asynchronous save in flight on this rank, if any."""
+    return _PENDING
+
+
+def finalize_pending_save() -> Optional[str]:
+    """Make the asynchronous save in flight a checkpoint; collective (every rank calls it, at the
+    next save and at the end of the run). Waits for this rank's writer, agrees with the other ranks
+    that every write succeeded, lets megatron-core finish its files (rank 0 writes ``.metadata``
+    and ``metadata.json``), hashes, writes the manifest and renames: the write-then-rename rule of
+    a synchronous save. Returns the checkpoint's path, or None when none is in flight. A failed
+    write is the same one-line ``CheckpointError`` on every rank and the temporary directory is
+    removed."""
+    global _PENDING
+    pending, _PENDING = _PENDING, None
+    if pending is None:
+        return None
+    world = dist.get_world_size()
+    try:
+        pending.thread.join()
+        mine = None if pending.error is None else (
+            f"cannot save checkpoint {pending.final}: {one_line_error(pending.error)}")
+        gathered = [None] * world
+        collectives.all_gather_object(gathered, mine)
+        first = next((e for e in gathered if e), None)
+        if first:
+            raise CheckpointError(first)
+        try:
+            for fn in pending.request.finalize_fns:
+                fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot save checkpoint {pending.final}: {one_line_error(e)}") from e
+        _complete_save(**pending.finish)
+    except BaseException:
+        tmp = pending.finish["tmp"]
+        if dist.get_rank() == 0 and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return pending.final
 
 
 def read_manifest_quietly(path: str) -> Optional[dict]:
@@ -515,8 +810,10 @@ def _bad_newest_message(path: str, problem: str, load_dir: str) -> str:
             f"{load_dir}/iter_NNNNNNN, or pass --load-fallback to use the newest good one")
 
 
-def read_manifest(path: str, verify: bool = True) -> dict:
-    """Read and (optionally) verify a checkpoint's manifest; raises ``CheckpointError``."""
+def read_manifest(path: str, verify: Union[bool, str, VerifyCheckpoint] = True) -> dict:
+    """Read a checkpoint's manifest and check its files in this process (``verify``: a
+    ``VerifyCheckpoint`` mode, ``True`` full, ``False`` off); raises ``CheckpointError``. A
+    collective load checks the files in parallel instead (``_verify_collective``)."""
     manifest_path = os.path.join(path, MANIFEST)
     try:
         with open(manifest_path) as f:
@@ -525,48 +822,81 @@ def read_manifest(path: str, verify: bool = True) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not all(
+            isinstance(info, dict) and isinstance(info.get("bytes"), int) for info in manifest["files"].values()):
         raise CheckpointError(f"{manifest_path} is not a checkpoint manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format_version')}")
-    if verify:
-        for rel, info in manifest["files"].items():
-            full = os.path.join(path, rel)
-            if not os.path.isfile(full):
-                raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing")
-            size = os.path.getsize(full)
-            if size != info["bytes"]:
-                raise CheckpointError(
-                    f"checkpoint {path} is corrupt: {rel} has {size} bytes, expected {info['bytes']}"
-                )
-            if _sha256(full) != info["sha256"]:
-                raise CheckpointError(f"checkpoint {path} is corrupt: {rel} fails its sha256 check")
+    problem = _first_problem(path, manifest["files"], list(manifest["files"]), _verify_mode(verify))
+    if problem:
+        raise CheckpointError(problem[1])
     return manifest
 
 
-def verify_checkpoint(path: str, *, verify: bool = True):
-    """Everything checked before a checkpoint's tensors are read: the manifest (sizes and hashes
-    when ``verify``) and its pickled parts through the restricted readers. Returns ``(manifest,
-    {tensor key: shape})``; raises ``CheckpointError``."""
+def _safety_check(path: str, manifest: dict) -> dict:
+    """The checkpoint's pickled parts through the restricted readers; ``{tensor key: shape}``."""
     from megatron.training.checkpoint_safety import UnsafeCheckpoint, check_checkpoint_files, tensor_shapes
 
-    manifest = read_manifest(path, verify=verify)
     try:
         metadata = check_checkpoint_files(path, set(manifest["files"]))
     except UnsafeCheckpoint as e:
         raise CheckpointError(f"unsafe checkpoint: {e}") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: {one_line_error(e)}") from None
-    return manifest, tensor_shapes(metadata)
+    return tensor_shapes(metadata)
 
 
-def _pick_and_verify(load_dir: str, *, verify: bool, fallback: bool):
-    """Rank 0: the checkpoint to load, verified, and the bad newer ones passed over (fallback)."""
-    path, skipped = _select(load_dir, fallback=fallback)
-    explicit = _is_checkpoint_dir(load_dir)
+def verify_checkpoint(path: str, *, verify: Union[bool, str, VerifyCheckpoint] = True):
+    """Everything checked before a checkpoint's tensors are read, in this process: the manifest
+    (its files checked per ``verify``) and its pickled parts through the restricted readers.
+    Returns ``(manifest, {tensor key: shape})``; raises ``CheckpointError``."""
+    manifest = read_manifest(path, verify=verify)
+    return manifest, _safety_check(path, manifest)
+
+
+def _from_rank0(fn):
+    """``fn()`` run on rank 0, its (picklable) result on every rank; a ``CheckpointError`` (or an
+    ``OSError``) there is the same one-line ``CheckpointError`` on all ranks (collective)."""
+    out = None
+    if dist.get_rank() == 0:
+        try:
+            out = ("ok", fn())
+        except CheckpointError as e:
+            out = ("error", str(e))
+        except OSError as e:
+            out = ("error", one_line_error(e))
+    status, value = broadcast_object(out)
+    if status == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def _verify_collective(path: str, mode: VerifyCheckpoint):
+    """``verify_checkpoint`` on all ranks at once: rank 0 reads the manifest, every rank checks
+    its share of the files (``hash_shares``: sizes, and hashes per ``mode``) in parallel, and the
+    first bad file by name is the same one-line ``CheckpointError`` on every rank; rank 0 then
+    reads the pickled parts through the restricted readers. Returns ``(manifest, shapes)``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest = _from_rank0(lambda: read_manifest(path, verify=VerifyCheckpoint.off))
+    files = manifest["files"]
+    share = hash_shares({rel: info["bytes"] for rel, info in files.items()}, world)[rank]
+    gathered = [None] * world
+    collectives.all_gather_object(gathered, _first_problem(path, files, share, mode))
+    bad = min((p for p in gathered if p), default=None)
+    if bad:
+        raise CheckpointError(bad[1])
+    return manifest, _from_rank0(lambda: _safety_check(path, manifest))
+
+
+def _pick_and_verify(load_dir: str, *, verify, fallback: bool):
+    """Collective: the checkpoint to load, verified, and the bad newer ones passed over
+    (fallback). Rank 0 reads the directory; the files are checked by all ranks."""
+    mode = _verify_mode(verify)
+    path, skipped, explicit = _from_rank0(
+        lambda: (*_select(load_dir, fallback=fallback), _is_checkpoint_dir(load_dir)))
     while path is not None:
         try:
-            manifest, shapes = verify_checkpoint(path, verify=verify)
+            manifest, shapes = _verify_collective(path, mode)
             return path, manifest, shapes, skipped
         except CheckpointError as e:
             if explicit:
@@ -574,11 +904,12 @@ def _pick_and_verify(load_dir: str, *, verify: bool, fallback: bool):
             if not fallback:
                 raise CheckpointError(f"{e} (resume from an older one with --load {load_dir}/iter_NNNNNNN, "
                                       "or pass --load-fallback to use the newest good one)") from None
-            logger.warning("%s: skipped (--load-fallback)", e)
+            if dist.get_rank() == 0:
+                logger.warning("%s: skipped (--load-fallback)", e)
             skipped.append((path, str(e)))
-            older = [p for it, p, problem in checkpoint_candidates(load_dir)
-                     if problem is None and it < iteration_of(path)]
-            path = older[0] if older else None
+            bad = path
+            path = _from_rank0(lambda: next((p for it, p, problem in checkpoint_candidates(load_dir)
+                                             if problem is None and it < iteration_of(bad)), None))
     return None, None, None, skipped
 
 
@@ -631,14 +962,16 @@ def load_checkpoint(
     layout: Optional[dict] = None,
     load_optimizer: bool = True,
     load_rng: bool = True,
-    verify: bool = True,
+    verify: Union[bool, str, VerifyCheckpoint] = VerifyCheckpoint.full,
     fallback: bool = False,
     expected_configs: Optional[dict] = None,
 ) -> Optional[LoadedCheckpoint]:
     """Load the newest checkpoint under ``load_dir`` collectively. None if there is none.
 
-    Rank 0 picks and verifies the checkpoint (manifest, restricted reads of its pickled parts,
-    ``fallback`` past bad newer ones) and every rank learns the verdict; the model's tensor names
+    Rank 0 picks the checkpoint and reads its manifest, every rank checks a share of its files
+    (``verify``: ``VerifyCheckpoint`` full, sizes or off; ``True``/``False`` mean full/off), rank 0
+    reads its pickled parts through the restricted readers (``fallback`` past bad newer ones) and
+    every rank learns the verdict; the model's tensor names
     and shapes are then compared with the checkpoint's (``expected_configs``, the run's configs
     dict, names the differing fields). So a corrupt, unsafe or different-architecture checkpoint
     fails on all ranks with the same one-line ``CheckpointError`` before any tensor is read.
@@ -646,16 +979,7 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    verdict = None
-    if rank == 0:
-        try:
-            path, manifest, shapes, skipped = _pick_and_verify(load_dir, verify=verify, fallback=fallback)
-            verdict = ("ok", path, manifest, shapes, skipped)
-        except CheckpointError as e:
-            verdict = ("error", str(e), None, None, None)
-    status, path, manifest, ckpt_shapes, skipped = broadcast_object(verdict)
-    if status == "error":
-        raise CheckpointError(path)
+    path, manifest, ckpt_shapes, skipped = _pick_and_verify(load_dir, verify=verify, fallback=fallback)
     if path is None:
         return None
     same_layout = layout is not None and manifest["layout"] == layout

@@ -14,6 +14,16 @@ from typing import Optional
 from moe_variants.config import coerce_enums
 
 
+class VerifyCheckpoint(str, enum.Enum):
+    """What a checkpoint's manifest records and what is checked before it is loaded: ``full`` the
+    sha256 of every file (each rank hashes a share), ``sizes`` every file's size and the
+    ``.metadata`` file's sha256, ``off`` nothing (the file list and sizes are still recorded)."""
+
+    full = "full"
+    sizes = "sizes"
+    off = "off"
+
+
 class LRDecayStyle(str, enum.Enum):
     constant = "constant"
     linear = "linear"
@@ -133,8 +143,17 @@ class CheckpointConfig:
     overwrite_save: bool = _opt(
         False, "let this run write into a --save directory that holds another run's checkpoints, "
         "deleting them (and their metrics.jsonl) at start-up")
+    verify_checkpoint: VerifyCheckpoint = _opt(
+        VerifyCheckpoint.full, "integrity check of checkpoints, at save (what the manifest records) and "
+        "at load: full (sha256 of every file, hashed in parallel by all ranks), sizes (file sizes and the "
+        ".metadata file's sha256), off")
+    async_save: bool = _opt(
+        False, "write checkpoints in a background thread from a CPU copy of the state while training "
+        "goes on (at most one in flight; it is complete, and named iter_N, once the next save or the end "
+        "of the run finishes it)")
 
     def __post_init__(self):
+        coerce_enums(self)
         _check(self.save_interval is None or self.save_interval >= 1,
                f"--save-interval must be >= 1, got {self.save_interval}")
         _check(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 0,
