@@ -12,7 +12,13 @@ A variant is a :class:`Variant` subclass in ``moe_variants/<name>/variant.py``, 
 - its **benchmark presets** (``bench_presets``: name -> flat config overrides; ``off``: the overrides
   that turn it off, which together make the ``standard`` preset);
 - hooks for the **inference-side applications** (evaluate_lm, the server): extra command-line
-  options and a request scheduler (Sem-MoE's Algorithm 2).
+  options and a request scheduler (Sem-MoE's Algorithm 2);
+- hooks for the **benchmark tools**, so that they name no variant: run-time bench variants of the
+  EP benchmark (``bench_runtimes``/``bench_runtime``: placement before DDP wraps the model, a
+  per-step schedule), placed variants of the serving benchmark (``serve_placements``/
+  ``serve_placement``: a checkpoint pass, the server's arguments), their options, and
+  megatron-core's own equivalent of the variant's MoE layer (``upstream_moe_config``, the
+  upstream peer's shape).
 
 The builder, the config validation, the argument parser, the converters and the benchmark loop over
 ``variants()``. Built-in variants are the ``moe_variants`` subpackages with a ``variant`` module,
@@ -26,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 __all__ = [
     "Variant",
@@ -43,6 +49,20 @@ __all__ = [
     "add_runtime_arguments",
     "request_scheduler",
     "serving_model",
+    "BenchContext",
+    "BenchRuntime",
+    "ServePlacement",
+    "runtime_names",
+    "add_bench_arguments",
+    "bench_options",
+    "bench_runtimes",
+    "serve_placement_names",
+    "add_serve_bench_arguments",
+    "check_serve_bench",
+    "serve_placement",
+    "serve_bench_record",
+    "upstream_moe_configs",
+    "variant_names",
 ]
 
 
@@ -59,6 +79,67 @@ class VariantConfig:
     def of(cls, model):
         section = model.variants.get(cls.SECTION)
         return section if section is not None else cls()
+
+
+@dataclasses.dataclass
+class BenchContext:
+    """What the EP benchmark's model worker hands a run-time bench variant (``Variant.bench_runtime``).
+
+    ``configs``: the run's configs (``megatron.training``'s ``Configs``: ``model``, ``parallel``,
+    ``training``, ...); ``tokenizer``; ``pg_collection``: the layout's process groups; ``options``:
+    the worker spec's options (``Variant.bench_options`` put the variant's there);
+    ``validation_split(num_samples)``: a dataset of at least that many samples of the run's
+    validation split (the documents training never reads), built by the training data pipeline
+    with the torch RNG state restored afterwards (the model's initialisation does not move).
+    """
+
+    configs: Any
+    tokenizer: Any
+    pg_collection: Any
+    options: dict
+    validation_split: Callable[[int], Any]
+
+
+class BenchRuntime:
+    """One run of a run-time bench variant in the EP benchmark's model worker: what it does beyond
+    config overrides. The defaults change nothing. The worker records ``info`` in every rank's
+    result under the variant's name and, when ``schedules``, the seconds each ``schedule`` took
+    under ``<name>_schedule_s``."""
+
+    schedules: ClassVar[bool] = False  # True: ``schedule`` re-orders the steps' data
+
+    @property
+    def info(self) -> dict:
+        return {}
+
+    def place(self, model) -> None:
+        """Change the freshly built model (every rank, collectively) before DDP and the optimizer
+        copy it, e.g. permute its experts."""
+
+    def schedule(self, data_iterator, num_microbatches: int):
+        """This rank's ``num_microbatches`` micro-batches of the next step (called before each
+        step, outside its timing)."""
+        return data_iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlacement:
+    """How the serving benchmark serves one placed variant: ``--load`` with its experts re-placed
+    by a checkpoint pass, then served with ``server_arguments``.
+
+    ``command(load, out)``: the arguments after ``python`` of the pass that writes the placed
+    checkpoint of ``load`` to ``out``; ``key``: what the placement depends on besides ``load``
+    (a placed checkpoint in the work directory with the same key is reused); ``request_scheduler``:
+    the name of how its server assigns requests to ranks (recorded in the results);
+    ``routing_stats_at_tp``: its server defines the local activation rate with tensor parallelism
+    too (it re-batches every MoE layer's tokens), so routing statistics are asked for at TP > 1.
+    """
+
+    command: Callable[[str, str], list]
+    key: dict
+    server_arguments: tuple = ()
+    request_scheduler: str = "round-robin"
+    routing_stats_at_tp: bool = False
 
 
 class Variant:
@@ -110,6 +191,50 @@ class Variant:
         None. What it returns may offer ``local_rows(layer, num_real) -> [rows] bool``: which rows
         of an MoE layer's last forward on this rank are real tokens (when the rows are not the
         step's tokens in order)."""
+        return None
+
+    # -- the benchmark tools (bench_ep, bench_serve) ----------------------------------------------
+    # bench_ep variant names this variant sets up at run time (``bench_runtime``): they change no
+    # config, so they combine with any preset through ``+`` (``semmoe+bigmac``)
+    bench_runtimes: ClassVar[tuple] = ()
+    # bench_serve variant names that serve ``--load`` with its experts re-placed (``serve_placement``);
+    # they combine with nothing
+    serve_placements: ClassVar[tuple] = ()
+
+    def add_bench_arguments(self, group) -> None:
+        """Add this variant's options to the EP benchmark's (bench_ep) argparse group."""
+
+    def bench_options(self, args) -> dict:
+        """Worker options (``WorkerSpec.options``) from bench_ep's parsed ``args`` for a run that
+        uses one of ``bench_runtimes``."""
+        return {}
+
+    def bench_runtime(self, name: str, context: BenchContext) -> BenchRuntime:
+        """The set-up of run-time bench variant ``name`` (one of ``bench_runtimes``) for one run of
+        the model worker. ``ValueError`` on a layout or input it cannot run."""
+        raise NotImplementedError(f"{type(self).__name__} declares bench_runtimes but no bench_runtime")
+
+    def add_serve_bench_arguments(self, group) -> None:
+        """Add this variant's options to the serving benchmark's (bench_serve) argparse group."""
+
+    def check_serve_bench(self, args, variants: list, manifest: Optional[dict]) -> None:
+        """Check bench_serve's parsed ``args`` before anything starts (``ValueError`` naming the
+        flag): ``variants`` are the requested names, ``manifest`` the checkpoint manifest of
+        ``--load`` (None without it); ``args.serve_ep`` is the servers' expert parallelism."""
+
+    def serve_placement(self, name: str, args) -> ServePlacement:
+        """How bench_serve serves placed variant ``name`` (one of ``serve_placements``) with its
+        parsed ``args``; ``ValueError`` naming what is missing."""
+        raise NotImplementedError(f"{type(self).__name__} declares serve_placements but no serve_placement")
+
+    def serve_bench_record(self, args) -> dict:
+        """This variant's entries in bench_serve's recorded configuration (its options' values)."""
+        return {}
+
+    def upstream_moe_config(self, model) -> Optional[dict]:
+        """megatron-core's own ``TransformerConfig`` fields that build upstream's equivalent of this
+        variant's MoE layer at ``model``'s shape (with this variant's section of ``model``), or None
+        when megatron-core has none (the EP benchmark's upstream peers run it)."""
         return None
 
 
@@ -190,6 +315,94 @@ def request_scheduler(args, manifest: dict, world_size: int):
     if len(found) > 1:
         raise ValueError(f"two request schedulers asked for ({found[0][0]} and {found[1][0]}): choose one")
     return found[0][1] if found else None
+
+
+def variant_names() -> list[str]:
+    """Every name the registry gives a variant: the variants', their benchmark presets', run-time
+    bench variants' and placed serving variants' (``standard``, every variant off, is not one)."""
+    names: list[str] = []
+    for v in variants():
+        for name in (v.name, *v.bench_presets, *v.bench_runtimes, *v.serve_placements):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _owners(attribute: str) -> dict[str, Variant]:
+    out: dict[str, Variant] = {}
+    for v in variants():
+        for name in getattr(v, attribute):
+            if name in out:
+                raise ValueError(f"{attribute} name {name!r} is declared twice ({out[name].name}, {v.name})")
+            out[name] = v
+    return out
+
+
+def runtime_names() -> tuple[str, ...]:
+    """The EP benchmark's run-time bench variants (every variant's ``bench_runtimes``)."""
+    return tuple(_owners("bench_runtimes"))
+
+
+def add_bench_arguments(group) -> None:
+    """Every variant's options of the EP benchmark (bench_ep)."""
+    for v in variants():
+        v.add_bench_arguments(group)
+
+
+def bench_options(args, variant: str) -> dict:
+    """Worker options for bench_ep variant ``variant`` (``+``-combined): those of the variants that
+    set up one of its parts at run time."""
+    owners = _owners("bench_runtimes")
+    out: dict = {}
+    for owner in {id(owners[p]): owners[p] for p in variant.split("+") if p in owners}.values():
+        out.update(owner.bench_options(args))
+    return out
+
+
+def bench_runtimes(variant: str, context: BenchContext) -> dict[str, BenchRuntime]:
+    """Name -> set-up of each run-time part of bench_ep variant ``variant`` (``+``-combined), in
+    the order named; the other parts are presets (``preset_overrides``)."""
+    owners = _owners("bench_runtimes")
+    return {p: owners[p].bench_runtime(p, context) for p in variant.split("+") if p in owners}
+
+
+def serve_placement_names() -> tuple[str, ...]:
+    """The serving benchmark's placed variants (every variant's ``serve_placements``)."""
+    return tuple(_owners("serve_placements"))
+
+
+def add_serve_bench_arguments(group) -> None:
+    """Every variant's options of the serving benchmark (bench_serve)."""
+    for v in variants():
+        v.add_serve_bench_arguments(group)
+
+
+def check_serve_bench(args, variants_: list, manifest: Optional[dict]) -> None:
+    """Every variant's checks of bench_serve's arguments (``Variant.check_serve_bench``)."""
+    for v in variants():
+        v.check_serve_bench(args, variants_, manifest)
+
+
+def serve_placement(name: str, args) -> ServePlacement:
+    """How bench_serve serves placed variant ``name``; ``ValueError`` naming what is missing."""
+    owners = _owners("serve_placements")
+    if name not in owners:
+        raise ValueError(f"{name!r} is not a placed variant (known: {', '.join(owners)})")
+    return owners[name].serve_placement(name, args)
+
+
+def serve_bench_record(args) -> dict:
+    """The variants' entries in bench_serve's recorded configuration."""
+    out: dict = {}
+    for v in variants():
+        out.update(v.serve_bench_record(args))
+    return out
+
+
+def upstream_moe_configs(model) -> dict[str, dict]:
+    """Variant name -> megatron-core ``TransformerConfig`` fields of upstream's equivalent of its
+    MoE layer at ``model``'s shape, for every variant that has one."""
+    return {v.name: c for v in variants() for c in [v.upstream_moe_config(model)] if c is not None}
 
 
 def config_sections() -> dict[str, type]:

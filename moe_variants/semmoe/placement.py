@@ -11,7 +11,7 @@ EP = D, rank d then owns exactly the experts the tables put on device d; loaded 
 same file is split contiguously again (no local shuffle at load time).
 
 Pure functions on dicts of tensors, plus :func:`permute_model_experts`, the in-place edge used by
-the checkpoint pass and the benchmark variant (``tools/semmoe``), and the placement record a placed
+the checkpoint pass (``tools/semmoe``) and the benchmark variant (``bench.py``), and the placement record a placed
 checkpoint's manifest carries (``checkpoint_placement``; tables must match it to schedule requests).
 
 Shape legend: ``L`` MoE layers, ``N`` experts per layer, ``H`` hidden.
@@ -38,6 +38,7 @@ __all__ = [
     "checkpoint_placement",
     "check_tables_match_checkpoint",
     "moe_shape",
+    "gather_embedding",
 ]
 
 # the section of a checkpoint manifest's configs that records an applied placement
@@ -187,3 +188,19 @@ def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: s
             f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
             "apply them first (python -m tools.semmoe apply)"
         )
+
+
+def gather_embedding(model, pg_collection, vocab_size: int) -> np.ndarray:
+    """[V, H] float32 input embedding table (vocab-parallel shards all-gathered over TP), what a
+    profile's vocabulary extension reads (collective over TP)."""
+    import torch.distributed as dist
+
+    from moe_variants.common import collectives
+
+    weight = model.embedding.word_embeddings.weight.detach().float()
+    tp = pg_collection.tp
+    if dist.get_world_size(tp) > 1:
+        parts = [torch.empty_like(weight) for _ in range(dist.get_world_size(tp))]
+        collectives.all_gather(parts, weight.contiguous(), group=tp)
+        weight = torch.cat(parts, 0)
+    return weight[:vocab_size].cpu().numpy()

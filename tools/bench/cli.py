@@ -38,6 +38,7 @@ from moe_variants.common.cli import int_list, nonneg_int, positive_int
 from moe_variants.common.files import write_json
 from .tune import find_rate
 from .variant_worker import variant_overrides
+from moe_variants import registry
 
 __all__ = ["build_parser", "main", "WORKERS", "worker_module_for", "add_model_options", "model_overrides",
            "host_info", "Budget", "script_path"]
@@ -72,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-netns", action="store_true", help="run over unshaped loopback")
     g = ap.add_argument_group("benchmark")
     g.add_argument("--variants", default="standard",
-                   help="comma-separated: standard, bigmac, ... (model worker) or synthetic")
+                   help="comma-separated, '+' combines: the registered presets ("
+                        + ", ".join(registry.bench_presets()) + "), run-time variants ("
+                        + ", ".join(registry.runtime_names()) + ") and peers (" + ", ".join(peers.names())
+                        + ") on the model worker, or synthetic")
     g.add_argument("--warmup", type=nonneg_int, default=2)
     g.add_argument("--steps", type=positive_int, default=10)
     g.add_argument("--seed", type=int, default=1234)
@@ -100,9 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "of each model variant's last measured step per rank into DIR")
     g = ap.add_argument_group("model (passed to the model worker)")
     add_model_options(g)
-    g.add_argument("--semmoe-profile-samples", type=positive_int, default=256,
-                   help="variant semmoe: validation-split samples to profile the fresh model's routing on "
-                   "before placing its experts")
+    registry.add_bench_arguments(g)
     g = ap.add_argument_group("synthetic worker (--variants synthetic)")
     for f in dataclasses.fields(SyntheticOptions):
         g.add_argument(f"--synthetic-{f.name}", type=positive_int, default=f.default)
@@ -210,9 +212,8 @@ class Budget:
 def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps) -> list[RankResult]:
     run_dir = os.path.join(work_dir, tag)
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
-    if "semmoe" in variant.split("+"):
-        options["semmoe_profile_samples"] = args.semmoe_profile_samples
     if variant != SYNTHETIC:
+        options.update(registry.bench_options(args, variant))
         options["device"] = args.device
     if args.trace and variant != SYNTHETIC and tag.startswith("run-"):
         options["trace_dir"] = os.path.abspath(args.trace)

@@ -37,6 +37,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from moe_variants import registry
 from moe_variants.common.cli import nonneg_int, positive_int, run_cli
 from moe_variants.common.files import write_json
 
@@ -199,8 +200,9 @@ def plot_curves(summary: dict, path: str, title: str = "") -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="run directory (link, per-variant checkpoints and metrics, JSON, PNG)")
-    ap.add_argument("--variants", default="standard,bigmac", help="comma-separated bench presets; standard first "
-                    "is the baseline (e.g. standard,bigmac,farskip)")
+    ap.add_argument("--variants", default=None, help="comma-separated bench presets ("
+                    + ", ".join(registry.bench_presets()) + "; '+' combines); standard first is the baseline "
+                    "(default: " + ",".join(default_variants()) + ")")
     ap.add_argument("--config", metavar="YAML", help="model, data and schedule (e.g. examples/corpus_moe_cpu.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
     ap.add_argument("--steps", type=positive_int, help="training steps per variant (default: the config's train_iters)")
@@ -244,10 +246,16 @@ def _schedule(args) -> tuple[int, int, int]:
     return int(steps), int(interval), int(iters)
 
 
-def _variants(text: str) -> list[str]:
+def default_variants() -> list[str]:
+    """``standard`` and the presets of the variants that replace the MoE layer (the question of
+    this command is how a cheaper layer's steps trade against its quality)."""
+    return ["standard"] + [name for v in registry.variants() if v.moe_layer is not None for name in v.bench_presets]
+
+
+def _variants(text: Optional[str]) -> list[str]:
     from tools.bench.variant_worker import variant_overrides
 
-    names = [v.strip() for v in text.split(",") if v.strip()]
+    names = [v.strip() for v in text.split(",") if v.strip()] if text is not None else default_variants()
     if not names or names[0] != "standard":
         raise ValueError("--variants must start with standard (the baseline whose best perplexity is the target)")
     if len(set(names)) != len(names):
@@ -255,7 +263,7 @@ def _variants(text: str) -> list[str]:
     for v in names:
         from tools.bench import peers
 
-        if peers.get(v) is not None or "semmoe" in v.split("+"):
+        if peers.get(v) is not None or set(v.split("+")) & set(registry.runtime_names()):
             raise ValueError(f"--variants {v}: time to quality trains the registered variants' presets only")
         variant_overrides(v)
     return names

@@ -6,10 +6,11 @@
 (identical batches for every variant: same seed, same data order), and records per measured step
 the timings and the all-to-all counters that the dispatchers themselves keep.
 
-Variants are config overrides on top of ``--config`` (see ``VARIANTS``); ``+`` combines them
-(``bigmac+farskip``). ``semmoe`` changes no config: it places the experts of the freshly built model
-by a Sem-MoE profile of validation-split samples and re-schedules every step's samples over the
-ranks (``tools/semmoe/bench.py``), so it combines with any other variant (``semmoe+bigmac``).
+Variants are config overrides on top of ``--config``: the registered variants' benchmark presets
+(``moe_variants.registry``); ``+`` combines them (``bigmac+farskip``). A registered variant's
+run-time bench variants (``Variant.bench_runtimes``, e.g. Sem-MoE's ``semmoe``) change no config:
+their ``bench_runtime`` set-up changes the freshly built model before DDP wraps it (``place``) and
+re-orders every step's data (``schedule``), so they combine with any preset (``semmoe+bigmac``).
 The peers (``tools/bench/peers``: ``deepspeed-moe``, ``mcore-latent``, ``mcore-ep-overlap``) are
 runtime variants too: the same configs, with another stack's MoE layer or schedule swapped in
 through hooks (build arguments, ``before_wrap``, forward step); they run alone.
@@ -39,10 +40,9 @@ from moe_variants.common import collectives
 
 __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "worker_configs", "main"]
 
-# bench variants that change no config: the harness sets them up at run time. ``semmoe`` places the
-# freshly built model's experts by a Sem-MoE profile and re-schedules every step's samples over the
-# ranks (tools/semmoe/bench.py), so it combines with any preset (``semmoe+bigmac``).
-RUNTIME_VARIANTS = ("semmoe",) + peers.names()
+# bench variants that change no config: the worker sets them up at run time (the registered
+# variants' run-time bench variants, which combine with any preset, and the peers, which run alone)
+RUNTIME_VARIANTS = registry.runtime_names() + peers.names()
 
 
 def variant_overrides(variant: str) -> dict:
@@ -108,8 +108,34 @@ def _write_trace(timeline, start, end, trace_dir, variant, rank) -> None:
     write_json(os.path.join(trace_dir, f"trace_{variant}_rank{rank}.json"), trace)
 
 
+def _validation_split(c, tokenizer, global_batch: int):
+    """``BenchContext.validation_split``: at least ``num_samples`` samples of the run's validation
+    split, built with megatron's data pipeline; the torch RNG state is restored afterwards, so the
+    model is initialised exactly as in the other variants (the data loader draws a seed)."""
+
+    def build(num_samples: int):
+        import copy
+        import math
+
+        import torch
+        from megatron.core import parallel_state
+
+        from megatron.training.pretrain_gpt import build_data
+
+        data_configs = copy.deepcopy(c)
+        data_configs.logging.eval_iters = max(1, math.ceil(num_samples / global_batch))
+        rng = torch.get_rng_state()
+        _, valid, _, _ = build_data(
+            data_configs, tokenizer, dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(), consumed_samples=0, global_batch=global_batch,
+        )  # fmt: skip
+        torch.set_rng_state(rng)
+        return valid
+
+    return build
+
+
 def run(spec: WorkerSpec) -> RankResult:
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from moe_variants.config import validate
@@ -129,11 +155,10 @@ def run(spec: WorkerSpec) -> RankResult:
     dp_size = parallel_state.get_data_parallel_world_size()
     num_micro = c.training.num_microbatches(dp_size)
     global_batch = c.training.resolved_global_batch_size(dp_size)
-    semmoe = None
-    if "semmoe" in spec.variant.split("+"):
-        from tools.semmoe.bench import from_worker
-
-        semmoe = from_worker(c, tokenizer, pgc, spec.options)
+    context = registry.BenchContext(configs=c, tokenizer=tokenizer, pg_collection=pgc, options=spec.options,
+                                    validation_split=_validation_split(c, tokenizer, global_batch))
+    runtimes = registry.bench_runtimes(spec.variant, context)
+    scheduled = {name: rt for name, rt in runtimes.items() if rt.schedules}
     device = spec.options.get("device", "cpu")
     peer, hooks = peers.get(spec.variant), None
     if peer is not None:
@@ -142,10 +167,15 @@ def run(spec: WorkerSpec) -> RankResult:
             raise ValueError(reason)
         hooks = peer.load().WorkerHooks(c, pgc, {**spec.options, "variant": spec.variant})
         validate(c.model, c.parallel, world)
-    before_wrap = semmoe.place if semmoe else (hooks.before_wrap if hooks else None)
+    placers = [rt.place for rt in runtimes.values()] + ([hooks.before_wrap] if hooks is not None else [])
+
+    def before_wrap(model) -> None:
+        for place in placers:
+            place(model)
+
     chunks, optimizer, scheduler = setup_model_and_optimizer(
         c.model, c.parallel, c.training, vocab_size=tokenizer.vocab_size, pg_collection=pgc,
-        before_wrap=before_wrap, build_kwargs=hooks.build_kwargs if hooks else None,
+        before_wrap=before_wrap if placers else None, build_kwargs=hooks.build_kwargs if hooks else None,
     )
     forward_step_func = None  # a peer's own forward step (the combined 1F1B schedule: fwd/bwd not split)
     if hooks is not None and hooks.forward_step_factory is not None:
@@ -157,19 +187,19 @@ def run(spec: WorkerSpec) -> RankResult:
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
              "exposed_fwd_s": [], "exposed_bwd_s": [], "window_compute_fwd_s": [], "window_compute_bwd_s": []}
-    if semmoe:
-        extra["semmoe_schedule_s"] = []
+    for name in scheduled:
+        extra[f"{name}_schedule_s"] = []
     peer_extra: dict = {}
     trace_dir = spec.options.get("trace_dir")
     total = spec.warmup + spec.steps
     for step in range(total):
         # every measured step records its collectives' timeline: the overlap bound comes from it
         timeline = _attach_timeline(chunks) if step >= spec.warmup else None
-        data, schedule_s = train_iter, 0.0
-        if semmoe:  # Algorithm 2 over this step's global batch, outside the timed step
+        data, schedule_s = train_iter, {}
+        for name, rt in scheduled.items():  # e.g. a request schedule over this step's global batch, untimed
             t_schedule = time.perf_counter()
-            data = semmoe.schedule(train_iter, num_micro)
-            schedule_s = time.perf_counter() - t_schedule
+            data = rt.schedule(data, num_micro)
+            schedule_s[name] = time.perf_counter() - t_schedule
         start = time.perf_counter()
         m = train_step(
             chunks, optimizer, scheduler, data, model_cfg=c.model, train_cfg=c.training,
@@ -205,10 +235,10 @@ def run(spec: WorkerSpec) -> RankResult:
         extra["a2a_time_bwd_s"].append(comm["time_bwd_s"])
         extra["exposed_fwd_s"].append(comm["exposed_fwd_s"])
         extra["exposed_bwd_s"].append(comm["exposed_bwd_s"])
-        if semmoe:
-            extra["semmoe_schedule_s"].append(schedule_s)
-    if semmoe:
-        extra["semmoe"] = semmoe.info
+        for name, seconds in schedule_s.items():
+            extra[f"{name}_schedule_s"].append(seconds)
+    for name, rt in runtimes.items():
+        extra[name] = rt.info
     if hooks is not None:
         extra.update(peer_extra)
         extra["peer"] = getattr(hooks, "info", {"peer": spec.variant})

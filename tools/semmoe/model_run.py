@@ -39,6 +39,7 @@ import torch.distributed as dist
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from moe_variants.common.routing import LocalActivationCounter, RouteRecorder
 from moe_variants.common import collectives
+from moe_variants.semmoe.placement import gather_embedding
 
 __all__ = [
     "Prompt",
@@ -147,17 +148,6 @@ def _batch_tensor(ids: list[np.ndarray], seq: int) -> torch.Tensor:
     for j, t in enumerate(ids):
         out[j, : len(t)] = torch.from_numpy(t)
     return out
-
-
-def gather_embedding(model, pg_collection, vocab_size: int) -> np.ndarray:
-    """[V, H] float32 input embedding table (vocab-parallel shards all-gathered over TP)."""
-    weight = model.embedding.word_embeddings.weight.detach().float()
-    tp = pg_collection.tp
-    if dist.get_world_size(tp) > 1:
-        parts = [torch.empty_like(weight) for _ in range(dist.get_world_size(tp))]
-        collectives.all_gather(parts, weight.contiguous(), group=tp)
-        weight = torch.cat(parts, 0)
-    return weight[:vocab_size].cpu().numpy()
 
 
 # ------------------------------------------------------------------------------------- running

@@ -1,5 +1,6 @@
 """The checkpoints bench_serve serves: trained per variant with ``pretrain_gpt`` (reused from the
-work directory when its settings match), placed by Sem-MoE tables, and their tokenizer."""
+work directory when its settings match), placed by a registered variant's checkpoint pass (e.g.
+Sem-MoE tables), and their tokenizer."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tools.bench import netns
 from tools.bench.cli import model_overrides
 from tools.bench.launcher import LaunchError, start_ranks
 
-from .options import PLACED
+from .options import placed
 
 __all__ = ["train", "place", "tokenizer_and_context", "TRAIN_MODULE"]
 
@@ -81,32 +82,31 @@ def train(args, variants, work_dir, budget, printer) -> dict:
 
 
 def place(args, variants, work_dir, printer) -> dict:
-    """``--semmoe-tables``: the placed checkpoint of each placed variant (``tools.semmoe apply`` into
-    the work directory; one placed there from the same checkpoint and tables is reused)."""
+    """The placed checkpoint of each placed variant (its ``registry.ServePlacement`` pass run into
+    the work directory; one placed there from the same checkpoint and inputs is reused)."""
     import subprocess
 
+    from moe_variants import registry
     from tools import repo_root
 
     out = {}
-    for v in variants:
-        if v not in PLACED:
-            continue
-        tables = os.path.abspath(os.path.join(args.semmoe_tables, v))
+    for v in placed(variants):
+        placement = registry.serve_placement(v, args)
         run_dir = os.path.join(work_dir, f"placed-{v}")
         ckpt, marker = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "placed.json")
-        key = {"load": os.path.abspath(args.load), "tables": tables}
+        key = {"load": os.path.abspath(args.load), **placement.key}
         if finished(marker, key):
             printer.line(f"[{v}] reusing the placed checkpoint in {ckpt}")
             out[v] = ckpt
             continue
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
-        printer.line(f"[{v}] placing the experts of {args.load} by {tables} ...")
-        proc = subprocess.run([sys.executable, "-m", "tools.semmoe", "apply", "--load", args.load, "--tables", tables,
-                               "--out", ckpt], capture_output=True, text=True, cwd=repo_root(),
+        command = placement.command(args.load, ckpt)
+        printer.line(f"[{v}] placing the experts of {args.load} ({' '.join(command[:3])}) ...")
+        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=repo_root(),
                               env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
         if proc.returncode != 0:
-            raise LaunchError(f"tools.semmoe apply failed for {v}:\n{proc.stderr[-2000:]}")
+            raise LaunchError(f"{' '.join(command[:3])} failed for {v}:\n{proc.stderr[-2000:]}")
         write_json(marker, key)  # written last: marks the placed checkpoint as complete for reuse
         out[v] = ckpt
     return out

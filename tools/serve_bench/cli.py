@@ -44,6 +44,7 @@ import sys
 import time
 from typing import Optional
 
+from moe_variants import registry
 from moe_variants.common.files import write_json
 from tools.bench import netns
 from tools.bench.cli import Budget, host_info, model_overrides, run_harness, script_path
@@ -51,7 +52,7 @@ from tools.bench.cli import Budget, host_info, model_overrides, run_harness, scr
 from . import analysis
 from .checkpoints import place, tokenizer_and_context, train
 from .loadgen import report
-from .options import DEFAULT_NUM_REQUESTS, PLACED, PROG, build_parser, check_args, variant_list
+from .options import DEFAULT_NUM_REQUESTS, PROG, build_parser, check_args, placed, variant_list
 from .phases import phase_requests_for
 from .report import Printer, plot_target, prefill_table, serve_table
 from .server import Server, tune
@@ -62,12 +63,12 @@ OUTPUT_SCHEMA = "bench_serve/1"
 
 
 def _benchmark(args, argv, work_dir, budget, printer) -> int:
-    variants = variant_list(args.variants, args.semmoe_tables)
+    variants = variant_list(args.variants)
+    placements = {v: registry.serve_placement(v, args) for v in placed(variants)}
     host_start = host_info()
     if args.load:
         checkpoints = {v: args.load for v in variants}
-        if args.semmoe_tables:
-            checkpoints.update(place(args, variants, work_dir, printer))
+        checkpoints.update(place(args, variants, work_dir, printer))
     else:
         checkpoints = train(args, variants, work_dir, budget, printer)
     tokenizer, context = tokenizer_and_context(checkpoints[variants[0]])
@@ -84,11 +85,10 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
         for variant in order:
             t0 = time.monotonic()
-            preset = variant if args.load and variant not in PLACED else None
-            extra = ("--semmoe-tables", os.path.abspath(os.path.join(args.semmoe_tables, variant))) \
-                if variant == "semmoe" else ()
+            placement = placements.get(variant)
+            preset = variant if args.load and placement is None else None
             with Server(net, args, checkpoints[variant], preset, os.path.join(work_dir, f"serve-{variant}"),
-                         budget, printer, variant, extra) as server:
+                         budget, printer, variant, placement) as server:
                 engine = server.engine
                 if "warmup" in work["phases"]:
                     server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
@@ -109,7 +109,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             for rate, s in per_rate.items():
                 s["offered_rate"] = float(rate) if math.isfinite(float(rate)) else None  # inf: all at once
             per_variant[v] = analysis.pooled_serve_stats(per_rate, phases[v], **slo)
-        per_variant[v]["request_scheduler"] = "semmoe-algorithm-2" if v == "semmoe" else "round-robin"
+        per_variant[v]["request_scheduler"] = placements[v].request_scheduler if v in placements else "round-robin"
         if args.mode == "prefill":
             per_variant[v]["load_imbalance"] = analysis.load_imbalance(analysis.sum_load(
                 [analysis.device_load(p["metrics_before"], p["metrics_after"]) for p in phases[v].values()]))
@@ -128,7 +128,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
         "config": {
             "ranks": args.ranks, "expert_model_parallel_size": args.serve_ep,
             "tensor_model_parallel_size": args.tensor_model_parallel_size, "variants": variants, "seed": args.seed,
-            "semmoe_tables": os.path.abspath(args.semmoe_tables) if args.semmoe_tables else None,
+            **registry.serve_bench_record(args),
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
                          "request_rates": [f"{r:g}" for r in args.request_rates] if args.mode == "serve" else None,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Optional
 
+from moe_variants import registry
 from moe_variants.common.cli import float_list, nonneg_int, positive_float, positive_int
 from tools.bench import netns
 from tools.bench.cli import add_model_options, model_overrides
 
 from .loadgen import load_prompt_pairs
 
-__all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", "PLACED", "PROG",
+__all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", "placed", "PROG",
            "DEFAULT_NUM_REQUESTS"]
 
 PROG = "bench_serve.py"
@@ -43,13 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument("--load", metavar="CKPT", help="serve this checkpoint (variants: presets that keep its parameters)")
     add_model_options(g)
-    g.add_argument("--semmoe-tables", metavar="DIR", help="with --load: DIR/eplb and DIR/semmoe hold tables "
-                   "(tools.semmoe solve --ep RANKS) for the variants eplb and semmoe (placed checkpoints; semmoe "
-                   "also schedules requests by Algorithm 2)")
+    registry.add_serve_bench_arguments(g)
     g.add_argument("--train-steps", type=positive_int, default=30,
                    help="with --config (or the default model): training steps per variant's checkpoint")
-    g.add_argument("--variants", default="standard", help="comma-separated registry presets (standard, bigmac, "
-                   "farskip, farskip-simple, ...; '+' combines)")
+    g.add_argument("--variants", default="standard", help="comma-separated registry presets ("
+                   + ", ".join(registry.bench_presets()) + "; '+' combines) or placed variants ("
+                   + ", ".join(registry.serve_placement_names()) + ", with --load)")
     g.add_argument("--seed", type=int, default=1234, help="training, prompt order, arrivals")
     g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     g = ap.add_argument_group("load")
@@ -98,65 +97,35 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ validation
 
 
-PLACED = ("eplb", "semmoe")  # variants that serve --load placed by --semmoe-tables DIR/<name>
+def placed(variants: list) -> list:
+    """The placed variants among ``variants`` (``registry.serve_placement_names``): ``--load`` with
+    its experts re-placed by a checkpoint pass, not a preset."""
+    names = registry.serve_placement_names()
+    return [v for v in variants if v in names]
 
 
-def variant_list(text: str, tables: Optional[str] = None) -> list:
-    from moe_variants import registry
-
+def variant_list(text: str, args=None) -> list:
+    """The names of ``--variants``; a placed variant is checked against ``args`` (what it needs)."""
     names = [v.strip() for v in text.split(",") if v.strip()]
     if not names:
         raise ValueError("--variants is empty")
     if len(set(names)) != len(names):
         raise ValueError(f"--variants lists a variant twice: {text}")
+    placements = registry.serve_placement_names()
     for v in names:
-        if v in PLACED:
-            if tables is None:
-                raise ValueError(f"--variants {v}: give --load CKPT and --semmoe-tables DIR (DIR/{v} holds the "
-                                 "placement's tables)")
+        if v in placements:
+            if args is not None:
+                registry.serve_placement(v, args)  # what the placement needs is given
             continue
-        if any(p in v.split("+") for p in PLACED):
-            raise ValueError(f"--variants {v}: placed variants ({', '.join(PLACED)}) do not combine with others")
+        if any(p in v.split("+") for p in placements):
+            raise ValueError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
         registry.preset_overrides(v)  # an unknown preset fails here
     return names
 
 
-def check_tables(args, variants: list) -> None:
-    """``--semmoe-tables DIR``: DIR/<variant> are tables for --load's experts at D = --ranks."""
-    from moe_variants.semmoe.placement import moe_shape
-    from moe_variants.semmoe.tables import load_tables
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
-
-    if not args.load:
-        raise ValueError("--semmoe-tables places the experts of --load CKPT: give --load")
-    if not os.path.isdir(args.semmoe_tables):
-        raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no such directory")
-    placed = [v for v in variants if v in PLACED]
-    if not placed:
-        raise ValueError("--semmoe-tables: --variants names neither eplb nor semmoe")
-    manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
-    layers, experts = moe_shape(manifest, args.load)
-    for v in placed:
-        path = os.path.join(args.semmoe_tables, v)
-        if not os.path.isdir(path):
-            raise ValueError(f"--semmoe-tables {args.semmoe_tables}: no {v}/ tables directory in it "
-                             f"(python -m tools.semmoe solve --method {v} --ep {args.ranks} --out {path})")
-        try:
-            tables = load_tables(path)
-        except ValueError as err:
-            raise ValueError(f"--semmoe-tables {path}: {str(err).splitlines()[0]}") from None
-        if (tables.num_layers, tables.num_experts, tables.num_devices) != (layers, experts, args.ranks):
-            raise ValueError(f"--semmoe-tables {path}: tables for {tables.num_layers} MoE layers x "
-                             f"{tables.num_experts} experts on {tables.num_devices} devices; --load has "
-                             f"{layers} x {experts} and --ranks is {args.ranks}")
-        if v == "semmoe" and not tables.has_schedule:
-            raise ValueError(f"--semmoe-tables {path}: tables of method {tables.method!r} carry no token table "
-                             "(solve with --method semmoe)")
-
-
 def check_args(args) -> None:
     """Everything that can be checked before any process starts or any file is written."""
-    variants = variant_list(args.variants, args.semmoe_tables)
+    variants = variant_list(args.variants, args)
     # --expert-model-parallel-size is a layout of the servers, not a model change: --load takes it
     if args.load and (args.config or set(model_overrides(args)) - {"expert_model_parallel_size"}):
         raise ValueError("--load serves a checkpoint as it is: drop --config and the model overrides")
@@ -178,9 +147,6 @@ def check_args(args) -> None:
     args.serve_ep = args.expert_model_parallel_size or args.ranks // tp  # the servers' expert parallelism
     if args.ranks % args.serve_ep:
         raise ValueError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
-    if args.semmoe_tables and tp > 1 and tp != args.serve_ep:
-        raise ValueError(f"--semmoe-tables with --tensor-model-parallel-size {tp}: Sem-MoE's Algorithm 3 needs "
-                         f"TP = EP (got EP {args.serve_ep})")
     netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate
     if args.target_comm_fraction is not None:
         if not 0 < args.target_comm_fraction < 1:
@@ -223,10 +189,14 @@ def check_args(args) -> None:
         raise ValueError(f"--plots {args.plots}: is a file, expected a directory")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
-    if args.semmoe_tables is not None:
-        check_tables(args, variants)
+    manifest = None
     if args.load:
-        check_load_variants(args.load, [v for v in variants if v not in PLACED])  # last: builds meta models
+        from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+
+        manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+    registry.check_serve_bench(args, variants, manifest)  # the variants' own options (e.g. placements' inputs)
+    if args.load:
+        check_load_variants(args.load, [v for v in variants if v not in placed(variants)])  # last: builds meta models
 
 
 # --------------------------------------------------------------------------------- checkpoints
@@ -236,7 +206,6 @@ def check_load_variants(ckpt: str, variants: list) -> None:
     """With ``--load``, every variant must keep the checkpoint's parameters (built on the meta device)."""
     from megatron.training.arguments import configs_to_dict
     from megatron.training.loading import checkpoint_configs
-    from moe_variants import registry
 
     base = configs_to_dict(checkpoint_configs(ckpt)[0])
     changing = [v for v in variants
@@ -255,6 +224,6 @@ def check_load_variants(ckpt: str, variants: list) -> None:
             changes = parameter_changes(ckpt, registry.preset_overrides(v))
             if changes:
                 raise ValueError(f"--load with --variants {v}: {v} changes the parameters of {ckpt} ({len(changes)} "
-                                 f"tensors, e.g. {changes[0]}); only connectivity-only variants (e.g. farskip, "
-                                 "farskip-simple) run on another variant's checkpoint: train one checkpoint per "
-                                 "variant with --config instead")
+                                 f"tensors, e.g. {changes[0]}); only presets that keep the parameters (connectivity-only "
+                                 "ones) run on another variant's checkpoint: train one checkpoint per variant with "
+                                 "--config instead")

@@ -36,7 +36,7 @@ class Server:
     """One variant's server ranks in the network (a context manager: SIGTERM, drain, exit)."""
 
     def __init__(self, net, args, ckpt: str, preset: Optional[str], run_dir: str, budget: Budget, printer,
-                 label: str, extra: tuple = ()):
+                 label: str, placement=None):
         self.net, self.args, self.run_dir, self.budget, self.printer, self.label = \
             net, args, run_dir, budget, printer, label
         self.ready_file = os.path.join(run_dir, "ready.json")
@@ -52,12 +52,15 @@ class Server:
                      "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
                      "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-        # LAR is defined for attention-DP, and for attention-TP with Sem-MoE's Algorithm 3 (tables given)
-        if args.routing_stats and (args.tensor_model_parallel_size == 1 or "--semmoe-tables" in extra):
+        # LAR is defined for attention-DP, and for attention-TP where the placement's server re-batches
+        # tokens (Sem-MoE's Algorithm 3)
+        if args.routing_stats and (args.tensor_model_parallel_size == 1
+                                   or (placement is not None and placement.routing_stats_at_tp)):
             self.argv.append("--routing-stats")
         if preset:
             self.argv += ["--variant", preset]
-        self.argv += list(extra)
+        if placement is not None:
+            self.argv += list(placement.server_arguments)
         self.ranks = None
         self.url = None
         self._tags = itertools.count()

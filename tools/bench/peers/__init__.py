@@ -53,10 +53,10 @@ PEERS: dict[str, Peer] = {
         Peer("deepspeed-moe", "tools.bench.peers.deepspeed_moe",
              "DeepSpeed-MoE layer (deepspeed.moe.layer.MoE) in place of each MoE layer's routed part", "cpu", True),
         Peer("mcore-latent", "tools.bench.peers.mcore",
-             "megatron-core's own latent MoE (moe_latent_size, Transformer Engine spec): the BigMac peer", "cuda",
+             "megatron-core's own latent MoE (moe_latent_size, Transformer Engine spec)", "cuda",
              False),
         Peer("mcore-ep-overlap", "tools.bench.peers.mcore",
-             "megatron-core's own EP all-to-all overlap (combined 1F1B + delayed wgrad): the FarSkip peer",
+             "megatron-core's own EP all-to-all overlap (combined 1F1B + delayed wgrad)",
              "cuda", False),
     )
 }  # fmt: skip

@@ -4,9 +4,10 @@
 ``TransformerConfig`` (``MoELayer.fc1_latent_proj``/``fc2_latent_proj``, TE ``TELinear``,
 ``moe_layer.py:170``; ``TEGroupedMLP`` experts at the latent width, ``experts.py:544``), built from
 megatron-core's own Transformer Engine spec with its own ``MoELayer``, router and all-to-all
-dispatcher (``build_model(upstream_moe=True)``). Its shape is the ``bigmac`` preset's: latent
-``r x H`` and expert FFN ``F / r`` from the BigMac section of the same config, so the two differ
-only in whose code runs. Upstream asserts ``HAVE_TE`` for the projections, hence GPU + TE.
+dispatcher (``build_model(upstream_moe=True)``). Its shape is what the BigMac variant gives as
+its upstream equivalent (``Variant.upstream_moe_config``): latent ``r x H`` and expert FFN
+``F / r`` from the BigMac section of the same config, so the two differ only in whose code runs.
+Upstream asserts ``HAVE_TE`` for the projections, hence GPU + TE.
 
 ``mcore-ep-overlap`` (the FarSkip peer): megatron-core's EP all-to-all overlap,
 ``overlap_moe_expert_parallel_comm=True`` + ``delay_wgrad_compute=True`` (``model_parallel_config.py:264-269``):
@@ -66,16 +67,12 @@ def peer_config_overrides(variant: str, model) -> dict:
     """``TransformerConfig`` fields the peer sets on top of the model's own (see the docstring)."""
     if variant == LATENT:
         from moe_variants import registry
-        from moe_variants.config import ModelConfig
 
-        presets = registry.bench_presets()
-        if "bigmac" not in presets:
-            raise ValueError(f"--variants {LATENT} takes its shape from the bigmac preset, which is not registered")
-        flat = {**model.flat(), **presets["bigmac"]}
-        bigmac_model = ModelConfig.from_flat(flat)
-        section = registry.get("bigmac").section(bigmac_model)
-        return {"moe_latent_size": section.latent_size(model.hidden_size),
-                "moe_ffn_hidden_size": section.expert_ffn(bigmac_model)}  # fmt: skip
+        latent = {name: c for name, c in registry.upstream_moe_configs(model).items() if "moe_latent_size" in c}
+        if len(latent) != 1:
+            raise ValueError(f"--variants {LATENT} takes its shape from the registered variant whose upstream "
+                             f"equivalent is megatron-core's latent MoE; {len(latent)} offer one ({', '.join(latent)})")
+        return next(iter(latent.values()))
     if variant == OVERLAP:
         return {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
     raise ValueError(f"not an upstream peer: {variant}")

@@ -1,6 +1,7 @@
-"""Sem-MoE in the EP benchmark: variant ``semmoe`` (``semmoe+bigmac``, ``semmoe+farskip``, ...).
+"""Sem-MoE in the EP benchmark: run-time bench variant ``semmoe`` (``semmoe+bigmac``, ``semmoe+farskip``, ...).
 
-The benchmark trains with attention data-parallel over the EP ranks (TP=1, EP = world), so the
+The variant's ``bench_runtime`` hook (``moe_variants.registry``) returns a :class:`SemMoEBench`;
+the model worker (``tools.bench.variant_worker``) runs it. The benchmark trains with attention data-parallel over the EP ranks (TP=1, EP = world), so the
 scheduling that applies is Algorithm 2 (requests -> DP ranks); every training sample is a request.
 :class:`SemMoEBench` adds two things to the model worker's run, nothing else changes:
 
@@ -31,15 +32,17 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from moe_variants.common import collectives
 
-__all__ = ["SemMoEBench", "VARIANT", "DEFAULT_PROFILE_SAMPLES", "from_worker"]
+from moe_variants.common import collectives
+from moe_variants.registry import BenchRuntime
+
+__all__ = ["SemMoEBench", "VARIANT", "DEFAULT_PROFILE_SAMPLES", "from_context"]
 
 VARIANT = "semmoe"
 DEFAULT_PROFILE_SAMPLES = 256
 
 
-class SemMoEBench:
+class SemMoEBench(BenchRuntime):
     """Placement and per-step request scheduling for one benchmark run (see the module docstring).
 
     ``configs``: the worker's :class:`Configs`; ``tokenizer``: its tokenizer; ``pg_collection``:
@@ -80,14 +83,21 @@ class SemMoEBench:
         assert dist.get_world_size(self.dp_group) == world and dist.get_rank(self.dp_group) == self.rank
         self.tables = None
         self.scheduler = None
-        self.info: dict = {}
+        self._info: dict = {}
+
+    schedules = True
+
+    @property
+    def info(self) -> dict:
+        """Profile, solve and permute figures of the placement (empty before ``place``)."""
+        return self._info
 
     # ----------------------------------------------------------------------------- placement
 
     def _profile(self, model):
         from moe_variants.common.routing import RouteRecorder
 
-        from .model_run import gather_embedding
+        from moe_variants.semmoe.placement import gather_embedding
         from moe_variants.semmoe.profile import extend_vocabulary, profile_from_traces
 
         mbs = self.configs.training.micro_batch_size
@@ -143,7 +153,7 @@ class SemMoEBench:
         from moe_variants.semmoe.scheduling import DPRequestScheduler
 
         self.scheduler = DPRequestScheduler(self.tables)
-        self.info = dict(info, profile_s=t1 - t0, solve_s=t2 - t1, permute_s=time.perf_counter() - t2,
+        self._info = dict(info, profile_s=t1 - t0, solve_s=t2 - t1, permute_s=time.perf_counter() - t2,
                          profile_samples=len(self.profile_indices))  # fmt: skip
 
     # ---------------------------------------------------------------------------- scheduling
@@ -185,29 +195,11 @@ def _forward(model, tokens: torch.Tensor):
     return model(tokens, positions, causal_attention_mask(seq))
 
 
-def from_worker(configs, tokenizer, pg_collection, options: dict) -> SemMoEBench:
-    """The model worker's hook: a :class:`SemMoEBench` for the run's configs and the spec's
-    ``options`` (``semmoe_profile_samples``, ``semmoe_seed``), profiling on the validation split.
-
-    The split is built with megatron's data pipeline, asking for enough validation samples; the
-    torch RNG state is restored afterwards, so the model is initialised exactly as in the other
-    variants (the data loader draws a seed)."""
-    import copy
-    import math
-
-    from megatron.core import parallel_state
-
-    from megatron.training.pretrain_gpt import build_data
-
-    samples = int(options.get("semmoe_profile_samples", DEFAULT_PROFILE_SAMPLES))
-    dp_size = parallel_state.get_data_parallel_world_size()
-    global_batch = configs.training.resolved_global_batch_size(dp_size)
-    data_configs = copy.deepcopy(configs)
-    data_configs.logging.eval_iters = max(1, math.ceil(samples / global_batch))
-    rng = torch.get_rng_state()
-    _, valid, _, _ = build_data(
-        data_configs, tokenizer, dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size,
-        consumed_samples=0, global_batch=global_batch,
-    )  # fmt: skip
-    torch.set_rng_state(rng)
-    return SemMoEBench(configs, tokenizer, pg_collection, valid, samples, seed=int(options.get("semmoe_seed", 0)))
+def from_context(context) -> SemMoEBench:
+    """The bench variant's set-up for one model-worker run (``registry.BenchContext``): the spec's
+    options ``semmoe_profile_samples`` and ``semmoe_seed``, profiling on that many samples of the
+    run's validation split."""
+    samples = int(context.options.get("semmoe_profile_samples", DEFAULT_PROFILE_SAMPLES))
+    dataset = context.validation_split(samples) if samples >= 1 else None
+    return SemMoEBench(context.configs, context.tokenizer, context.pg_collection, dataset, samples,
+                       seed=int(context.options.get("semmoe_seed", 0)))
