@@ -385,3 +385,41 @@ def test_cuda_rng_tracker_states_are_saved_per_rank_and_restored(tmp_path):
         assert sorted(restored) == sorted(TRACKER_NAMES)
         assert all(torch.equal(restored[n], states[n]) for n in TRACKER_NAMES), rank
     assert not torch.equal(results[0][2]["model-parallel-rng"], results[1][2]["model-parallel-rng"])
+
+
+def _pretrain_rank(rank, world, argv):
+    import contextlib
+    import io as io_mod
+
+    from megatron.training.pretrain_gpt import main
+
+    out = io_mod.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue()
+
+
+def test_resume_with_dropout_is_exact_on_cpu(tmp_path):
+    """Dropout on the residual branches and the attention probabilities; on CPU both draw from
+    torch's CPU generator (the tracker is the no-op one), which the checkpoint restores and which
+    the data iterators built after the load must not touch. Compared with ``==``."""
+    from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl
+
+    args = [*SMALL_PRETRAIN_ARGS, "--attention-dropout", 0.1, "--hidden-dropout", 0.1, "--train-iters", 4,
+            "--save-interval", 2, "--eval-iters", 0, "--data-cache-path", tmp_path / "cache"]
+    full = tmp_path / "full"
+    code, out = run_distributed(_pretrain_rank, 1, args + ["--save", full], timeout_s=240)[0]
+    assert code == 0, out
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    import shutil
+
+    shutil.copytree(full / "iter_0000002", resumed / "iter_0000002")
+    code, out = run_distributed(_pretrain_rank, 1, args + ["--save", resumed, "--load", resumed], timeout_s=240)[0]
+    assert code == 0, out
+
+    def steps(path):
+        return {r["step"]: (r["lm_loss"], r["grad_norm"]) for r in read_jsonl(path / "metrics.jsonl") if "event" not in r}
+
+    a, b = steps(full), steps(resumed)
+    assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (a, b)
