@@ -31,11 +31,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron import compat
 from distill.losses import student_ce
 from megatron.training.parallel import destroy_parallel
-from moe_variants.common.cli import run_cli
+from moe_variants.common.cli import UserError, run_cli, user_input
 from distill.scoring import heldout_kl, lm_eval_scores, make_lm_eval_spec
 from moe_variants.farskip.config import FarSkipConfig
 
@@ -84,15 +85,15 @@ class FCSDConfig:
                     setattr(self, name, enum_type(value))
                 except ValueError:
                     choices = ", ".join(m.value for m in enum_type)
-                    raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
+                    raise UserError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
         if self.kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+            raise UserError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
         if not self.kd_l2_coeff >= 0:  # also NaN
-            raise ValueError(f"--kd-l2-coeff must be >= 0, got {self.kd_l2_coeff}")
+            raise UserError(f"--kd-l2-coeff must be >= 0, got {self.kd_l2_coeff}")
         if self.proxy != Proxy.lm_eval:
             for name in ("proxy_task", "proxy_metric", "proxy_limit", "proxy_include_path", "proxy_data_dir"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"--{name.replace('_', '-')} applies to --proxy lm-eval only "
+                    raise UserError(f"--{name.replace('_', '-')} applies to --proxy lm-eval only "
                                      f"(got --proxy {self.proxy.value})")
 
 
@@ -182,7 +183,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     from megatron.training.pretrain_gpt import run_pretraining
 
     if c.parallel.pipeline_model_parallel_size != 1:
-        raise ValueError("FCSD needs --pipeline-model-parallel-size 1 (teacher and student run side by side)")
+        raise UserError("FCSD needs --pipeline-model-parallel-size 1 (teacher and student run side by side)")
     teacher_path = fcsd.teacher_load or c.checkpoint.load
     resume = None
     if c.checkpoint.save and os.path.isdir(c.checkpoint.save):
@@ -196,7 +197,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     proxy_text = fcsd.proxy_text or (c.data.heldout_text or [None])[0]
     lm_eval_spec = _lm_eval_proxy(fcsd, c.training.micro_batch_size) if fcsd.proxy == Proxy.lm_eval else None
     if proxy_text is not None and not os.path.isfile(proxy_text):
-        raise ValueError(f"--proxy-text {proxy_text}: no such file")
+        raise UserError(f"--proxy-text {proxy_text}: no such file")
     mode = "min"
     if lm_eval_spec is not None:
         proxy_metric, higher = _lm_eval_proxy_metric(fcsd, lm_eval_spec)
@@ -205,7 +206,8 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     state = {}
 
     def after_setup(chunks, configs):
-        teacher, _, tokenizer, _ = load_model(teacher_path, parallel=configs.parallel, overrides={"farskip": "none"})
+        with user_input():
+            teacher, _, tokenizer, _ = load_model(teacher_path, parallel=configs.parallel, overrides={"farskip": "none"})
         for p in teacher.parameters():
             p.requires_grad_(False)
         windows = None
@@ -238,7 +240,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
                 student.train(was_training)
             value = scores[fcsd.proxy_task].get(proxy_metric)
             if value is None:
-                raise ValueError(f"--proxy-metric {proxy_metric}: not in the results of {fcsd.proxy_task} "
+                raise UserError(f"--proxy-metric {proxy_metric}: not in the results of {fcsd.proxy_task} "
                                  f"({', '.join(k for k in scores[fcsd.proxy_task] if 'stderr' not in k)})")
             result.update(lm_eval_task=fcsd.proxy_task, lm_eval_metric=proxy_metric.split(",")[0],
                           lm_eval_value=float(value), lm_eval_mode=stopper.mode)
@@ -286,7 +288,7 @@ def validation_windows(c, max_windows: int) -> torch.Tensor:
         data_path, c.data.split, c.model.seq_length, c.training.seed, (1, max_windows, 1),
         resolve_tokenizer(c), cache)
     if valid is None or len(valid) == 0:
-        raise ValueError(f"FCSD early stopping needs --proxy-text FILE, --heldout-text FILE or a validation "
+        raise UserError(f"FCSD early stopping needs --proxy-text FILE, --heldout-text FILE or a validation "
                          f"split of the data (--split {c.data.split} has none)")
     samples = [valid[i] for i in range(min(len(valid), max_windows))]
     return torch.stack([torch.cat([torch.as_tensor(s["tokens"]), torch.as_tensor(s["labels"])[-1:]]).long()
@@ -297,7 +299,7 @@ def _lm_eval_proxy(fcsd: FCSDConfig, batch_size: int):
     """The lm-eval early-stopping proxy, checked before any model loads (one-line errors)."""
 
     if not fcsd.proxy_task:
-        raise ValueError("--proxy lm-eval needs --proxy-task TASK (e.g. local_arc_easy)")
+        raise UserError("--proxy lm-eval needs --proxy-task TASK (e.g. local_arc_easy)")
     return make_lm_eval_spec(
         [fcsd.proxy_task], include_path=fcsd.proxy_include_path, data_dir=fcsd.proxy_data_dir,
         limit=fcsd.proxy_limit, batch_size=batch_size,
@@ -309,14 +311,14 @@ def _lm_eval_proxy_metric(fcsd: FCSDConfig, spec) -> tuple[str, bool]:
     """(results key ``metric,filter``, higher is better) of the proxy, from the task's config."""
     higher = spec.higher_is_better.get(fcsd.proxy_task)
     if higher is None:
-        raise ValueError(f"--proxy-task {fcsd.proxy_task}: a group or tag; the proxy needs one task")
+        raise UserError(f"--proxy-task {fcsd.proxy_task}: a group or tag; the proxy needs one task")
     metric = fcsd.proxy_metric or spec.default_metric(fcsd.proxy_task)
     if metric is None:
-        raise ValueError(f"--proxy-task {fcsd.proxy_task}: no accuracy or perplexity metric; "
+        raise UserError(f"--proxy-task {fcsd.proxy_task}: no accuracy or perplexity metric; "
                          f"pass --proxy-metric (one of {', '.join(higher)})")
     name = metric.split(",")[0]
     if name not in higher:
-        raise ValueError(f"--proxy-metric {metric}: not a metric of {fcsd.proxy_task} (one of {', '.join(higher)})")
+        raise UserError(f"--proxy-metric {metric}: not a metric of {fcsd.proxy_task} (one of {', '.join(higher)})")
     return (metric if "," in metric else f"{metric},none"), bool(higher[name])
 
 
@@ -347,7 +349,7 @@ def _checkpoint_model_defaults(argv) -> dict:
         elif arg.startswith("--load="):
             load = arg.split("=", 1)[1]
     if load is None:
-        raise ValueError("FCSD needs --load CKPT (the pretrained model to convert)")
+        raise UserError("FCSD needs --load CKPT (the pretrained model to convert)")
     configs, manifest, _ = checkpoint_configs(load)
     defaults = configs.model.flat()
     data = manifest["configs"].get("data", {})
@@ -357,6 +359,7 @@ def _checkpoint_model_defaults(argv) -> dict:
     return defaults
 
 
+@record  # anything but bad input: the traceback goes into torchrun's error file too
 def main(argv=None) -> int:
     import logging
 
@@ -371,11 +374,12 @@ def main(argv=None) -> int:
 
     def body():
         wants_help = any(a in ("-h", "--help") for a in argv)
-        defaults = {} if wants_help else _checkpoint_model_defaults(argv)
-        configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults,
-                                description=__doc__)
+        with user_input():
+            defaults = {} if wants_help else _checkpoint_model_defaults(argv)
+            configs = parse_configs(argv, prog="fcsd", extra_sections={"fcsd": FCSDConfig}, defaults=defaults,
+                                    description=__doc__)
         if FarSkipConfig.of(configs.model).farskip.empty and configs.extra["fcsd"].kd_loss != KDLoss.sft:
-            raise ValueError("--farskip none: nothing to convert (choose all, first:N, last:N or A-B)")
+            raise UserError("--farskip none: nothing to convert (choose all, first:N, last:N or A-B)")
         summary = run_fcsd(configs, configs.extra["fcsd"])
         if dist.get_rank() == 0:
             print("fcsd: summary " + json.dumps({k: summary.get(k) for k in ("before", "best", "iteration", "early_stop")}), flush=True)

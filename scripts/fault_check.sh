@@ -7,11 +7,13 @@
 #   scripts/fault_check.sh [OUTDIR]        (default: a new temporary directory; kept, printed)
 #
 # Cases: kill -9 a rank during a save; kill -9 the launcher during a save; SIGTERM the launcher;
-# a corrupt newest checkpoint; a reused --save directory; a crafted .metadata. "lost steps" is the
+# a corrupt newest checkpoint; a reused --save directory; a crafted .metadata; then a rank that is
+# stopped (SIGSTOP), stuck in native code holding the GIL, spinning in Python, segfaults, aborts,
+# or raises, each under torchrun --max-restarts=1 (the job must notice, restart and finish). "lost steps" is the
 # number of trained steps not in the checkpoint the next run resumes from. A case "survived" when
 # no process outlived the run, nothing was half-written where a run would load it, the resumed run
 # (if any) finished, and every refusal was one line. A few minutes on 2 cores.
-# Environment: PYTHON (default: .venv/bin/python of this repository, else python), TORCHRUN
+# Environment: CASES=ranks runs only the rank faults; PYTHON (default: .venv/bin/python of this repository, else python), TORCHRUN
 # (default: the torchrun beside PYTHON).
 set -euo pipefail
 
@@ -231,10 +233,74 @@ EOF
     report "crafted .metadata" $ok 0 "$err"
 }
 
+# ---------------------------------------------------- stopped, stuck, crashing ranks (the watchdog)
+# torchrun --max-restarts=1 with --save D --load D: the fault ends the first attempt, the second
+# resumes from D's newest checkpoint and finishes. "detected" is the time from the fault (the
+# injecting rank's clock, or this script's SIGSTOP) to torchrun seeing the first rank exit.
+WATCH=(--heartbeat-timeout 10 --step-timeout 20)
+
+agent_failed_at() {  # agent_failed_at <log>: epoch seconds of torchrun's first "failed (exitcode" line
+    py "$1" <<'EOF'
+import datetime, re, sys
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", line)
+    if m:
+        year = datetime.date.today().year
+        t = datetime.datetime.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S.%f")
+        print(f"{t.timestamp():.3f}")
+        break
+EOF
+}
+
+case_rank_fault() {  # case_rank_fault <kind>: stop (SIGSTOP from here) or one of megatron.training.faults.KINDS
+    local kind=$1 dir=$OUT/fault_$1 log=$OUT/fault_$1.log pid ranks at="" failed last saved ok=1 note="" code
+    mkdir -p "$dir.faults"
+    if [[ $kind != stop ]]; then
+        py "$dir.faults" "$kind" <<'EOF'
+import sys
+from megatron.training import faults
+faults.request(sys.argv[1], 1, sys.argv[2], 4)
+EOF
+    fi
+    MEGATRON_FAULT_DIR=$dir.faults "$TORCHRUN" --standalone --nproc_per_node=2 --max-restarts=1 \
+        -m megatron.training.pretrain_gpt "${TRAIN[@]}" "${WATCH[@]}" --save "$dir" --load "$dir" \
+        --train-iters 30 --save-interval 2 >"$log" 2>&1 &
+    pid=$!
+    STARTED+=("$pid")
+    if [[ $kind == stop ]]; then
+        for ((i = 0; i < 1500; i++)); do (( $(checkpoints "$dir") >= 2 )) && break; sleep 0.1; done
+        ranks=$(ps -o pid= --ppid "$pid")
+        kill -STOP "$(echo "$ranks" | tail -1)"
+        at=$(date +%s.%N)
+    fi
+    code=0
+    wait "$pid" || code=$?
+    [[ $kind == stop ]] || at=$(grep -o "injecting fault '$kind' after iteration [0-9]* at [0-9.]*" "$log" | head -1 | awk '{print $NF}')
+    failed=$(agent_failed_at "$log")
+    read -r last saved < <(state "$dir")
+    (( code == 0 )) || { ok=0; note="exit code $code; "; }
+    local detected="?" why from
+    if [[ -n $at && -n $failed ]]; then
+        detected=$(awk -v a="$at" -v b="$failed" 'BEGIN {printf "%.1f", b - a}')
+    else
+        ok=0; note+="no fault or no failure seen; "
+    fi
+    why=$(grep -oE "sent no heartbeat for [0-9.]+ s|no training step finished on rank [0-9]+ for [0-9.]+ s|Fatal Python error: [A-Za-z ]+|RuntimeError: injected fault on rank [0-9]+" "$log" | head -1)
+    from=$(grep -o "starting at iteration [0-9]*" "$log" | tail -1 | grep -o "[0-9]*$")
+    note+="detected in ${detected} s (${why:-no reason found}); restarted from iter ${from:-?}, finished at $last"
+    (( last == 30 )) || ok=0
+    local before  # the last step the first attempt logged
+    before=$(awk '/starting at iteration/ {n++} n == 1 && /^iter / {split($2, a, "/"); s = a[1]} END {print s + 0}' "$log")
+    report "rank fault: $kind" $ok $(( before - ${from:-0} )) "$note"
+}
+
 echo "fault_check.sh: runs and logs in $OUT"
-case_kill_rank
-case_kill_launcher
-case_sigterm
-case_corrupt
-case_reuse
-case_crafted
+if [[ ${CASES:-all} != ranks ]]; then
+    case_kill_rank
+    case_kill_launcher
+    case_sigterm
+    case_corrupt
+    case_reuse
+    case_crafted
+fi
+for kind in stop gil spin segfault abort error; do case_rank_fault "$kind"; done

@@ -57,9 +57,9 @@ def build_and_load(model_cfg: ModelConfig, parallel: ParallelConfig, state=None,
     return model, pgc
 
 
-def torchrun(module: str, args, nproc: int = 2, timeout: float = 300, env=None):
-    """Run ``torchrun --nproc_per_node=nproc -m module args`` from the repo root; returns the
-    CompletedProcess (stdout/stderr as text)."""
+def torchrun(module: str, args, nproc: int = 2, timeout: float = 300, env=None, launcher_args=()):
+    """Run ``torchrun --nproc_per_node=nproc [launcher_args] -m module args`` from the repo root;
+    returns the CompletedProcess (stdout/stderr as text)."""
     import os
     import subprocess
     import sys
@@ -69,7 +69,7 @@ def torchrun(module: str, args, nproc: int = 2, timeout: float = 300, env=None):
     full_env.update(env or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--standalone", "-m", module, *[str(a) for a in args],
+        "--standalone", *launcher_args, "-m", module, *[str(a) for a in args],
     ]
     return subprocess.run(cmd, cwd=repo, env=full_env, capture_output=True, text=True, timeout=timeout)
 

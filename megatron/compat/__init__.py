@@ -137,3 +137,13 @@ def prepare_optimizer_for_load(optimizer) -> None:
     for opt in inner:
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
+
+
+def prefixed_default_store(prefix: str):
+    """The default process group's c10d store under ``prefix`` (torch keeps it private:
+    ``distributed_c10d._get_default_store``). Under torchrun it is the launcher's agent store, so
+    it stays reachable while any one rank is stopped or dead."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    return dist.PrefixStore(prefix, distributed_c10d._get_default_store())

@@ -73,6 +73,15 @@ class TrainingConfig:
     distributed_timeout_minutes: float = _opt(
         10.0, "timeout of torch.distributed collectives: a rank that waits longer on a hung or dead "
         "peer fails instead of blocking (Megatron-LM's flag)")
+    heartbeat_timeout: float = _opt(
+        30.0, "seconds without a heartbeat after which a rank counts as lost (stopped, stuck holding the "
+        "GIL, dead) and the job exits with code 3 (megatron/training/watchdog.py; 0: off)")
+    step_timeout: float = _opt(
+        180.0, "seconds without a finished training step (grown to 5x the slowest step; not counting "
+        "evaluation and saves) after which the job dumps every stack and exits with code 3 (0: off)")
+    peak_tflops: Optional[float] = _opt(
+        None, "the accelerator's peak dense TFLOP/s for MFU in the step line (default: known GPUs' bf16 "
+        "peak; none on CPU)")
 
     def __post_init__(self):
         coerce_enums(self)
@@ -88,6 +97,9 @@ class TrainingConfig:
         _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
         _check(self.distributed_timeout_minutes > 0,
                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+        _check(self.heartbeat_timeout >= 0 and self.step_timeout >= 0,
+               f"--heartbeat-timeout and --step-timeout must be >= 0, got {self.heartbeat_timeout} and {self.step_timeout}")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops must be > 0, got {self.peak_tflops}")
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size

@@ -59,6 +59,10 @@ def format_step_line(record: dict, train_iters: int, elapsed_s: Optional[float] 
     a2a = record.get("a2a_bytes_dispatch", 0) + record.get("a2a_bytes_combine", 0)
     if a2a:
         parts.append(f"a2a {_fmt_bytes(a2a)} in {record.get('a2a_time_s', 0.0):.3f} s")
+    if record.get("tflops_per_gpu") is not None:
+        parts.append(f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU" + (f" MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""))
+    if record.get("gpu_peak_mem_gb") is not None:
+        parts.append(f"gpu mem {record['gpu_peak_mem_gb']:.1f} GiB")
     parts.append(f"rss {record['peak_rss_mb']:.0f} MB")
     if elapsed_s is not None:
         parts.append(f"elapsed {format_duration(elapsed_s)}" + (f" ETA {format_duration(eta_s)}" if eta_s is not None else ""))

@@ -37,7 +37,19 @@ def init_from_env(backend: Optional[str] = None, timeout_minutes: int = 10) -> N
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun --max-restarts: the agent's store outlives an attempt, and a restarted gloo
+        # group would read the dead attempt's addresses from it (connectFullMesh refused). Each
+        # attempt gets its own key space.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def set_seed(seed: int) -> None:

@@ -17,12 +17,17 @@ start-up (``--load`` it, use a new ``--save``, or ``--overwrite-save``); one run
 directory at a time (``SAVE/writer.lock``).
 
 SIGTERM/SIGINT (to torchrun or to the ranks) finish the current step, save a checkpoint and exit.
+A watchdog (``megatron/training/watchdog.py``) ends the job when a rank stops beating
+(``--heartbeat-timeout``, 30 s) or no step finishes (``--step-timeout``, 180 s), or as soon as a
+rank fails; with ``torchrun --max-restarts N`` and ``--save D --load D`` the job resumes by itself.
 Exit codes: 0 finished, 75 stopped by a signal after saving (run again to resume), 2 bad input
-(one line), 1 a crash or a lost rank.
+(one line), 3 ended by the watchdog (a rank lost, hung or failed elsewhere), 1 a crash on this rank
+(its traceback, also in torchrun's error file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +40,10 @@ import torch.distributed as dist
 from megatron import compat
 from megatron.training.arguments import Configs, configs_to_dict, parse_configs
 from megatron.training.parallel import destroy_parallel
-from moe_variants.common.cli import run_cli
+from moe_variants.common import collectives
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from moe_variants.common.cli import UserError, one_line, run_cli, user_input
 
 logger = logging.getLogger("megatron.training")
 
@@ -49,10 +57,10 @@ def resolve_tokenizer(c: Configs):
     d = c.data
     if d.tokenizer_type is None:
         if d.data_path is not None:
-            raise ValueError("--data-path needs --tokenizer-type (and its model/vocab files)")
+            raise UserError("--data-path needs --tokenizer-type (and its model/vocab files)")
         return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
     if d.data_path is None:
-        raise ValueError(
+        raise UserError(
             f"--tokenizer-type {d.tokenizer_type} needs --data-path: the embedded corpus is "
             "tokenized with the embedded tokenizer"
         )
@@ -71,10 +79,10 @@ def check_data_paths(c: Configs) -> None:
     for prefix in prefixes:
         for path in indexed_dataset_paths(prefix):
             if not os.path.isfile(path):
-                raise ValueError(f"--data-path {prefix}: {path} does not exist (run scripts/preprocess_data.py)")
+                raise UserError(f"--data-path {prefix}: {path} does not exist (run scripts/preprocess_data.py)")
     for path in c.data.heldout_text or []:
         if not os.path.isfile(path):
-            raise ValueError(f"--heldout-text {path}: no such file")
+            raise UserError(f"--heldout-text {path}: no such file")
 
 
 def tokenizer_files_of(c: Configs) -> dict:
@@ -155,9 +163,47 @@ def _step_record(step: int, m, rss_mb: float) -> dict:
     }
 
 
+class Throughput:
+    """TFLOP/s per GPU, MFU and peak GPU memory of a logged step (``megatron/training/flops.py``)."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak: Optional[float]):
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak
+
+    @classmethod
+    def of(cls, model, c: Configs, world_size: int) -> "Throughput":
+        from megatron.core import parallel_state
+
+        from megatron.training.flops import active_weights, flops_per_token, peak_tflops
+
+        p = c.parallel
+        num_local = (c.model.num_experts or 0) // max(p.expert_model_parallel_size, 1)
+        active = torch.tensor([float(active_weights(
+            model, num_experts=c.model.num_experts, topk=c.model.moe_router_topk or 0,
+            tp_size=p.tensor_model_parallel_size, expert_tp_size=p.expert_tensor_parallel_size or 1,
+            num_local_experts=max(num_local, 1)))], dtype=torch.float64)
+        if p.pipeline_model_parallel_size > 1:  # each stage counts its own layers
+            collectives.all_reduce(active, group=parallel_state.get_pipeline_model_parallel_group())
+        per_token = flops_per_token(model.config, int(active.item()), seq_length=c.model.seq_length)
+        return cls(per_token, world_size, c.training.peak_tflops or peak_tflops(c.model.bf16))
+
+    def record(self, m) -> dict:
+        out = {}
+        if m.step_time_s > 0:
+            tflops = self.flops_per_token * m.tokens / m.step_time_s / self.world_size / 1e12
+            out["tflops_per_gpu"] = tflops
+            if self.peak:
+                out["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():
+            out["gpu_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+
 def _on_rank0(fn, rank: int):
     """Run ``fn`` on rank 0 only; every rank returns its (picklable) result or raises its one-line
-    error, so a refusal never leaves the other ranks waiting in a collective."""
+    error (``fn`` validates: its ``ValueError`` is a ``UserError``), so a refusal never leaves the
+    other ranks waiting in a collective."""
     from megatron.training.checkpointing import CheckpointError, broadcast_object
 
     out = None
@@ -172,7 +218,7 @@ def _on_rank0(fn, rank: int):
     if kind == "checkpoint":
         raise CheckpointError(value)
     if kind == "value":
-        raise ValueError(value)
+        raise UserError(value)
     return value
 
 
@@ -235,7 +281,9 @@ def run_pretraining(
     from megatron.training.metrics import MetricsWriter, format_step_line, peak_rss_mb
     from megatron.training.parallel import initialize_parallel
     from megatron.training.save_dir import SaveDirLock, prepare_save_dir
+    from megatron.training import faults
     from megatron.training.signals import StopFlag, stop_with_launcher
+    from megatron.training.watchdog import WatchdogConfig, start_watchdog
     from megatron.training.training import (
         Timer,
         evaluate,
@@ -250,20 +298,25 @@ def run_pretraining(
     started = time.monotonic()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ck = c.checkpoint
-    validate(c.model, c.parallel, world)
-    if ck.save_interval and not ck.save:
-        raise ValueError("--save-interval needs --save DIR")
-    if ck.overwrite_save and not ck.save:
-        raise ValueError("--overwrite-save needs --save DIR")
-    check_data_paths(c)
-    tokenizer = resolve_tokenizer(c)
+    with user_input():
+        validate(c.model, c.parallel, world)
+        if ck.save_interval and not ck.save:
+            raise UserError("--save-interval needs --save DIR")
+        if ck.overwrite_save and not ck.save:
+            raise UserError("--overwrite-save needs --save DIR")
+        check_data_paths(c)
+        tokenizer = resolve_tokenizer(c)
     stop = StopFlag().install()
     stop_with_launcher()
     lock = None
+    watchdog = None
     try:
         pgc = initialize_parallel(c.parallel, seed=c.training.seed,
                                   timeout_minutes=c.training.distributed_timeout_minutes)
         rank = dist.get_rank()
+        # the stop flag is agreed on every step: on a CPU (gloo) group it never waits for the GPU
+        stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        watchdog = start_watchdog(WatchdogConfig(c.training.heartbeat_timeout, c.training.step_timeout), prog=prog)
         if ck.save:  # one writer per directory, refused before anything is built
             def take_lock():
                 nonlocal lock
@@ -294,12 +347,13 @@ def run_pretraining(
                 print(f"{prog}: no checkpoint in {load} yet; starting from scratch", flush=True)
             load = None
         if load:
-            loaded = load_checkpoint(
-                load, chunks, optimizer, scheduler, layout=layout,
-                load_optimizer=not (ck.no_load_optim or ck.finetune),
-                load_rng=not (ck.no_load_rng or ck.finetune),
-                fallback=ck.load_fallback, expected_configs=config_dict,
-            )
+            with user_input():
+                loaded = load_checkpoint(
+                    load, chunks, optimizer, scheduler, layout=layout,
+                    load_optimizer=not (ck.no_load_optim or ck.finetune),
+                    load_rng=not (ck.no_load_rng or ck.finetune),
+                    fallback=ck.load_fallback, expected_configs=config_dict,
+                )
             if loaded is None:
                 if rank == 0:
                     print(f"{prog}: no checkpoint in {load}; starting from scratch", flush=True)
@@ -343,23 +397,32 @@ def run_pretraining(
             f"{iteration}" + (f"; configuration in {config_file}" if config_file else "")
         )
 
-        train_ds, valid_ds, test_ds, train_iter = build_data(
-            c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, global_batch=global_batch
-        )
+        with user_input():
+            train_ds, valid_ds, test_ds, train_iter = build_data(
+                c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, global_batch=global_batch
+            )
         in_save_dir = bool(resumed_from) and _same_dir(os.path.dirname(resumed_from), ck.save)
         last_saved = {"iteration": iteration if in_save_dir else None, "path": resumed_from if in_save_dir else None}
 
         def save(step):
-            path = save_checkpoint(
-                ck.save, step, chunks, optimizer, scheduler, consumed_samples=consumed,
-                layout=layout, configs=config_dict, keep_last=ck.keep_last_checkpoints,
-                tokenizer_files=tokenizer_files, lineage=lineage,
-            )
+            with paused():
+                path = save_checkpoint(
+                    ck.save, step, chunks, optimizer, scheduler, consumed_samples=consumed,
+                    layout=layout, configs=config_dict, keep_last=ck.keep_last_checkpoints,
+                    tokenizer_files=tokenizer_files, lineage=lineage,
+                )
             last_saved.update(iteration=step, path=path)
             writer.log_event("checkpoint", step, path=path)
             writer.print(f"{prog}: saved checkpoint {path}")
 
+        def paused():  # evaluation and saves have no step deadline
+            return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
+
         def run_eval(step, split="valid", dataset=None):
+            with paused():
+                return _run_eval(step, split, dataset)
+
+        def _run_eval(step, split, dataset):
             dataset = valid_ds if dataset is None else dataset
             result = {}
             if dataset is not None and c.logging.eval_iters > 0:
@@ -379,26 +442,34 @@ def run_pretraining(
             return result
 
         timer_factory = forward_step_factory or (lambda timer: lm_forward_step(timer))
+        throughput = Throughput.of(chunks[0].module, c, world)
         last_record = None
         interrupted = False
         summary_stop = None
         loop_start = time.monotonic()
         while iteration < c.training.train_iters:
-            if stop.agreed():
+            if stop.agreed(stop_group):
                 interrupted = True
                 writer.print(f"{prog}: {stop.name} received; saving and exiting after iteration {iteration}")
                 break
             timer = Timer()
+            # metrics are read (host syncs, collectives) only on the steps that log them
+            log_now = (iteration + 1) % c.logging.log_interval == 0 or iteration + 1 == c.training.train_iters
             m = train_step(
                 chunks, optimizer, scheduler, train_iter, model_cfg=c.model, train_cfg=c.training,
                 num_microbatches=num_micro, pg_collection=pgc, forward_step_func=timer_factory(timer),
+                reduce_metrics=log_now,
             )
-            m.fwd_time_s = timer.forward_s
-            m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
             iteration += 1
             consumed += global_batch
-            if iteration % c.logging.log_interval == 0 or iteration == c.training.train_iters:
+            if watchdog is not None:
+                watchdog.step_done(iteration)
+            faults.inject(rank, iteration)
+            if log_now:
+                m.fwd_time_s = timer.forward_s
+                m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
                 last_record = _step_record(iteration, m, peak_rss_mb())
+                last_record.update(throughput.record(m))
                 elapsed = time.monotonic() - loop_start
                 done = iteration - start_iteration
                 last_record["elapsed_s"] = elapsed
@@ -426,11 +497,13 @@ def run_pretraining(
             if test_ds is not None and c.logging.eval_iters > 0:
                 summary["test"] = run_eval(iteration, "test", test_ds)
             for path in c.data.heldout_text or []:
-                windows = build_heldout_windows(path, tokenizer, c.model.seq_length)
-                result = evaluate_windows(
-                    chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
-                    pg_collection=pgc,
-                )
+                with user_input(), paused():
+                    windows = build_heldout_windows(path, tokenizer, c.model.seq_length)
+                with paused():
+                    result = evaluate_windows(
+                        chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
+                        pg_collection=pgc,
+                    )
                 result["file"] = path
                 summary.setdefault("heldout", []).append(result)
                 writer.log_event("heldout", iteration, **result)
@@ -447,7 +520,13 @@ def run_pretraining(
         writer.log_event("summary", iteration, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
         writer.print(_closing_line(prog, summary, c, start_iteration))
         writer.close()
+        if watchdog is not None:
+            watchdog.finish()
         return summary
+    except BaseException as e:
+        if watchdog is not None:  # every other rank stops within two heartbeats, not at the collective timeout
+            watchdog.fail(f"{type(e).__name__}: {one_line(e)}" if not isinstance(e, UserError) else one_line(e))
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -468,6 +547,7 @@ def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) ->
     return f"{prog}: finished at iteration {summary['iteration']} ({steps} step(s)) in {took}; {where}"
 
 
+@record  # anything but bad input: the traceback goes into torchrun's error file too
 def main(argv=None, prog: str = "pretrain_gpt") -> int:
     from megatron.training.signals import PREEMPTED_EXIT_CODE
 
@@ -475,7 +555,8 @@ def main(argv=None, prog: str = "pretrain_gpt") -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     def body():
-        configs = parse_configs(argv, prog=prog, description=__doc__)
+        with user_input():
+            configs = parse_configs(argv, prog=prog, description=__doc__)
         try:
             summary = run_pretraining(configs, prog=prog)
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving
@@ -491,12 +572,13 @@ def main(argv=None, prog: str = "pretrain_gpt") -> int:
 
 
 def user_errors() -> tuple:
-    """The exceptions the training entry points report as one line (exit 2)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    """The exceptions the training entry points report as one line (exit 2): bad input, and
+    checkpoints that cannot be read or written (``CheckpointError`` names the file and the cause,
+    e.g. a full disk). Anything else, a ``ValueError`` from inside a step included, keeps its
+    traceback."""
     from megatron.training.checkpointing import CheckpointError
 
-    return (ValueError, CheckpointError, FileNotFoundError, CheckpointException)
+    return (UserError, CheckpointError)
 
 
 if __name__ == "__main__":

@@ -204,8 +204,28 @@ def _reduce_mean(value: float, group) -> float:
     return float(t.item()) / dist.get_world_size(group)
 
 
+def device_loss_means(reports: list) -> dict:
+    """{name: mean over micro-batches} of the reported losses, as device tensors (no host sync)."""
+    if not reports:
+        return {}
+    return {key: torch.stack([r[key].detach().float().reshape(()) for r in reports]).mean() for key in reports[0]}
+
+
+def reduce_loss_means(losses: dict, group, *, count: int = 1) -> dict:
+    """Data-parallel means of ``losses`` (device tensors summed over ``count`` steps), as floats:
+    one all-reduce and one host sync for all of them."""
+    if not losses:
+        return {}
+    keys = sorted(losses)
+    packed = torch.stack([losses[k].double() for k in keys])
+    collectives.all_reduce(packed, group=group)
+    values = (packed / (dist.get_world_size(group) * count)).tolist()
+    return dict(zip(keys, values))
+
+
 def _moe_aux_loss(model_cfg: ModelConfig, num_microbatches: int, pg_collection) -> float:
-    """Coefficient-weighted MoE auxiliary losses of this step (summed over layers), then reset."""
+    """Coefficient-weighted MoE auxiliary losses (summed over layers) accumulated in megatron-core's
+    tracker over ``num_microbatches`` micro-batches (one step's, or a log interval's), then reset."""
     from megatron.core.transformer.moe import moe_utils
 
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
@@ -231,8 +251,15 @@ def train_step(
     num_microbatches: int,
     pg_collection=None,
     forward_step_func=None,
+    reduce_metrics: bool = True,
 ) -> StepMetrics:
-    """Run ``num_microbatches`` forward/backward passes (gradient accumulation) and one update."""
+    """Run ``num_microbatches`` forward/backward passes (gradient accumulation) and one update.
+
+    ``reduce_metrics=False`` (the training loop's steps between log intervals) skips everything
+    that waits for the device or the other ranks: the losses are not read or reduced (NaN in the
+    result), the MoE auxiliary-loss tracker is zeroed on the device, the timers and the
+    all-to-all counters are not read. megatron-core's gradient clipping still reads the norm on
+    the host, as in Megatron-LM."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
@@ -250,15 +277,21 @@ def train_step(
     if update_ok:
         scheduler.step(increment=1)
     timer.mark("end")
-    lm_loss = 0.0
-    extra = {}
-    if reports:  # last pipeline stage
-        lm_loss = sum(float(r["lm_loss"]) for r in reports) / len(reports)
-        lm_loss = _reduce_mean(lm_loss, pg_collection.dp)
-        for key in sorted(k for k in reports[0] if k != "lm_loss"):
-            extra[key] = _reduce_mean(sum(float(r[key]) for r in reports) / len(reports), pg_collection.dp)
-    aux = _moe_aux_loss(model_cfg, num_microbatches, pg_collection)
     dp = dist.get_world_size(pg_collection.dp)
+    tokens = num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp
+    if not reduce_metrics:
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.clear_aux_losses_tracker()
+        nan = float("nan")
+        return StepMetrics(lm_loss=nan, aux_loss=nan, grad_norm=None if grad_norm is None else float(grad_norm),
+                           lr=optimizer.param_groups[0]["lr"], step_time_s=0.0, fwd_time_s=0.0, bwd_time_s=0.0,
+                           optimizer_time_s=0.0, tokens=tokens, skipped=not update_ok, comm={})
+    # off the last pipeline stage there are no reports
+    values = reduce_loss_means(device_loss_means(reports), pg_collection.dp) if reports else {}
+    lm_loss = values.pop("lm_loss", 0.0)
+    extra = values
+    aux = _moe_aux_loss(model_cfg, num_microbatches, pg_collection)
     return StepMetrics(
         lm_loss=lm_loss,
         aux_loss=aux,
@@ -268,7 +301,7 @@ def train_step(
         fwd_time_s=timer.forward_s,
         bwd_time_s=max(timer.between("start", "forward_backward") - timer.forward_s, 0.0),
         optimizer_time_s=timer.between("forward_backward", "end"),
-        tokens=num_microbatches * train_cfg.micro_batch_size * model_cfg.seq_length * dp,
+        tokens=tokens,
         skipped=not update_ok,
         comm=comm_totals(model_chunks),
         extra=extra,

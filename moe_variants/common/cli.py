@@ -1,6 +1,12 @@
 """What every command line shares: the error skeleton, argparse value types, subcommands.
 
-A user error is one line, never a traceback.
+A user error is one line, never a traceback; anything else keeps its traceback.
+
+A ``UserError`` (a ``ValueError``) is raised by argument, config and data validation; code that
+validates with plain ``ValueError``s marks its calls with ``with user_input():``, which re-raises
+them (and ``FileNotFoundError``) as ``UserError``. Long-running commands (training) pass
+``user_errors=(UserError, ...)`` so that a ``ValueError`` from deep inside a run, a shape bug at
+step 10,000, is not mistaken for bad input: it keeps its traceback on the rank where it happened.
 
 ``run_cli(prog, body)`` runs ``body()``; argparse's own exits (``--help``, a malformed flag, which
 argparse already reported in one line) return their code; an exception in ``user_errors`` prints
@@ -11,12 +17,15 @@ returns 2; ``cleanup`` runs in every case. Standard library only, so torch-free 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 from typing import Callable, Optional
 
 __all__ = [
+    "UserError",
+    "user_input",
     "run_cli",
     "one_line",
     "positive_int",
@@ -26,6 +35,22 @@ __all__ = [
     "int_list",
     "Subcommands",
 ]
+
+
+class UserError(ValueError):
+    """Bad input (a flag, a config, a file, data): reported as one line, exit code 2."""
+
+
+@contextlib.contextmanager
+def user_input(*kinds: type):
+    """Re-raise ``ValueError``s and ``FileNotFoundError``s (or ``kinds``) raised inside as
+    ``UserError``: the block validates user input."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (kinds or (ValueError, FileNotFoundError)) as e:
+        raise UserError(one_line(e) if isinstance(e, ValueError) else str(e)) from e
 
 
 def one_line(err: BaseException) -> str:

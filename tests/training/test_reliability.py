@@ -456,9 +456,11 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch, capsys):
 
     seen = {}
 
+    from moe_variants.common.cli import UserError
+
     def fake(parallel_cfg, **kwargs):
         seen.update(kwargs)
-        raise ValueError("stop here")
+        raise UserError("stop here")
 
     monkeypatch.setattr(parallel, "initialize_parallel", fake)
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -1,0 +1,69 @@
+"""Model FLOPs per trained token, for TFLOP/s per GPU and MFU in the step line.
+
+PaLM's definition (Chowdhery et al. 2022, App. B), the one MFU figures are quoted in: a trained
+token costs ``6 N`` for the matrix multiplies of ``N`` active weights (forward 2, backward 4) plus
+``6 L s H (d_qk + d_v)`` for the attention scores and their use (``12 L H Q s`` when
+``d_qk = d_v = Q``), with no causal discount and no recomputation counted. For an MoE, ``N`` counts
+the dense weights and ``top-k`` of the routed experts; embedding lookups are not multiplies and
+are left out, the output projection is in. ``N`` is counted from the built model, so every
+variant's own shapes (BigMac's projections, MLA's low-rank matrices, shared experts) are counted
+as built, not as a formula assumes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops"]
+
+# dense bf16 peak of the accelerators MFU is usually quoted for (vendor data sheets, no sparsity)
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
+                    "B200": 2250.0, "GB200": 2500.0, "L40S": 362.1, "MI300X": 1307.4}
+
+
+def active_weights(model, *, num_experts: Optional[int], topk: int, tp_size: int = 1,
+                   expert_tp_size: int = 1, num_local_experts: int = 1) -> int:
+    """Weights one token multiplies by in the whole model (not this rank's shard): matrices only
+    (norm scales and biases are element-wise), without the embedding tables unless they are
+    also the output projection. Expert weights sit under ``.experts.`` (and carry
+    ``allreduce=False`` at EP > 1); tensor-parallel shards carry ``tensor_model_parallel=True``."""
+    dense, expert = 0, 0
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        if "embedding" in name and not (tied and "word_embeddings" in name):
+            continue
+        if not getattr(p, "allreduce", True) or ".experts." in name:  # megatron-core marks them only at EP > 1
+            expert += p.numel() * expert_tp_size
+        else:
+            dense += p.numel() * (tp_size if getattr(p, "tensor_model_parallel", False) else 1)
+    per_expert = expert // max(num_local_experts, 1)
+    return dense + (topk * per_expert if num_experts else 0)
+
+
+def flops_per_token(config, active: int, *, seq_length: int) -> float:
+    """Training FLOPs of one token (module docstring) of a model with ``active`` weights per token
+    (``active_weights``, summed over pipeline stages); ``config`` is megatron-core's
+    ``TransformerConfig``."""
+    if getattr(config, "multi_latent_attention", False):
+        d_qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+        d_v = config.v_head_dim
+    else:
+        d_qk = d_v = config.kv_channels
+    attention = 6 * config.num_layers * seq_length * config.num_attention_heads * (d_qk + d_v)
+    return 6.0 * active + attention
+
+
+def peak_tflops(bf16: bool) -> Optional[float]:
+    """This GPU's dense bf16 peak from ``PEAK_BF16_TFLOPS`` (None on CPU, for fp32 models and for
+    unknown GPUs: pass ``--peak-tflops``)."""
+    if not (bf16 and torch.cuda.is_available()):
+        return None
+    name = torch.cuda.get_device_name()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key]
+    return None

@@ -1,0 +1,232 @@
+"""The training watchdog and the error boundary (issue 31: hung and crashing ranks, errors).
+
+Unit tests drive ``RankWatchdog.check`` by hand on an in-memory store and a fake clock, so no
+timing is asserted; the end-to-end cases run torchrun on 2 CPU ranks with a fault injected on rank
+1 (``megatron.training.faults``) and check what the job did: its exit code, the one line naming
+the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and finished.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from megatron.training import faults
+from megatron.training.watchdog import EXIT_WATCHDOG, RankWatchdog, WatchdogConfig
+from moe_variants.common.cli import UserError, run_cli, user_input
+from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
+
+
+class DictStore:
+    """The c10d store calls the watchdog makes (set/get/check), in memory."""
+
+    def __init__(self):
+        self.data = {}
+        self.lock = threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class Exited(Exception):
+    pass
+
+
+def _exit(code):
+    raise Exited(code)
+
+
+def _pair(store, clock, **cfg):
+    config = WatchdogConfig(**{"heartbeat_timeout_s": 10.0, "step_timeout_s": 20.0, "interval_s": 1.0, **cfg})
+    return [RankWatchdog(store, r, 2, config, exit=_exit, clock=clock) for r in (0, 1)]
+
+
+def test_a_silent_neighbour_is_lost_after_the_timeout_and_every_rank_stops():
+    store, clock = DictStore(), Clock()
+    w0, w1 = _pair(store, clock)
+    for _ in range(3):  # both beat: nothing happens
+        clock.now += 1
+        w0.check()
+        w1.check()
+    w0.check()  # rank 0 sees rank 1's last beat
+    clock.now += 9.5  # then rank 1 stops beating; 9.5 s < 10 s
+    w0.check()
+    assert w0.fired is None
+    clock.now += 1
+    with pytest.raises(Exited) as e:
+        w0.check()
+    assert e.value.args == (EXIT_WATCHDOG,)
+    assert "rank 1" in w0.fired and "no heartbeat" in w0.fired
+    assert "rank 1" in store.get("abort").decode()
+    # the abort reaches the other ranks after one interval of grace
+    w1.check()
+    clock.now += 1.5
+    with pytest.raises(Exited):
+        w1.check()
+
+
+def test_a_neighbour_that_finished_is_not_lost():
+    store, clock = DictStore(), Clock()
+    w0, w1 = _pair(store, clock)
+    w1._beat()
+    w0.check()
+    w1.finish()
+    clock.now += 60
+    w0.check()
+    assert w0.fired is None
+
+
+def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_slow_steps():
+    store, clock = DictStore(), Clock()
+    w0, w1 = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.check()  # not armed before the first step
+    clock.now += 100
+    w0.check()
+    w0.step_done(1)
+    with w0.paused():  # an evaluation or a save longer than the deadline
+        clock.now += 50
+        w0.check()
+    clock.now += 19
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
+    assert "no training step finished on rank 0" in w0.fired and "after iteration 1" in w0.fired
+    # a slowest step of 8 s makes the deadline 40 s
+    w1.step_done(1)
+    clock.now += 8
+    w1.step_done(2)
+    assert w1.step_timeout_s == 40
+    clock.now += 30
+    w1.check()
+    assert w1.fired is None
+
+
+def test_a_failing_rank_publishes_abort_and_is_not_killed_as_a_victim():
+    store, clock = DictStore(), Clock()
+    w0, w1 = _pair(store, clock)
+    w0.check()
+    w1.fail("UserError: bad data")
+    assert store.get("abort").decode() == "rank 1 failed: UserError: bad data"
+    clock.now += 5
+    w1.check()  # its own main thread exits with its own code
+    w0.check()
+    clock.now += 1.5
+    with pytest.raises(Exited):
+        w0.check()
+
+
+def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
+    """A stopped process ignores SIGTERM: the watchdog SIGKILLs it when it is on the same host."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        store, clock = DictStore(), Clock()
+        w0, _ = _pair(store, clock)
+        store.set("beat/1", f"1 {victim.pid} {w0._host} running")
+        w0.check()
+        os.kill(victim.pid, signal.SIGSTOP)
+        clock.now += 11
+        with pytest.raises(Exited):
+            w0.check()
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        victim.kill()
+
+
+def test_fault_requests_are_taken_once_and_only_from_their_iteration(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV, str(tmp_path))
+    faults.request(str(tmp_path), 1, "error", 3)
+    faults.inject(0, 5)  # another rank's request
+    faults.inject(1, 2)  # too early
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 at iteration 3"):
+        faults.inject(1, 3)
+    faults.inject(1, 4)  # taken: a restarted job does not repeat it
+    with pytest.raises(ValueError, match="fault kind"):
+        faults.request(str(tmp_path), 0, "meteor")
+
+
+def test_only_user_errors_are_one_line(capsys):
+    def bad_flag():
+        with user_input():
+            raise ValueError("--lr must be >= 0, got -1")
+
+    assert run_cli("prog", bad_flag, user_errors=(UserError,)) == 2
+    assert capsys.readouterr().err.strip() == "prog: error: --lr must be >= 0, got -1"
+
+    def deep_bug():
+        raise ValueError("shape mismatch deep inside a step")
+
+    with pytest.raises(ValueError, match="shape mismatch"):  # keeps its traceback
+        run_cli("prog", deep_bug, user_errors=(UserError,))
+
+    def missing():
+        with user_input():
+            open("/nonexistent/file")
+
+    assert run_cli("prog", missing, user_errors=(UserError,)) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- end to end (torchrun)
+
+
+def _train(tmp_path, kind, extra=(), launcher=()):
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir(exist_ok=True)
+    faults.request(str(fault_dir), 1, kind, 3)
+    args = SMALL_PRETRAIN_ARGS + ["--train-iters", 8, "--expert-model-parallel-size", 2, "--save", tmp_path / "run",
+                                  "--data-cache-path", tmp_path / "cache", "--eval-iters", 0,
+                                  "--heartbeat-timeout", 5, "--step-timeout", 8, *extra]
+    return torchrun("megatron.training.pretrain_gpt", args, env={faults.ENV: str(fault_dir)}, timeout=240,
+                    launcher_args=list(launcher))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, needle", [
+    ("stop", "sent no heartbeat"),  # SIGSTOP: the thread stops too
+    ("gil", "sent no heartbeat"),  # native code holding the GIL: the thread cannot run
+    ("spin", "no training step finished"),  # a Python loop: the thread beats, the steps stop
+])
+def test_stalled_rank_ends_the_job_with_the_watchdog_code(tmp_path, kind, needle):
+    result = _train(tmp_path, kind)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert needle in out, out[-3000:]
+    assert f"exitcode  : {EXIT_WATCHDOG}" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
+    """``--max-restarts 1`` with ``--save D --load D``: a stopped rank ends the first attempt; the
+    second resumes from D's checkpoint (saved every step) and finishes all 8 steps."""
+    run = tmp_path / "run"
+    result = _train(tmp_path, "stop", extra=["--load", run, "--save-interval", 1], launcher=["--max-restarts=1"])
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "sent no heartbeat" in out
+    starts = [int(line.rsplit("starting at iteration ", 1)[1].split(";")[0].split()[0])
+              for line in out.splitlines() if "starting at iteration" in line]
+    assert starts[0] == 0 and starts[-1] >= 2, starts  # the second attempt resumed from a checkpoint
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "event" not in r]
+    assert steps[-1] == 8 and set(steps) == set(range(1, 9))
