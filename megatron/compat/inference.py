@@ -43,6 +43,7 @@ dim, ``N`` cache blocks, ``P`` tokens per block, ``M`` blocks per request in the
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from typing import Optional
@@ -51,6 +52,7 @@ import torch
 
 __all__ = [
     "apply_inference",
+    "sampling_controller_class",
     "paged_varlen_attention",
     "paged_kvcache_attention",
     "paged_mla_decode",
@@ -231,3 +233,40 @@ def apply_inference() -> dict:
         done["nvtx"] = "no-op"
     _applied = done
     return done
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_controller_class():
+    """megatron-core's ``TextGenerationController`` with its two private per-step hooks turned into
+    public methods, so that a subclass (the server's ``ServingController``) samples and scores itself
+    without touching upstream's private names (``sites.SERVING_SITES``):
+
+    - ``before_step_context()``: called at the start of each step's context initialisation
+      (``_dynamic_step_context_init``, ``text_generation_controller.py:491``), e.g. to set the
+      context's ``materialize_only_last_token_logits`` for that step's forward;
+    - ``sample_step(logits) -> tokens [B]``: replaces upstream's sampling of a step
+      (``_dynamic_step_sample_logits``, ``:631``, called at ``:906``); the returned tokens of the
+      step's active requests become the step's sample (upstream's ``_sampled_tokens_cuda``,
+      allocated at ``:106``, which the step returns).
+    """
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    class SamplingController(TextGenerationController):
+        def before_step_context(self) -> None:
+            """Called before each step's context is initialised (default: nothing)."""
+
+        def sample_step(self, logits):
+            """The step's sampled tokens [B] of its active requests from the forward's ``logits``."""
+            raise NotImplementedError
+
+        def _dynamic_step_context_init(self, *args, **kwargs):
+            self.before_step_context()
+            return super()._dynamic_step_context_init(*args, **kwargs)
+
+        def _dynamic_step_sample_logits(self, logits):
+            tokens_B = self.sample_step(logits)
+            self._sampled_tokens_cuda[: len(tokens_B)] = tokens_B
+
+    return SamplingController

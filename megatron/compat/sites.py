@@ -52,8 +52,17 @@ DIST_OPT_LOAD_SITES = [
 # Upstream code the project's own subclasses copy, override or work around outside this package.
 # A change at any of these lines means the copy or override must be re-checked against upstream.
 UPSTREAM_COUPLING_SITES = [
-    # moe_variants/common/dispatcher.py overrides this private method (host split sizes on CPU)
+    # compat/token_dispatcher.py overrides this private method (host split sizes on CPU) and gives it
+    # a public name for moe_variants/common/dispatcher.py, which replaces the steps that call it
     ("transformer/moe/token_dispatcher.py", 862, "def _maybe_dtoh_and_synchronize("),
+    ("transformer/moe/token_dispatcher.py", 663, "self.tokens_per_expert = self._maybe_dtoh_and_synchronize("),
+    # compat/transformer_layer.py wraps the layer's private MLP step (Sem-MoE's Algorithm 3 gathers
+    # its output, moe_variants/semmoe/attention_tp.py)
+    ("transformer/transformer_layer.py", 514, "output = self._forward_mlp("),
+    ("transformer/transformer_layer.py", 683,
+     "def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None):"),
+    ("transformer/transformer_layer.py", 1334,
+     "def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None):"),
     # moe_variants/farskip/block.py copies TransformerBlock.forward (tests/farskip/test_block_copy.py
     # checks it is bit-identical to upstream with no FarSkip layer)
     ("transformer/transformer_block.py", 621, "def forward("),
@@ -86,11 +95,12 @@ TORCH_PRIVATE_APIS = [
 # megatron-core's dynamic inference engine on CPU / without flash-attn (compat/inference.py).
 from megatron.compat.inference import INFERENCE_SITES  # noqa: E402,F401 (re-exported for the staleness test)
 
-# The server's ServingController (megatron/inference/engine.py) overrides two private steps of the
-# dynamic controller: it turns materialize_only_last_token_logits off for the steps that score a
-# prompt (read per forward by GPTModel), samples into _sampled_tokens_cuda itself, and maps each
-# request's logits rows to prompt positions through request_kv_length_offsets; RankEngine cancels
-# an active request through the engine's stop-word early termination.
+# compat/inference.sampling_controller_class overrides two private steps of the dynamic controller
+# (public hooks for the server's ServingController, megatron/inference/engine.py, which turns
+# materialize_only_last_token_logits off for the steps that score a prompt (read per forward by
+# GPTModel), samples the tokens written into _sampled_tokens_cuda, and maps each request's logits
+# rows to prompt positions through request_kv_length_offsets); RankEngine cancels an active request
+# through the engine's stop-word early termination.
 SERVING_SITES = [
     ("inference/text_generation_controllers/text_generation_controller.py", 106,
      "self._sampled_tokens_cuda = torch.empty(max_requests, dtype=torch.int64, device=device)"),

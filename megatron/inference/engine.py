@@ -81,11 +81,9 @@ class EngineConfig:
 
 
 def _controller_class():
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
+    from megatron.compat.inference import sampling_controller_class
 
-    class ServingController(TextGenerationController):
+    class ServingController(sampling_controller_class()):
         """``TextGenerationController`` that samples and scores each request as it asked (see the
         module docstring). Upstream's own sampling buckets and log-prob path are not used: they
         refuse top-k with top-p, share one generator, and key top-N log-probs by token text."""
@@ -135,13 +133,12 @@ def _controller_class():
             ids = context.request_ids[context.paused_request_count:context.total_request_count].tolist()
             return any(rid in self.prompts and self.prompt_scored[rid] < len(self.prompts[rid]) - 1 for rid in ids)
 
-        def _dynamic_step_context_init(self, *args, **kwargs):
+        def before_step_context(self) -> None:
             # every token's logits only in a step that scores some request's prompt
             context = self.inference_wrapped_model.inference_context
             context.materialize_only_last_token_logits = not self._scores_prompt_this_step()
-            return super()._dynamic_step_context_init(*args, **kwargs)
 
-        def _dynamic_step_sample_logits(self, logits):
+        def sample_step(self, logits):
             context = self.inference_wrapped_model.inference_context
             active = slice(context.paused_request_count, context.total_request_count)
             ids = context.request_ids[active].tolist()
@@ -163,9 +160,9 @@ def _controller_class():
                 except Exception as err:  # fails these requests only (RankEngine finishes them)
                     for i in rows:
                         self.failed[ids[i]] = f"sampling failed: {type(err).__name__}: {err}"
-            self._sampled_tokens_cuda[:len(ids)] = tokens_B
             self._score(ids, last_BV, tokens_B, logits if full else None)
             context.materialize_only_last_token_logits = True
+            return tokens_B
 
         def _score(self, ids: list, last_BV, tokens_B, logits) -> None:
             """Log-probs of the sampled tokens and, with all logits, of the prompt tokens."""

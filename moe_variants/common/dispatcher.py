@@ -14,10 +14,8 @@ over layers.
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.moe.token_dispatcher import (
-    MoEAllGatherTokenDispatcher,
-    MoEAlltoAllTokenDispatcher,
-)
+from megatron.compat.token_dispatcher import AlltoAllTokenDispatcher
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from moe_variants.common import timing
 from moe_variants.common.comm import CommCounters, all_to_all
@@ -32,26 +30,21 @@ def host_splits(splits) -> list[int]:
     return [int(n) for n in splits]
 
 
-class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
-    """All-to-all dispatcher whose EP collectives go through ``moe_variants.common.comm``."""
+class AlltoAllDispatcher(AlltoAllTokenDispatcher):
+    """All-to-all dispatcher whose EP collectives go through ``moe_variants.common.comm`` (upstream's
+    ``MoEAlltoAllTokenDispatcher`` through ``megatron.compat.token_dispatcher``, which keeps the
+    split sizes on the host on the CPU)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
         self.comm = CommCounters()
-
-    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
-        # Upstream moves split sizes to the host on a side CUDA stream (token_dispatcher.py:862-901).
-        # On the CPU they are host tensors already; the collectives convert them to lists.
-        if torch.cuda.is_available():
-            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
-        return tokens_per_expert
 
     def dispatch_splits(self) -> tuple[list[int], list[int]]:
         """(output_splits, input_splits) of the dispatch all-to-all, as host ints."""
         return host_splits(self.output_splits), host_splits(self.input_splits)
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+        self.tokens_per_expert = self.synchronize_splits(
             "before_ep_alltoall", self.tokens_per_expert
         )
         if self.ep_size == 1:
@@ -73,7 +66,7 @@ class AlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         backward all-to-alls are asynchronous too and waited by hooks on the inputs (see
         ``comm.all_to_all``). EP=1 issues no collective.
         """
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+        self.tokens_per_expert = self.synchronize_splits(
             "before_ep_alltoall", self.tokens_per_expert
         )
         if self.ep_size == 1:

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.compat.transformer_layer import wrap_forward_mlp
 from moe_variants.common.moe_layer import moe_layers
 from moe_variants.farskip.tp import unreduced
 
@@ -160,9 +161,11 @@ def _wire_layer(layer, state: AttentionTP, index: int) -> None:
         return probs, routing_map
 
     router.forward = observed_router
-    forward_mlp = layer._forward_mlp
 
-    def mlp_then_gather(hidden_states, *args, **kwargs):
-        return state.gather_output(index, forward_mlp(hidden_states, *args, **kwargs))
+    def mlp_then_gather(forward_mlp):
+        def forward(hidden_states, *args, **kwargs):
+            return state.gather_output(index, forward_mlp(hidden_states, *args, **kwargs))
 
-    layer._forward_mlp = mlp_then_gather
+        return forward
+
+    wrap_forward_mlp(layer, mlp_then_gather)
