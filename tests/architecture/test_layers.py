@@ -135,6 +135,42 @@ def test_training_imports_no_variant_module():
     assert _violations(rule) == []
 
 
+def _imports_a_variant_module(variants: set, target: str, names=()):
+    """The variant package that ``import target`` / ``from target import names`` reaches, or None."""
+    for module in (target, *(f"{target}.{n}" for n in names)):
+        found = next((v for v in variants if module == v or module.startswith(v + ".")), None)
+        if found:
+            return found
+    return None
+
+
+def test_the_variant_rule_sees_a_variant_import():
+    """The checker of the two rules below, on imports it must and must not flag."""
+    variants = {"moe_variants.semmoe", "moe_variants.bigmac"}
+    assert _imports_a_variant_module(variants, "moe_variants.semmoe.scheduling") == "moe_variants.semmoe"
+    assert _imports_a_variant_module(variants, "moe_variants.bigmac") == "moe_variants.bigmac"
+    for fine in ("moe_variants.registry", "moe_variants.config", "moe_variants.common.moe_layer",
+                 "moe_variants.builder", "moe_variants.semmoe_extra"):
+        assert _imports_a_variant_module(variants, fine) is None
+    assert _imports_a_variant_module(variants, "moe_variants", ["config", "semmoe"]) == "moe_variants.semmoe"
+    assert _imports_a_variant_module(variants, "moe_variants", ["registry"]) is None
+
+
+def test_inference_imports_no_variant_module():
+    """The server reaches variants only through the registry's hooks (``add_runtime_arguments``,
+    ``request_scheduler``, ``serving_model``): ``moe_variants.registry``/``config``/``common``/
+    ``builder`` are fine, ``moe_variants.<variant>`` is not."""
+    variants = _variant_packages()
+
+    def rule(module, target, names):
+        found = module.startswith("megatron.inference") and _imports_a_variant_module(variants, target, names)
+        if found:
+            return f"the server imports the variant module {found} (go through moe_variants.registry)"
+        return None
+
+    assert _violations(rule) == []
+
+
 def test_netsim_imports_only_the_standard_library_helpers():
     def rule(module, target, names):
         if module.startswith("netsim") and _is_project(target) and not target.startswith("netsim"):
