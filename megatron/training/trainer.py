@@ -1,0 +1,592 @@
+"""The training loop as a small trainer with named steps (``Trainer``: validate, setup, loop,
+finalize), shared by pretraining (``pretrain_gpt``), FCSD distillation (``distill.fcsd``) and the
+time-to-quality benchmark, and the helpers its entry points share (tokenizer, data, resolved
+configuration). Behaviour, flags and exit codes: ``megatron/training/pretrain_gpt.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import Configs, configs_to_dict
+from moe_variants.common import collectives
+from moe_variants.common.cli import UserError, one_line, user_input
+
+__all__ = ["Trainer", "TrainerHooks", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of", "build_data",
+           "config_yaml"]
+
+
+def resolve_tokenizer(c: Configs):
+    """The tokenizer named by the data flags, or the embedded BPE when none is given."""
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+
+    d = c.data
+    if d.tokenizer_type is None:
+        if d.data_path is not None:
+            raise UserError("--data-path needs --tokenizer-type (and its model/vocab files)")
+        return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+    if d.data_path is None:
+        raise UserError(
+            f"--tokenizer-type {d.tokenizer_type} needs --data-path: the embedded corpus is "
+            "tokenized with the embedded tokenizer"
+        )
+    return build_tokenizer(
+        d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, vocab_size=c.model.vocab_size
+    )
+
+
+def check_data_paths(c: Configs) -> None:
+    """Fail early (before any process group exists) when a ``--data-path`` prefix is missing."""
+    from megatron.training.data import indexed_dataset_paths, parse_data_path
+
+    if c.data.data_path is None:
+        return
+    prefixes, _ = parse_data_path(c.data.data_path)
+    for prefix in prefixes:
+        for path in indexed_dataset_paths(prefix):
+            if not os.path.isfile(path):
+                raise UserError(f"--data-path {prefix}: {path} does not exist (run scripts/preprocess_data.py)")
+    for path in c.data.heldout_text or []:
+        if not os.path.isfile(path):
+            raise UserError(f"--heldout-text {path}: no such file")
+
+
+def tokenizer_files_of(c: Configs) -> dict:
+    """The files that define the tokenizer ({flag role: path}), copied into every checkpoint."""
+    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+
+    d = c.data
+    if d.tokenizer_type is None:
+        return {"tokenizer_model": DEFAULT_TOKENIZER_MODEL}
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        path = d.tokenizer_model
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        return {"tokenizer_model": path}
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return {"vocab_file": d.vocab_file, "merge_file": d.merge_file}
+    return {}
+
+
+def build_data(c: Configs, tokenizer, *, dp_rank: int, dp_size: int, consumed_samples: int, global_batch: int):
+    """Train/valid/test datasets and the (resumable) train iterator."""
+    from megatron.training.data import (
+        build_data_iterator,
+        build_pretraining_datasets,
+        ensure_embedded_dataset,
+        get_train_valid_test_num_samples,
+    )
+
+    cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
+    data_path = c.data.data_path
+    if data_path is None:
+        data_path = [ensure_embedded_dataset(cache)]
+    num_samples = get_train_valid_test_num_samples(
+        c.training.train_iters, global_batch, c.logging.eval_interval, c.logging.eval_iters
+    )
+    train_ds, valid_ds, test_ds = build_pretraining_datasets(
+        data_path, c.data.split, c.model.seq_length, c.training.seed, num_samples, tokenizer, cache
+    )
+    train_iter = build_data_iterator(
+        train_ds, c.training.micro_batch_size, consumed_samples, dp_rank, dp_size,
+        num_workers=c.data.num_workers,
+    )
+    return train_ds, valid_ds, test_ds, train_iter
+
+
+def _eval_iter(dataset, c: Configs, dp_rank, dp_size):
+    from megatron.training.data import build_data_iterator
+
+    if dataset is None:
+        return None
+    # every evaluation reads the same batches, so validation curves are comparable over time
+    return build_data_iterator(dataset, c.training.micro_batch_size, 0, dp_rank, dp_size, cyclic=True)
+
+
+def _step_record(step: int, m, rss_mb: float) -> dict:
+    comm = m.comm
+    return {
+        "step": step,
+        "loss": m.loss,
+        "lm_loss": m.lm_loss,
+        "aux_loss": m.aux_loss,
+        "lr": m.lr,
+        "grad_norm": m.grad_norm,
+        "tokens_per_sec": m.tokens_per_sec,
+        "step_time_s": m.step_time_s,
+        "fwd_time_s": m.fwd_time_s,
+        "bwd_time_s": m.bwd_time_s,
+        "optimizer_time_s": m.optimizer_time_s,
+        "skipped": m.skipped,
+        "a2a_bytes_dispatch": comm["bytes_dispatch"],
+        "a2a_bytes_combine": comm["bytes_combine"],
+        "a2a_bytes_meta": comm["bytes_meta"],
+        "a2a_bytes_backward": comm["bytes_backward"],
+        "a2a_time_s": comm["time_fwd_s"] + comm["time_bwd_s"],
+        "exposed_comm_s": comm["exposed_fwd_s"] + comm["exposed_bwd_s"],
+        "peak_rss_mb": rss_mb,
+        **m.extra,
+    }
+
+
+class Throughput:
+    """TFLOP/s per GPU, MFU and peak GPU memory of a logged step (``megatron/training/flops.py``)."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak: Optional[float]):
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak
+
+    @classmethod
+    def of(cls, model, c: Configs, world_size: int) -> "Throughput":
+        from megatron.core import parallel_state
+
+        from megatron.training.flops import active_weights, flops_per_token, peak_tflops
+
+        p = c.parallel
+        num_local = (c.model.num_experts or 0) // max(p.expert_model_parallel_size, 1)
+        active = torch.tensor([float(active_weights(
+            model, num_experts=c.model.num_experts, topk=c.model.moe_router_topk or 0,
+            tp_size=p.tensor_model_parallel_size, expert_tp_size=p.expert_tensor_parallel_size or 1,
+            num_local_experts=max(num_local, 1)))], dtype=torch.float64)
+        if p.pipeline_model_parallel_size > 1:  # each stage counts its own layers
+            collectives.all_reduce(active, group=parallel_state.get_pipeline_model_parallel_group())
+        per_token = flops_per_token(model.config, int(active.item()), seq_length=c.model.seq_length)
+        return cls(per_token, world_size, c.training.peak_tflops or peak_tflops(c.model.bf16))
+
+    def record(self, m) -> dict:
+        out = {}
+        if m.step_time_s > 0:
+            tflops = self.flops_per_token * m.tokens / m.step_time_s / self.world_size / 1e12
+            out["tflops_per_gpu"] = tflops
+            if self.peak:
+                out["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():
+            out["gpu_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+
+def _on_rank0(fn, rank: int):
+    """Run ``fn`` on rank 0 only; every rank returns its (picklable) result or raises its one-line
+    error (``fn`` validates: its ``ValueError`` is a ``UserError``), so a refusal never leaves the
+    other ranks waiting in a collective."""
+    from megatron.training.checkpointing import CheckpointError, broadcast_object
+
+    out = None
+    if rank == 0:
+        try:
+            out = ("ok", fn())
+        except CheckpointError as e:
+            out = ("checkpoint", str(e))
+        except ValueError as e:
+            out = ("value", str(e))
+    kind, value = broadcast_object(out)
+    if kind == "checkpoint":
+        raise CheckpointError(value)
+    if kind == "value":
+        raise UserError(value)
+    return value
+
+
+def _has_checkpoint(directory: str) -> bool:
+    from megatron.training.checkpointing import MANIFEST, checkpoint_candidates
+
+    if not os.path.isdir(directory):
+        return False
+    return os.path.isfile(os.path.join(directory, MANIFEST)) or bool(checkpoint_candidates(directory))
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def config_yaml(config_dict: dict, prog: str) -> str:
+    """The resolved configuration as flat YAML, loadable again with ``--config``."""
+    import yaml
+
+    lines = [f"# The resolved configuration of this {prog} run; `--config` accepts this file as is."]
+    for section, fields in config_dict.items():
+        if section == "tokenizer" or not fields:
+            continue
+        lines += ["", f"# {section}", yaml.safe_dump(fields, sort_keys=False).rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    from megatron.training.metrics import format_duration
+
+    return format_duration(seconds)
+
+
+@dataclasses.dataclass
+class TrainerHooks:
+    """What an application changes in the loop (FCSD distillation uses all of them).
+
+    ``forward_step_factory(timer)`` replaces the next-token forward step; ``evaluate(iteration,
+    model_chunks) -> dict`` adds metrics at each evaluation (a true ``"stop"`` entry, identical on
+    all ranks, ends training early); ``after_setup(model_chunks, configs)`` runs once the model is
+    built and loaded; ``before_wrap(model)`` on the bare model before DDP and the optimizer."""
+
+    forward_step_factory: Optional[Callable] = None
+    evaluate: Optional[Callable] = None
+    after_setup: Optional[Callable] = None
+    before_wrap: Optional[Callable] = None
+
+
+class Trainer:
+    """The training loop in named steps: ``validate`` (before any process group: bad input is one
+    line), ``setup`` (process groups, watchdog, save-directory lock, model and optimizer, resume,
+    metrics, data), ``loop`` (steps, evaluations, saves, the stop signal), ``finalize`` (last save,
+    final evaluations, the summary). ``run`` does all four and returns the summary; its
+    ``interrupted`` entry is true when a signal stopped the run (after saving)."""
+
+    def __init__(self, c: Configs, *, prog: str = "pretrain_gpt", hooks: Optional[TrainerHooks] = None,
+                 lineage: Optional[str] = None):
+        self.c = c
+        self.prog = prog
+        self.hooks = hooks or TrainerHooks()
+        self.lineage = lineage  # default: the resumed checkpoint's, else a new one
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.started = time.monotonic()
+        self.watchdog = None
+        self.lock = None
+        self.stop = None
+
+    # ------------------------------------------------------------------------------------ run
+    def run(self) -> dict:
+        self.validate()
+        from megatron.training.signals import StopFlag, stop_with_launcher
+
+        self.stop = StopFlag().install()
+        stop_with_launcher()
+        try:
+            self.setup()
+            self.loop()
+            summary = self.finalize()
+            if self.watchdog is not None:
+                self.watchdog.finish()
+            return summary
+        except BaseException as e:
+            if self.watchdog is not None:  # the other ranks stop within two heartbeats, not at the collective timeout
+                self.watchdog.fail(one_line(e) if isinstance(e, UserError) else f"{type(e).__name__}: {one_line(e)}")
+            raise
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            self.stop.restore()
+
+    # ------------------------------------------------------------------------------- validate
+    def validate(self) -> None:
+        from moe_variants.config import validate
+
+        c, ck = self.c, self.c.checkpoint
+        with user_input():
+            validate(c.model, c.parallel, self.world)
+            if ck.save_interval and not ck.save:
+                raise UserError("--save-interval needs --save DIR")
+            if ck.overwrite_save and not ck.save:
+                raise UserError("--overwrite-save needs --save DIR")
+            check_data_paths(c)
+            self.tokenizer = resolve_tokenizer(c)
+
+    # ---------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        from megatron.core import parallel_state
+
+        from megatron.training.checkpointing import layout_of
+        from megatron.training.data import check_token_ids, parse_data_path
+        from megatron.training.parallel import initialize_parallel
+        from megatron.training.save_dir import SaveDirLock
+        from megatron.training.training import lm_forward_step, setup_model_and_optimizer
+        from megatron.training.watchdog import WatchdogConfig, start_watchdog
+
+        c, ck, t = self.c, self.c.checkpoint, self.c.training
+        self.pgc = initialize_parallel(c.parallel, seed=t.seed, timeout_minutes=t.distributed_timeout_minutes)
+        self.rank = dist.get_rank()
+        # the stop flag is agreed on every step: on a CPU (gloo) group it never waits for the GPU
+        self.stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.watchdog = start_watchdog(WatchdogConfig(t.heartbeat_timeout, t.step_timeout), prog=self.prog)
+        if ck.save:  # one writer per directory, refused before anything is built
+            def take_lock():
+                self.lock = SaveDirLock(ck.save).acquire()
+            _on_rank0(take_lock, self.rank)
+        if c.data.data_path is not None:
+            prefixes = parse_data_path(c.data.data_path)[0]
+            _on_rank0(lambda: check_token_ids(prefixes, self.tokenizer.vocab_size), self.rank)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.num_micro = t.num_microbatches(self.dp_size)
+        self.global_batch = t.resolved_global_batch_size(self.dp_size)
+        self.chunks, self.optimizer, self.scheduler = setup_model_and_optimizer(
+            c.model, c.parallel, t, vocab_size=self.tokenizer.vocab_size, pg_collection=self.pgc,
+            before_wrap=self.hooks.before_wrap,
+        )
+        self.config_dict = configs_to_dict(c)
+        self.tokenizer_files = tokenizer_files_of(c)
+        self.config_dict["tokenizer"] = {
+            "type": c.data.tokenizer_type or "HuggingFaceTokenizer", "vocab_size": self.tokenizer.vocab_size,
+        }
+        self.layout = layout_of(c.parallel, t, self.world)
+        self._resume()
+        if self.hooks.after_setup is not None:
+            self.hooks.after_setup(self.chunks, c)
+        self._open_metrics()
+        with user_input():
+            self.train_ds, self.valid_ds, self.test_ds, self.train_iter = build_data(
+                c, self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, consumed_samples=self.consumed,
+                global_batch=self.global_batch,
+            )
+        self.forward_step_factory = self.hooks.forward_step_factory or (lambda timer: lm_forward_step(timer))
+        self.throughput = Throughput.of(self.chunks[0].module, c, self.world)
+
+    def _resume(self) -> None:
+        """Load ``--load`` (if it has a checkpoint) and prepare the save directory."""
+        from megatron.training.checkpointing import load_checkpoint, new_lineage
+        from megatron.training.save_dir import prepare_save_dir
+
+        c, ck, rank = self.c, self.c.checkpoint, self.rank
+        self.iteration, self.consumed, loaded = 0, 0, None
+        load = ck.load
+        if load and _same_dir(load, ck.save) and not _on_rank0(lambda: _has_checkpoint(load), rank):
+            if rank == 0:  # Megatron-LM's `--save DIR --load DIR` idiom on a first run
+                print(f"{self.prog}: no checkpoint in {load} yet; starting from scratch", flush=True)
+            load = None
+        if load:
+            with user_input():
+                loaded = load_checkpoint(
+                    load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
+                    load_optimizer=not (ck.no_load_optim or ck.finetune),
+                    load_rng=not (ck.no_load_rng or ck.finetune),
+                    fallback=ck.load_fallback, expected_configs=self.config_dict, verify=ck.verify_checkpoint,
+                )
+            if loaded is None:
+                if rank == 0:
+                    print(f"{self.prog}: no checkpoint in {load}; starting from scratch", flush=True)
+            elif not ck.finetune:
+                self.iteration, self.consumed = loaded.iteration, loaded.consumed_samples
+                if not loaded.optimizer_loaded:
+                    self.scheduler.step(increment=self.iteration)  # keep the LR schedule's position
+        resumed_from = loaded.path if loaded is not None and not ck.finetune else None
+        if self.lineage is None:
+            self.lineage = (loaded.manifest.get("lineage") if resumed_from else None) or new_lineage()
+        self.start_iteration = self.iteration
+        self.metrics_path = c.logging.metrics_file or (os.path.join(ck.save, "metrics.jsonl") if ck.save else None)
+        if ck.save:
+            default_metrics = None if c.logging.metrics_file else self.metrics_path
+            _on_rank0(lambda: prepare_save_dir(
+                ck.save, resumed_from=resumed_from, start_iteration=self.iteration, lineage=self.lineage,
+                configs=self.config_dict, overwrite=ck.overwrite_save, run_files=(default_metrics,),
+            ), rank)
+        in_save_dir = bool(resumed_from) and _same_dir(os.path.dirname(resumed_from), ck.save)
+        self.last_saved = {"iteration": self.iteration if in_save_dir else None,
+                           "path": resumed_from if in_save_dir else None}
+
+    def _open_metrics(self) -> None:
+        from megatron.training.metrics import MetricsWriter
+        from moe_variants.common.files import write_text
+
+        c, ck = self.c, self.c.checkpoint
+        self.writer = MetricsWriter(
+            enabled=self.rank == self.world - 1 if c.parallel.pipeline_model_parallel_size > 1 else self.rank == 0,
+            jsonl_path=self.metrics_path,
+            tensorboard_dir=c.logging.tensorboard_dir,
+            wandb_project=c.logging.wandb_project,
+            wandb_exp_name=c.logging.wandb_exp_name,
+            wandb_mode=c.logging.wandb_mode,
+            wandb_save_dir=c.logging.wandb_save_dir,
+            config=self.config_dict,
+        )
+        dump = config_yaml(self.config_dict, self.prog)
+        config_file = os.path.join(ck.save, "config.yaml") if ck.save else None
+        if config_file and self.rank == 0:
+            write_text(config_file, dump)
+        if c.logging.print_config:
+            self.writer.print(f"{self.prog}: resolved configuration\n{dump}")
+        self.writer.print(
+            f"{self.prog}: world size {self.world} (data-parallel {self.dp_size}), {self.num_micro} micro-batch(es) "
+            f"of {c.training.micro_batch_size} per step, global batch {self.global_batch}, starting at iteration "
+            f"{self.iteration}" + (f"; configuration in {config_file}" if config_file else "")
+        )
+
+    # ----------------------------------------------------------------------------------- loop
+    def loop(self) -> None:
+        """Train until ``--train-iters``, a stop signal (``self.interrupted``) or an early stop."""
+        from megatron.training import faults
+
+        c, ck = self.c, self.c.checkpoint
+        self.last_record = None
+        self.interrupted = False
+        self.early_stop = None
+        self.loop_start = time.monotonic()
+        while self.iteration < c.training.train_iters:
+            if self.stop.agreed(self.stop_group):
+                self.interrupted = True
+                self.writer.print(f"{self.prog}: {self.stop.name} received; saving and exiting after iteration "
+                                  f"{self.iteration}")
+                break
+            self.train_one_step()
+            faults.inject(self.rank, self.iteration)
+            it = self.iteration
+            if c.logging.eval_interval and it % c.logging.eval_interval == 0 and it < c.training.train_iters:
+                if self.evaluate(it).get("stop"):
+                    self.writer.print(f"{self.prog}: early stop at iteration {it}")
+                    self.early_stop = it
+                    break
+            if ck.save and ck.save_interval and it % ck.save_interval == 0:
+                self.save(it)
+
+    def train_one_step(self) -> None:
+        from megatron.training.metrics import format_step_line, peak_rss_mb
+        from megatron.training.training import Timer, train_step
+
+        c = self.c
+        timer = Timer()
+        # metrics are read (host syncs, collectives) only on the steps that log them
+        log_now = (self.iteration + 1) % c.logging.log_interval == 0 or self.iteration + 1 == c.training.train_iters
+        m = train_step(
+            self.chunks, self.optimizer, self.scheduler, self.train_iter, model_cfg=c.model, train_cfg=c.training,
+            num_microbatches=self.num_micro, pg_collection=self.pgc,
+            forward_step_func=self.forward_step_factory(timer), reduce_metrics=log_now,
+        )
+        self.iteration += 1
+        self.consumed += self.global_batch
+        if self.watchdog is not None:
+            self.watchdog.step_done(self.iteration)
+        if not log_now:
+            return
+        m.fwd_time_s = timer.forward_s
+        m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
+        record = _step_record(self.iteration, m, peak_rss_mb())
+        record.update(self.throughput.record(m))
+        elapsed = time.monotonic() - self.loop_start
+        record["elapsed_s"] = elapsed
+        self.writer.log_step(record)
+        self.last_record = record
+        if c.logging.log_progress:
+            done = self.iteration - self.start_iteration
+            self.writer.print(format_step_line(
+                record, c.training.train_iters, elapsed_s=elapsed,
+                eta_s=elapsed / done * (c.training.train_iters - self.iteration),
+            ))
+
+    def paused(self):
+        """Evaluation and saves have no step deadline (the watchdog's heartbeat goes on)."""
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+    def save(self, step: int) -> None:
+        from megatron.training.checkpointing import save_checkpoint
+
+        ck = self.c.checkpoint
+        self.finish_pending_save()
+        with self.paused():
+            path = save_checkpoint(
+                ck.save, step, self.chunks, self.optimizer, self.scheduler, consumed_samples=self.consumed,
+                layout=self.layout, configs=self.config_dict, keep_last=ck.keep_last_checkpoints,
+                tokenizer_files=self.tokenizer_files, lineage=self.lineage,
+                verify=ck.verify_checkpoint, async_save=ck.async_save,
+            )
+        self.last_saved.update(iteration=step, path=path)
+        if ck.async_save:
+            self.writer.print(f"{self.prog}: writing checkpoint {path} in the background")
+        else:
+            self.writer.log_event("checkpoint", step, path=path)
+            self.writer.print(f"{self.prog}: saved checkpoint {path}")
+
+    def finish_pending_save(self) -> None:
+        """An ``--async-save`` in flight becomes a checkpoint (collective)."""
+        from megatron.training.checkpointing import finalize_pending_save
+
+        with self.paused():
+            done = finalize_pending_save()
+        if done:
+            self.writer.log_event("checkpoint", self.last_saved["iteration"], path=done)
+            self.writer.print(f"{self.prog}: saved checkpoint {done}")
+
+    def evaluate(self, step: int, split: str = "valid", dataset=None) -> dict:
+        from megatron.training.training import evaluate
+
+        c = self.c
+        dataset = self.valid_ds if dataset is None else dataset
+        result = {}
+        with self.paused():
+            if dataset is not None and c.logging.eval_iters > 0:
+                result = evaluate(
+                    self.chunks, _eval_iter(dataset, c, self.dp_rank, self.dp_size), model_cfg=c.model,
+                    train_cfg=c.training, eval_iters=c.logging.eval_iters,
+                    num_microbatches=self.num_micro, pg_collection=self.pgc,
+                )
+            if self.hooks.evaluate is not None:
+                result.update(self.hooks.evaluate(step, self.chunks))
+        if result:
+            self.writer.log_event(split, step, **result)
+            self.writer.print(
+                f"{self.prog}: {split} at iter {step}: "
+                + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+            )
+        return result
+
+    # ------------------------------------------------------------------------------- finalize
+    def finalize(self) -> dict:
+        """The last save (and the one in flight), the final evaluations and the summary."""
+        from megatron.training.data import build_heldout_windows
+        from megatron.training.metrics import peak_rss_mb
+        from megatron.training.training import evaluate_windows
+
+        c, ck, it = self.c, self.c.checkpoint, self.iteration
+        summary = {"iteration": it, "interrupted": self.interrupted, "early_stop": self.early_stop}
+        if self.interrupted:
+            summary["signal"] = self.stop.name
+        if ck.save and it > self.start_iteration and self.last_saved["iteration"] != it:
+            self.save(it)
+        if ck.save:
+            self.finish_pending_save()
+        if not self.interrupted:
+            summary["valid"] = self.evaluate(it, "valid")
+            if self.test_ds is not None and c.logging.eval_iters > 0:
+                summary["test"] = self.evaluate(it, "test", self.test_ds)
+            for path in c.data.heldout_text or []:
+                with user_input(), self.paused():
+                    windows = build_heldout_windows(path, self.tokenizer, c.model.seq_length)
+                with self.paused():
+                    result = evaluate_windows(
+                        self.chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
+                        pg_collection=self.pgc,
+                    )
+                result["file"] = path
+                summary.setdefault("heldout", []).append(result)
+                self.writer.log_event("heldout", it, **result)
+                self.writer.print(
+                    f"{self.prog}: held-out {path}: loss {result['loss']:.4f} | ppl {result['ppl']:.2f} "
+                    f"over {result['tokens']} tokens"
+                )
+        if self.last_record is not None:
+            summary["last_step"] = self.last_record
+        summary["peak_rss_mb"] = peak_rss_mb()
+        summary["checkpoint"] = self.last_saved["path"] if ck.save else None
+        summary["metrics_file"] = self.metrics_path
+        summary["wall_time_s"] = time.monotonic() - self.started
+        self.writer.log_event("summary", it, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+        self.writer.print(_closing_line(self.prog, summary, c, self.start_iteration))
+        self.writer.close()
+        return summary
+
+
+def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:
+    from megatron.training.signals import PREEMPTED_EXIT_CODE
+
+    took = _duration(summary["wall_time_s"])
+    ckpt = summary.get("checkpoint") or ("none (no --save)" if not c.checkpoint.save else "none")
+    where = f"checkpoint {ckpt}; metrics {summary.get('metrics_file') or 'not written (no --save)'}"
+    steps = summary["iteration"] - start_iteration
+    if summary["interrupted"]:
+        return (f"{prog}: stopped by {summary.get('signal', 'a signal')} at iteration {summary['iteration']} "
+                f"after {steps} step(s) in {took}; {where}; resume with --load {c.checkpoint.save or 'DIR'} "
+                f"(exit code {PREEMPTED_EXIT_CODE})")
+    return f"{prog}: finished at iteration {summary['iteration']} ({steps} step(s)) in {took}; {where}"
