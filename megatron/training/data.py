@@ -554,6 +554,8 @@ def build_data_iterator(
         batch_sampler=sampler,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        # page-locked host batches: the step's non_blocking copies to the GPU then overlap compute
+        pin_memory=torch.cuda.is_available(),
         # its own generator: each iterator draws a base seed for its workers, which from the global
         # one would shift dropout masks between a run and its resume (built after the load)
         generator=torch.Generator().manual_seed(0),
