@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from moe_variants import registry
 from moe_variants.common.moe_layer import ProjectMoELayer, ProjectRouter
-from moe_variants.config import ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl, validate
+from moe_variants.config import ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl, plain, validate
 from moe_variants.features import GroupMaxRouter, MLADotProductAttention
 from moe_variants.norms import TorchNorm
 
@@ -94,7 +94,8 @@ _SAME_NAME_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_si
 
 
 def _copy(obj, names) -> dict:
-    return {name: getattr(obj, name) for name in names}
+    """The fields as megatron-core takes them: enum choices as their plain strings."""
+    return {name: plain(getattr(obj, name)) for name in names}
 
 
 def _available_kernels() -> dict:
@@ -225,7 +226,7 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
 def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None, upstream_moe=False):
     router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
     block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=te, normalization=model.normalization, pp_rank=pp_rank
+        config, use_transformer_engine=te, normalization=plain(model.normalization), pp_rank=pp_rank
     )
     if upstream_moe:
         return block
@@ -312,7 +313,7 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type=model.position_embedding_type,
+        position_embedding_type=plain(model.position_embedding_type),
         rotary_percent=model.rotary_percent,
         rotary_base=model.rotary_base,
         pg_collection=pg_collection,

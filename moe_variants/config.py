@@ -57,6 +57,96 @@ def coerce_enums(obj) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of: {choices}") from None
 
 
+class Choice(str, enum.Enum):
+    """A config choice: a ``str`` enum that compares, hashes, formats and prints as its value (what
+    YAML, flags and checkpoints store), so messages and megatron-core read the plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Normalization(Choice):
+    """The normalisation layers."""
+
+    rmsnorm = "RMSNorm"
+    layernorm = "LayerNorm"
+
+
+class PositionEmbeddingType(Choice):
+    """Position information: rotary embeddings, a learned absolute table, or none."""
+
+    rope = "rope"
+    learned_absolute = "learned_absolute"
+    none = "none"
+
+
+class LoadBalancingType(Choice):
+    """The router's load-balancing loss (megatron-core's names): per batch, per sequence, over the
+    global batch, Sinkhorn routing, or none."""
+
+    aux_loss = "aux_loss"
+    seq_aux_loss = "seq_aux_loss"
+    global_aux_loss = "global_aux_loss"
+    sinkhorn = "sinkhorn"
+    none = "none"
+
+
+class RouterScoreFunction(Choice):
+    """How the router turns logits into expert scores."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class RouterDtype(Choice):
+    """The router's compute precision."""
+
+    fp32 = "fp32"
+    fp64 = "fp64"
+
+
+class TokenDropPolicy(Choice):
+    """Which tokens an expert over capacity drops: the lowest routing probabilities, or the last."""
+
+    probs = "probs"
+    position = "position"
+
+
+class MoELayer(str):
+    """``--moe-variant``: the class of the MoE layers, resolved through the variant registry.
+
+    ``standard`` is the project's MoE layer (no variant owns it); any other value is the
+    ``moe_layer`` of exactly one registered variant (e.g. ``bigmac``), its ``owner``. Configs, YAML
+    and checkpoints store the name, so every checkpoint (``moe_variant: standard`` or a variant's
+    name, before or after the registry) reads the same; it compares and prints as the name.
+    """
+
+    @classmethod
+    def parse(cls, value) -> "MoELayer":
+        """The choice named by ``value``; ``ValueError`` naming ``--moe-variant`` and the choices."""
+        if isinstance(value, MoELayer):
+            return value
+        from moe_variants import registry
+
+        choices = registry.moe_layer_choices()
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"--moe-variant {value!r} is not one of: {', '.join(choices)}")
+        return cls(value)
+
+    @property
+    def owner(self):
+        """The registered variant whose MoE layer this is (``registry.moe_layer_owner``), or None."""
+        from moe_variants import registry
+
+        return registry.moe_layer_owner(self)
+
+    def to_config(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"MoELayer({str.__str__(self)!r})"
+
+
 class DispatcherType(str, enum.Enum):
     """How tokens reach their experts: all-to-all among EP ranks, or all-gather over TPxEP."""
 
@@ -104,10 +194,10 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = dataclasses.field(default=None, metadata={"help": "longest position the model supports; default: --seq-length"})
     vocab_size: Optional[int] = dataclasses.field(default=None, metadata={"help": "vocabulary size (NullTokenizer); default: the tokenizer's"})
     make_vocab_size_divisible_by: int = dataclasses.field(default=128, metadata={"help": "pad the embedding's vocabulary to a multiple of this"})
-    normalization: str = dataclasses.field(default="RMSNorm", metadata={"help": "RMSNorm or LayerNorm"})
+    normalization: Normalization = dataclasses.field(default=Normalization.rmsnorm, metadata={"help": "RMSNorm or LayerNorm"})
     norm_epsilon: float = dataclasses.field(default=1e-5, metadata={"help": "epsilon of the normalisation layers"})
     swiglu: bool = dataclasses.field(default=True, metadata={"help": "SwiGLU activation in the FFNs and experts"})
-    position_embedding_type: str = dataclasses.field(default="rope", metadata={"help": "rope, or learned_absolute"})
+    position_embedding_type: PositionEmbeddingType = dataclasses.field(default=PositionEmbeddingType.rope, metadata={"help": "rope, learned_absolute, or none"})
     rotary_base: int = dataclasses.field(default=10000, metadata={"help": "RoPE base"})
     rotary_percent: float = dataclasses.field(default=1.0, metadata={"help": "fraction of each head's dimensions that RoPE rotates"})
     untie_embeddings_and_output_weights: bool = dataclasses.field(default=True, metadata={"help": "separate input embedding and output layer weights"})
@@ -142,32 +232,30 @@ class ModelConfig:
     moe_layer_freq: Union[int, list] = dataclasses.field(default=1, metadata={"help": "MoE layer pattern: every N-th layer, or a per-layer list like [0,1,1,1] (0 dense, 1 MoE)"})
     moe_aux_loss_coeff: float = dataclasses.field(default=0.01, metadata={"help": "load-balancing auxiliary loss coefficient"})
     moe_z_loss_coeff: Optional[float] = dataclasses.field(default=None, metadata={"help": "router z-loss coefficient"})
-    moe_router_load_balancing_type: str = dataclasses.field(default="aux_loss", metadata={"help": "aux_loss, seq_aux_loss, sinkhorn or none"})
-    moe_router_score_function: str = dataclasses.field(default="softmax", metadata={"help": "softmax or sigmoid"})
+    moe_router_load_balancing_type: LoadBalancingType = dataclasses.field(default=LoadBalancingType.aux_loss, metadata={"help": "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none"})
+    moe_router_score_function: RouterScoreFunction = dataclasses.field(default=RouterScoreFunction.softmax, metadata={"help": "softmax or sigmoid"})
     moe_router_pre_softmax: bool = dataclasses.field(default=False, metadata={"help": "softmax before the top-k (else over the selected experts)"})
     moe_router_topk_scaling_factor: Optional[float] = dataclasses.field(default=None, metadata={"help": "scale applied to the routing weights"})
     moe_router_num_groups: Optional[int] = dataclasses.field(default=None, metadata={"help": "group-limited routing: expert groups"})
     moe_router_group_topk: Optional[int] = dataclasses.field(default=None, metadata={"help": "group-limited routing: groups each token may use"})
     moe_router_group_score: RouterGroupScore = dataclasses.field(default=RouterGroupScore.topk_sum, metadata={"help": "how group-limited routing ranks a group: topk-sum or max"})
     moe_router_enable_expert_bias: bool = dataclasses.field(default=False, metadata={"help": "aux-loss-free balancing bias on the expert scores"})
-    moe_router_dtype: Optional[str] = dataclasses.field(default="fp32", metadata={"help": "router compute dtype (fp32, fp64)"})
+    moe_router_dtype: Optional[RouterDtype] = dataclasses.field(default=RouterDtype.fp32, metadata={"help": "router compute dtype (fp32, fp64)"})
     moe_token_dispatcher_type: DispatcherType = dataclasses.field(default=DispatcherType.alltoall, metadata={"help": "how tokens reach their experts: all-to-all among EP ranks, or all-gather"})
     moe_expert_capacity_factor: Optional[float] = dataclasses.field(default=None, metadata={"help": "expert capacity as a multiple of the balanced load (unset: dropless)"})
     moe_pad_expert_input_to_capacity: bool = dataclasses.field(default=False, metadata={"help": "pad every expert's input to its capacity"})
-    moe_token_drop_policy: str = dataclasses.field(default="probs", metadata={"help": "which tokens a full expert drops: probs or position"})
+    moe_token_drop_policy: TokenDropPolicy = dataclasses.field(default=TokenDropPolicy.probs, metadata={"help": "which tokens a full expert drops: probs or position"})
     # variants (moe_variants/registry.py): which MoE layer class (``standard`` or a variant's, e.g.
-    # ``bigmac``), and each registered variant's config section by name; the sections' fields are
-    # flags of their own (``--bigmac-ratio``, ``--farskip``, ...), not fields of this class
-    moe_variant: str = "standard"
+    # ``bigmac``: a registry-resolved MoELayer), and each registered variant's config section by name;
+    # the sections' fields are flags of their own (``--bigmac-ratio``, ``--farskip``, ...)
+    moe_variant: MoELayer = dataclasses.field(default=MoELayer("standard"), metadata={"help": "the MoE layer class: standard, or a registered variant's"})
     variants: dict = dataclasses.field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self):
         coerce_enums(self)
+        self.moe_variant = MoELayer.parse(self.moe_variant)
         from moe_variants import registry
 
-        choices = registry.moe_layer_choices()
-        if self.moe_variant not in choices:
-            raise ValueError(f"--moe-variant {self.moe_variant!r} is not one of: {', '.join(choices)}")
         sections = registry.config_sections()
         for name, section in self.variants.items():
             if name not in sections or not isinstance(section, sections[name]):
@@ -321,7 +409,7 @@ def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[
     else:
         if ep != 1:
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
-        if model.moe_variant != "standard":
+        if model.moe_variant.owner is not None:
             raise ValueError(f"--moe-variant {model.moe_variant} needs --num-experts")
     if model.rope_type == RopeType.yarn:
         if not model.multi_latent_attention:

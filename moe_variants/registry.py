@@ -44,6 +44,8 @@ __all__ = [
     "enabled",
     "config_sections",
     "moe_layer_choices",
+    "moe_layer_owner",
+    "STANDARD",
     "bench_presets",
     "preset_overrides",
     "add_runtime_arguments",
@@ -147,7 +149,8 @@ class Variant:
 
     name: ClassVar[str] = ""
     config: ClassVar[Optional[type]] = None  # a VariantConfig dataclass
-    # the --moe-variant value that selects this variant's MoE layer class (None: it does not replace it)
+    # the --moe-variant value that selects this variant's MoE layer class (None: it does not replace
+    # it); a value has one owner (``moe_layer_owner``)
     moe_layer: ClassVar[Optional[str]] = None
     # benchmark presets: name -> flat config overrides (``+`` combines presets on the command line)
     bench_presets: ClassVar[dict] = {}
@@ -159,8 +162,9 @@ class Variant:
         return self.config.of(model) if self.config is not None else None
 
     def enabled(self, model) -> bool:
-        """Whether ``model`` uses this variant (only enabled variants are validated and applied)."""
-        return self.moe_layer is not None and model.moe_variant == self.moe_layer
+        """Whether ``model`` uses this variant (only enabled variants are validated and applied);
+        by default: whether it owns ``model``'s MoE layer."""
+        return self.moe_layer is not None and moe_layer_owner(model.moe_variant) is self
 
     def validate(self, model, parallel) -> None:
         """Raise ``ValueError`` naming the flag when the variant cannot run with these settings."""
@@ -238,6 +242,9 @@ class Variant:
         return None
 
 
+# the name of every variant off: the project's own MoE layer, and the benchmark preset without variants
+STANDARD = "standard"
+
 _REGISTRY: dict[str, Variant] = {}
 _DISCOVERED = False
 
@@ -249,6 +256,12 @@ def register(cls: type) -> type:
     existing = _REGISTRY.get(cls.name)
     if existing is not None and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"variant {cls.name!r} is registered twice ({type(existing).__name__}, {cls.__name__})")
+    if cls.moe_layer is not None:
+        if cls.moe_layer == STANDARD:
+            raise ValueError(f"{cls.__name__}.moe_layer: {STANDARD!r} is the project's own MoE layer")
+        owner = next((v for v in _REGISTRY.values() if v.moe_layer == cls.moe_layer and v.name != cls.name), None)
+        if owner is not None:
+            raise ValueError(f"{cls.__name__}.moe_layer {cls.moe_layer!r} is already the {owner.name} variant's")
     if cls.config is not None:
         if not (dataclasses.is_dataclass(cls.config) and issubclass(cls.config, VariantConfig)):
             raise TypeError(f"{cls.__name__}.config must be a VariantConfig dataclass")
@@ -412,14 +425,25 @@ def config_sections() -> dict[str, type]:
 
 def moe_layer_choices() -> list[str]:
     """Values of ``--moe-variant``: ``standard`` and each variant's MoE layer."""
-    return ["standard"] + [v.moe_layer for v in variants() if v.moe_layer is not None]
+    return [STANDARD] + [v.moe_layer for v in variants() if v.moe_layer is not None]
+
+
+def moe_layer_owner(choice: str) -> Optional[Variant]:
+    """The variant whose MoE layer ``--moe-variant choice`` selects, or None for ``standard``;
+    ``ValueError`` for a value no variant registers."""
+    if choice == STANDARD:
+        return None
+    owner = next((v for v in variants() if v.moe_layer is not None and v.moe_layer == choice), None)
+    if owner is None:
+        raise ValueError(f"--moe-variant {choice!r} is not one of: {', '.join(moe_layer_choices())}")
+    return owner
 
 
 def bench_presets() -> dict[str, dict]:
     """Benchmark preset name -> flat overrides: ``standard`` (every variant off) and each variant's."""
-    out: dict[str, dict] = {"standard": {}}
+    out: dict[str, dict] = {STANDARD: {}}
     for v in variants():
-        out["standard"].update(v.off)
+        out[STANDARD].update(v.off)
         for name, overrides in v.bench_presets.items():
             if name in out:
                 raise ValueError(f"benchmark preset {name!r} is defined twice")

@@ -81,7 +81,7 @@ def model_accounting(m: ModelConfig, vocab_size: int) -> ModelAccounting:
     attn_params, attn_flops = _attention_params(m)
     dense_ffn = m.ffn_hidden_size or 4 * h
     expert_ffn = m.moe_ffn_hidden_size or dense_ffn
-    bigmac = m.moe_variant == "bigmac"
+    bigmac = m.moe_variant.owner is not None and m.moe_variant.owner.name == "bigmac"
     latent = BigMacConfig.of(m).latent_size(h) if bigmac else None
     dim = latent if bigmac else h
     if bigmac:
