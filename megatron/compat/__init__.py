@@ -10,9 +10,13 @@ the test harness do). It is idempotent. Two kinds of adaptation exist:
   CUDA allocations, streams and type-string checks of megatron-core's DDP, optimizers, schedules
   and tensor-parallel mappings to the CPU (sites in ``sites.py``).
 
-Everything on the MoE hot path that needs CPU care (router gating device moves, the all-to-all
-split sizes, asynchronous all-to-alls) is handled by our own subclasses in ``moe_variants/common``
-rather than by patches, because those classes are where the project's behaviour lives anyway.
+Everything on the MoE hot path that needs CPU care (router gating device moves, asynchronous
+all-to-alls) is handled by our own subclasses in ``moe_variants/common`` rather than by patches,
+because those classes are where the project's behaviour lives anyway; where such a subclass would
+have to override or read a private megatron-core name, the override lives here instead and gives
+it a public name (``token_dispatcher``: the all-to-all split sizes; ``transformer_layer``: the
+layer's MLP step; ``inference.sampling_controller_class``: the server's sampling step), so no code
+outside this package touches megatron-core's private names (``tests/architecture/test_upstream_private.py``).
 """
 
 from __future__ import annotations
