@@ -11,7 +11,20 @@ import dataclasses
 import enum
 from typing import Optional
 
-from moe_variants.config import coerce_enums
+from moe_variants.config import Choice, coerce_enums
+
+
+class Optimizer(Choice):
+    """megatron-core's optimizers (``OptimizerConfig.optimizer``)."""
+
+    adam = "adam"
+    sgd = "sgd"
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 class VerifyCheckpoint(str, enum.Enum):
@@ -62,7 +75,7 @@ class TrainingConfig:
     adam_beta2: float = _opt(0.95, "Adam beta2")
     adam_eps: float = _opt(1e-8, "Adam epsilon")
     clip_grad: float = _opt(1.0, "global gradient-norm clipping threshold (0: off)")
-    optimizer: str = _opt("adam", "megatron-core optimizer (adam or sgd)")
+    optimizer: Optimizer = _opt(Optimizer.adam, "megatron-core optimizer")
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
     # megatron-core DDP: reduce each gradient bucket during the backward as soon as it is complete
     # (off by default, as in Megatron-LM); turns FarSkip's deferred weight gradients off
@@ -181,13 +194,14 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = _opt(None, "also write TensorBoard scalars here (needs the log extra)")
     wandb_project: Optional[str] = _opt(None, "also log to this Weights & Biases project (needs the log extra)")
     wandb_exp_name: Optional[str] = _opt(None, "Weights & Biases run name")
-    wandb_mode: str = _opt("offline", "Weights & Biases mode (offline, online, disabled)")
+    wandb_mode: WandbMode = _opt(WandbMode.offline, "Weights & Biases mode")
     wandb_save_dir: Optional[str] = _opt(None, "Weights & Biases local directory")
     log_progress: bool = _opt(True, "print the step lines")
     print_config: bool = _opt(
         False, "print the resolved configuration before training (it is always written to SAVE/config.yaml)")
 
     def __post_init__(self):
+        coerce_enums(self)
         _check(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
         _check(self.eval_interval >= 0, f"--eval-interval must be >= 0, got {self.eval_interval}")
         _check(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")

@@ -399,7 +399,7 @@ class Trainer:
             tensorboard_dir=c.logging.tensorboard_dir,
             wandb_project=c.logging.wandb_project,
             wandb_exp_name=c.logging.wandb_exp_name,
-            wandb_mode=c.logging.wandb_mode,
+            wandb_mode=c.logging.wandb_mode.value,
             wandb_save_dir=c.logging.wandb_save_dir,
             config=self.config_dict,
         )

@@ -105,7 +105,7 @@ def setup_model_and_optimizer(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     opt_config = OptimizerConfig(
-        optimizer=train_cfg.optimizer,
+        optimizer=train_cfg.optimizer.value,
         lr=train_cfg.lr,
         min_lr=train_cfg.min_lr,
         weight_decay=train_cfg.weight_decay,

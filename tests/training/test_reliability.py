@@ -485,7 +485,8 @@ def test_help_lists_help_defaults_and_choices(capsys):
     assert "--moe-token-dispatcher-type {alltoall,allgather}" in flat
     assert "--lr-decay-style {constant,linear,cosine,inverse-square-root,WSD}" in flat
     assert "--distributed-timeout-minutes X timeout of torch.distributed collectives" in flat
-    assert "--moe-variant {standard,bigmac} (default: standard)" in flat  # no help text: still its default
+    assert "--moe-variant {standard,bigmac} the MoE layer class: standard, or a registered variant's (default: standard)" in flat
+    assert "--optimizer {adam,sgd}" in flat and "--wandb-mode {offline,online,disabled}" in flat
     assert "MOEVARIANT" not in text and "--no-no-load-optim" not in text
     assert "--no-load-optim load weights" in flat and "--no-no-load-rng" not in text
     assert "Exit codes: 0 finished, 75 stopped by a signal" in flat
