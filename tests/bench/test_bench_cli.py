@@ -32,7 +32,7 @@ def _run(*args, timeout=120):
 def test_loopback_synthetic_run_writes_the_documented_json(tmp_path):
     out = tmp_path / "out.json"
     proc = _run(
-        "--variants", "synthetic", "--no-netns", "--ranks", "2", "--warmup", "1", "--steps", "2",
+        "--variants", "synthetic", "--no-netns", "--ranks", "2", "--runs", "2", "--warmup", "1", "--steps", "2",
         "--synthetic-tokens", str(TOKENS), "--synthetic-hidden", str(HIDDEN), "--synthetic-ffn", "16",
         "--synthetic-topk", str(TOPK), "--synthetic-layers", str(LAYERS), "--json", str(out),
         "--timeout-s", "100",
@@ -41,18 +41,23 @@ def test_loopback_synthetic_run_writes_the_documented_json(tmp_path):
     assert "NOT shaped" in proc.stderr  # the loopback warning
     assert "synthetic" in proc.stdout and "comm %" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["schema"] == "bench_ep/1"
+    assert data["schema"] == "bench_ep/2"
     assert set(data) >= {"command", "date", "host", "config", "network", "tuning", "baseline", "variants",
-                         "ratios", "per_rank"}  # fmt: skip
+                         "over_runs", "ratios", "runs", "per_rank"}  # fmt: skip
     assert data["network"]["mode"] == "loopback" and data["network"]["shaped"] is False
-    assert data["config"]["ranks"] == 2 and data["config"]["steps"] == 2
+    assert data["config"]["ranks"] == 2 and data["config"]["steps"] == 2 and data["config"]["runs"] == 2
+    assert [set(r["load"]["synthetic"]) >= {"before", "after", "loaded"} for r in data["runs"]] == [True, True]
     stats = data["variants"]["synthetic"]
     for key in (*STEP_FIELDS, "a2a_bytes", "comm_fraction", "exposed_fraction", "tokens_per_s", "peak_rss_mb"):
         assert set(stats[key]) == {"median", "min", "max", "n"}, key
         assert stats[key]["min"] <= stats[key]["median"] <= stats[key]["max"]
-    assert stats["step_time_s"]["n"] == 4  # 2 ranks x 2 steps
+    assert stats["step_time_s"]["n"] == 8  # 2 runs x 2 ranks x 2 steps
+    assert data["over_runs"]["synthetic"]["step_time_s"]["n"] == 2
+    # the synthetic worker records its collectives: in flight = transfer + rank-skew wait
+    assert stats["transfer_s"]["n"] == 8 and stats["transfer_fraction"]["max"] <= stats["comm_fraction"]["max"] + 1e-9
     assert data["ratios"]["synthetic"]["step_time_speedup"] == pytest.approx(1.0)
-    ranks = [RankResult.from_dict(d) for d in data["per_rank"]["synthetic"]]
+    assert len(data["per_rank"]["synthetic"]) == 2  # per run
+    ranks = [RankResult.from_dict(d) for d in data["per_rank"]["synthetic"][1]]
     assert [r.rank for r in ranks] == [0, 1]
     for r in ranks:
         r.validate(2)

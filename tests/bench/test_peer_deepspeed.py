@@ -143,7 +143,7 @@ def test_bench_runs_deepspeed_moe_beside_standard_and_reports_its_padding(tmp_pa
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(repo_root(), "scripts", "bench_ep.py"), "--no-netns",
-         "--variants", "standard,deepspeed-moe", "--warmup", "0", "--steps", "2", "--num-layers", "2",
+         "--variants", "standard,deepspeed-moe", "--runs", "1", "--warmup", "0", "--steps", "2", "--num-layers", "2",
          "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--json", str(out), "--timeout-s", "400"],
         capture_output=True, text=True, timeout=450,
@@ -159,7 +159,7 @@ def test_bench_runs_deepspeed_moe_beside_standard_and_reports_its_padding(tmp_pa
     rows = ds["dispatch_rows"]
     assert rows["buffer"] >= rows["routed"] > 0
     hidden, layers = 32, 2
-    for r_std, r_ds in zip(data["per_rank"]["standard"], data["per_rank"]["deepspeed-moe"]):
+    for r_std, r_ds in zip(data["per_rank"]["standard"][0], data["per_rank"]["deepspeed-moe"][0]):
         assert r_ds["extra"]["lm_loss"][0] == pytest.approx(r_std["extra"]["lm_loss"][0], rel=1e-4)
         assert r_ds["extra"]["peer"] == {"peer": "deepspeed-moe"}
         # 2 ranks: half of each rank's padded buffer (all experts x capacity) leaves it, 4 bytes a value

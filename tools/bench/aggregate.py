@@ -26,6 +26,17 @@ A worker that pads its dispatch buffers to a capacity (the ``deepspeed-moe`` pee
 routed and sent per step (``extra``: ``routed_rows``, ``buffer_rows``); they become
 ``dispatch_rows`` (``routed``, ``buffer``, ``padding_factor`` = buffer / routed, over all ranks and
 steps) and a line under the table.
+
+Workers that record each step's collectives (``extra["a2a_spans"]``: ours, not the upstream peers)
+get the in-flight time split into ``transfer_s`` and ``skew_s`` (rank-skew wait), per (rank, step)
+(``tools.bench.overlap.transfer_skew``), with ``transfer_fraction`` and ``skew_fraction`` of the step:
+``comm_fraction = transfer_fraction + skew_fraction``.
+
+Several runs (``--runs``): ``merge_runs`` pools a variant's runs as more steps (``variant_stats`` of
+the merge is over runs x ranks x steps); ``over_runs_stats`` takes each run's median of the
+``RUN_FIGURES`` and gives their median with a bootstrap 95% interval
+(``tools.bench.discipline.median_ci``), and the step-time speedup paired by run (the baseline's run-r
+median over the variant's run-r median: they ran side by side).
 """
 
 from __future__ import annotations
@@ -33,10 +44,12 @@ from __future__ import annotations
 import statistics
 from typing import Optional, Sequence
 
+from .discipline import format_ci, median_ci, paired_ratios
+from .overlap import transfer_skew_steps
 from .schema import RankResult
 
 __all__ = ["summarize", "variant_stats", "uncontended_comm_fraction", "ratios_vs", "format_table", "format_rows",
-           "TABLE_COLUMNS"]
+           "TABLE_COLUMNS", "merge_runs", "over_runs_stats", "RUN_FIGURES"]
 
 _TIME_FIELDS = ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s")
 _COUNT_FIELDS = ("a2a_bytes_dispatch", "a2a_bytes_combine", "tokens")
@@ -110,6 +123,15 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
                 bound = min(1.0, sum(w for w, _ in windows) / total_t)
                 out[f"overlap_bound_{direction}"]["pooled"] = bound
                 out[f"overlap_to_bound_{direction}"] = (1.0 - total_e / total_t) / bound if bound > 0 else None
+    split = _split(results, num_steps)
+    if split is not None:
+        transfer = [t for r in split for t in r["transfer_s"]]
+        skew = [k for r in split for k in r["skew_s"]]
+        steps = [s for r in results for s in r.step_time_s]
+        out["transfer_s"] = summarize(transfer)
+        out["skew_s"] = summarize(skew)
+        out["transfer_fraction"] = summarize([t / s for t, s in zip(transfer, steps) if s > 0])
+        out["skew_fraction"] = summarize([k / s for k, s in zip(skew, steps) if s > 0])
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
     # capacity-padded dispatch (the deepspeed-moe peer): (token, expert) rows routed vs rows sent
     if all("routed_rows" in r.extra and "buffer_rows" in r.extra for r in results):
@@ -117,6 +139,67 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
         buffer = sum(sum(r.extra["buffer_rows"]) for r in results)
         out["dispatch_rows"] = {"routed": routed, "buffer": buffer,
                                 "padding_factor": buffer / routed if routed else None}  # fmt: skip
+    return out
+
+
+def _split(results: Sequence[RankResult], num_steps: int) -> Optional[list]:
+    """Per rank ``{"transfer_s": [...], "skew_s": [...]}`` from the recorded spans, or None."""
+    spans = [r.extra.get("a2a_spans") for r in sorted(results, key=lambda r: r.rank)]
+    if any(not isinstance(x, list) or len(x) != num_steps for x in spans):
+        return None
+    if not any(step for x in spans for step in x):  # no collective recorded (one rank, upstream layers)
+        return None
+    return transfer_skew_steps(spans)
+
+
+def merge_runs(runs: Sequence[Sequence[RankResult]]) -> list[RankResult]:
+    """One result per rank holding every run's steps in run order (per-step lists of ``extra``
+    concatenated; other ``extra`` entries from the first run; the peak RSS the largest)."""
+    if not runs:
+        raise ValueError("no runs")
+    by_rank = [sorted(run, key=lambda r: r.rank) for run in runs]
+    if any([r.rank for r in run] != [r.rank for r in by_rank[0]] for run in by_rank):
+        raise ValueError("the runs have different ranks")
+    merged = []
+    for i, first in enumerate(by_rank[0]):
+        mine = [run[i] for run in by_rank]
+        fields = {f: [v for r in mine for v in getattr(r, f)] for f in ("step_time_s", "fwd_time_s", "bwd_time_s",
+                  "a2a_time_s", "exposed_comm_s", "a2a_bytes_dispatch", "a2a_bytes_combine", "tokens")}
+        backward = None
+        if all(r.a2a_bytes_backward is not None for r in mine):
+            backward = [v for r in mine for v in r.a2a_bytes_backward]
+        extra = dict(first.extra)
+        for key, value in first.extra.items():
+            if isinstance(value, list) and all(isinstance(r.extra.get(key), list)
+                                               and len(r.extra[key]) == len(r.step_time_s) for r in mine):
+                extra[key] = [v for r in mine for v in r.extra[key]]
+        merged.append(RankResult(rank=first.rank, world_size=first.world_size, variant=first.variant,
+                                 peak_rss_mb=max(r.peak_rss_mb for r in mine), a2a_bytes_backward=backward,
+                                 extra=extra, **fields))
+    return merged
+
+
+# each run's median of these is a run's figure (``over_runs_stats``)
+RUN_FIGURES = ("step_time_s", "tokens_per_s", "a2a_time_s", "exposed_comm_s", "comm_fraction", "transfer_fraction",
+               "skew_fraction")
+
+
+def over_runs_stats(per_run: Sequence[dict], baseline: str, seed: int = 0) -> dict:
+    """``{variant: {figure: median_ci over runs, ..., "step_time_speedup": median_ci}}`` from
+    ``per_run[r] = {variant: variant_stats of run r}`` (a figure a run lacks is left out; None when
+    no run has it)."""
+    if not per_run:
+        raise ValueError("no runs")
+    out = {}
+    for name in per_run[0]:
+        figures = {}
+        for key in RUN_FIGURES:
+            values = [run[name][key]["median"] for run in per_run if key in run[name]]
+            figures[key] = median_ci(values, seed=seed) if values else None
+        speedups = paired_ratios([run[baseline]["step_time_s"]["median"] for run in per_run],
+                                 [run[name]["step_time_s"]["median"] for run in per_run])
+        figures["step_time_speedup"] = median_ci(speedups, seed=seed) if speedups else None
+        out[name] = figures
     return out
 
 
@@ -157,7 +240,7 @@ def ratios_vs(stats: dict, baseline: str) -> dict:
 
 
 TABLE_COLUMNS = (
-    "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %", "ovl fwd %",
+    "variant", "step ms", "fwd ms", "bwd ms", "a2a ms", "exposed ms", "comm %", "xfer %", "skew %", "ovl fwd %",
     "ovl bwd %", "bound fwd %", "bound bwd %", "a2a MiB/step", "tok/s", "RSS MiB", "speedup", "bytes x",
 )  # fmt: skip
 
@@ -166,20 +249,31 @@ def _fmt_ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
-    """A fixed-width table: medians, with [min-max] for the step time, one row per variant."""
+def format_table(stats: dict, ratios: Optional[dict] = None, over_runs: Optional[dict] = None,
+                 loaded: Optional[dict] = None) -> str:
+    """A fixed-width table, one row per variant: medians, the step time with [min-max] over ranks x
+    steps; with ``over_runs`` (several runs) the step time, the all-to-all shares and the speedup are
+    medians over the runs with [95% interval]. ``loaded`` (variant -> indices of loaded runs, from 0)
+    marks a variant with ``*`` and lists its loaded runs (from 1) under the table."""
     rows = [TABLE_COLUMNS]
+
+    def pct(s, key):
+        return f"{s[key]['median'] * 100:.1f}" if key in s else "-"
+
     for name, s in stats.items():
         st = s["step_time_s"]
         r = (ratios or {}).get(name, {})
+        o = (over_runs or {}).get(name)
         rows.append((
-            name,
-            f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}]",
+            name + ("*" if (loaded or {}).get(name) else ""),
+            format_ci(o["step_time_s"], 1e3) if o else f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}]",
             f"{s['fwd_time_s']['median'] * 1e3:.1f}",
             f"{s['bwd_time_s']['median'] * 1e3:.1f}",
             f"{s['a2a_time_s']['median'] * 1e3:.1f}",
             f"{s['exposed_comm_s']['median'] * 1e3:.1f}",
-            f"{s['comm_fraction']['median'] * 100:.1f}",
+            format_ci(o["comm_fraction"], 100) if o else pct(s, "comm_fraction"),
+            format_ci(o["transfer_fraction"], 100) if o and o["transfer_fraction"] else pct(s, "transfer_fraction"),
+            format_ci(o["skew_fraction"], 100) if o and o["skew_fraction"] else pct(s, "skew_fraction"),
             f"{s['overlap_fwd']['pooled'] * 100:.1f}" if "overlap_fwd" in s else "-",
             f"{s['overlap_bwd']['pooled'] * 100:.1f}" if "overlap_bwd" in s else "-",
             f"{s['overlap_bound_fwd']['pooled'] * 100:.1f}" if "overlap_bound_fwd" in s else "-",
@@ -187,10 +281,18 @@ def format_table(stats: dict, ratios: Optional[dict] = None) -> str:
             f"{s['a2a_bytes']['median'] / 2**20:.3f}",
             f"{s['tokens_per_s']['median']:.0f}",
             f"{s['peak_rss_mb']['max']:.0f}",
-            _fmt_ratio(r.get("step_time_speedup")),
+            format_ci(o["step_time_speedup"], fmt="{:.3f}") if o else _fmt_ratio(r.get("step_time_speedup")),
             _fmt_ratio(r.get("bytes_ratio")),
         ))  # fmt: skip
     lines = [format_rows(rows[0], rows[1:])]
+    if over_runs:
+        n = max((o["step_time_s"]["n"] for o in over_runs.values() if o.get("step_time_s")), default=1)
+        lines.append(f"step ms, comm/xfer/skew %, speedup: medians over {n} runs [bootstrap 95% interval]; "
+                     "the rest pooled over runs x ranks x steps")
+    for name, runs in (loaded or {}).items():
+        if runs:
+            lines.append(f"* {name}: run(s) {', '.join(str(r + 1) for r in runs)} taken on a loaded machine "
+                         "(the JSON's runs[].load says why)")
     for name, s in stats.items():
         rows = s.get("dispatch_rows")
         if rows and rows["padding_factor"] is not None:

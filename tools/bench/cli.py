@@ -2,7 +2,10 @@
 
 Benchmark mode: R ranks (one network namespace each, joined through a shaped bridge) run each
 requested variant's training step, W warm-up + N measured steps, one launch per variant on the
-same link; the command prints a table and writes JSON (``--json``). With
+same link, the whole comparison repeated ``--runs`` times with the variant order rotated by one each
+run (``tools.bench.discipline``); the load is sampled between launches and a run taken on a loaded
+machine is marked (``--strict``: refused). The command prints a table (medians over the runs with
+bootstrap 95% intervals) and writes JSON (``--json``). With
 ``--target-comm-fraction F`` it first picks the link rate at which the probe variant
 (``standard`` if requested, else the first) spends about F of its step in all-to-all.
 Calibration mode (``--collectives``): times gloo all_to_all / all_reduce at 2 and 4 ranks over
@@ -30,8 +33,10 @@ import time
 from typing import Callable, Optional
 
 from . import netns, peers
-from .aggregate import format_table, ratios_vs, uncontended_comm_fraction, variant_stats
+from .aggregate import (RUN_FIGURES, format_table, merge_runs, over_runs_stats, ratios_vs, uncontended_comm_fraction,
+                        variant_stats)
 from .collectives import OPS, default_sizes, run_calibration, write_csv
+from .discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 from .launcher import LaunchError, launch
 from .schema import RankResult, SyntheticOptions, WorkerSpec
 from moe_variants.common.cli import int_list, nonneg_int, positive_int
@@ -48,7 +53,7 @@ log = logging.getLogger("bench_ep")
 SYNTHETIC = "synthetic"
 MODEL_WORKER = "tools.bench.variant_worker"
 WORKERS = {SYNTHETIC: "tools.bench.synthetic_worker"}
-OUTPUT_SCHEMA = "bench_ep/1"
+OUTPUT_SCHEMA = "bench_ep/2"  # 2: --runs (per_rank[variant][run], runs, over_runs)
 # model-size flags passed through to the model worker as config overrides (flag -> field)
 MODEL_FLAGS = (
     ("--num-layers", int), ("--hidden-size", int), ("--num-experts", int),
@@ -101,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock limit of the whole command (every launch is killed past it)")
     g.add_argument("--work-dir", help="keep rank logs and results here (default: temporary)")
     g.add_argument("--trace", metavar="DIR", help="write a Chrome trace (chrome://tracing, Perfetto) "
-                   "of each model variant's last measured step per rank into DIR")
+                   "of each model variant's last measured step of the last run per rank into DIR")
+    add_discipline_arguments(g, runs_help="one launch per variant and run (--repeats is calibration's)")
     g = ap.add_argument_group("model (passed to the model worker)")
     add_model_options(g)
     registry.add_bench_arguments(g)
@@ -209,13 +215,14 @@ class Budget:
         return left
 
 
-def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps) -> list[RankResult]:
+def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, steps,
+                 trace: bool = False) -> list[RankResult]:
     run_dir = os.path.join(work_dir, tag)
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
     if variant != SYNTHETIC:
         options.update(registry.bench_options(args, variant))
         options["device"] = args.device
-    if args.trace and variant != SYNTHETIC and tag.startswith("run-"):
+    if args.trace and variant != SYNTHETIC and trace:
         options["trace_dir"] = os.path.abspath(args.trace)
     spec = WorkerSpec(
         variant=variant, output_dir=os.path.join(run_dir, "out"), warmup=warmup, steps=steps,
@@ -274,48 +281,71 @@ def _benchmark(args, argv, work_dir, budget) -> int:
         if probe_peer is not None and not probe_peer.measures_a2a_time:
             raise ValueError(f"--probe-variant {probe_variant}: its all-to-all times are not measured, so "
                              "the rate search cannot probe it (probe one of ours)")  # fmt: skip
+    gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = host_info()
     tuning = None
+    orders = rotations(variants, args.runs)
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None:
             if not net.shaped:
                 raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); "
                                  "it cannot be used with --no-netns or loopback")  # fmt: skip
             counter = itertools.count()
+            probes = {}
 
             def measure(gbit: float) -> float:
                 net.set_link(dataclasses.replace(link, gbit=gbit))
                 res = _run_variant(net, probe_variant, args, overrides, work_dir, f"probe{next(counter)}",
                                    budget, args.probe_warmup, args.probe_steps)  # fmt: skip
-                return uncontended_comm_fraction(variant_stats(res))
+                probes[gbit] = variant_stats(res)
+                return uncontended_comm_fraction(probes[gbit])
 
             result = find_rate(measure, args.target_comm_fraction, start=args.link_gbit,
                                tol=args.fraction_tol, max_probes=args.max_probes, log=print)  # fmt: skip
             tuning = result.as_dict()
             tuning["probe_variant"] = probe_variant
             tuning["fraction_basis"] = "a2a median / (a2a median + compute minimum)"
+            tuning["probe_shares"] = _shares(probes.get(result.gbit))
             if not result.converged:
                 log.warning("rate search did not converge: %s; using the closest probe", result.message)
             net.set_link(dataclasses.replace(link, gbit=result.gbit))
             print(f"link set to {result.gbit:.4g} Gbit/s (probe comm fraction at the fastest compute {result.fraction:.3f})")
-        stats, per_rank = {}, {}
-        for variant in variants:
-            t0 = time.monotonic()
-            results = _run_variant(net, variant, args, overrides, work_dir, f"run-{variant}", budget,
-                                   args.warmup, args.steps)  # fmt: skip
-            stats[variant] = variant_stats(results)
-            per_rank[variant] = [r.to_dict() for r in results]
-            took = time.monotonic() - t0
-            print(f"{variant}: {args.warmup}+{args.steps} steps on {args.ranks} ranks in {took:.1f}s")
+        results = {v: [] for v in variants}  # variant -> per run, the rank results
+        runs = []
+        load = gate.before("the first run")  # each launch's after-sample is the next one's before-sample
+        for r, order in enumerate(orders):
+            record = {"run": r, "order": order, "load": {}}
+            for variant in order:
+                t0 = time.monotonic()
+                what = f"run {r + 1} of {variant}"
+                res = _run_variant(net, variant, args, overrides, work_dir, f"run{r}-{variant}", budget,
+                                   args.warmup, args.steps, trace=r == len(orders) - 1)  # fmt: skip
+                record["load"][variant] = gate.after(load, what)
+                load = record["load"][variant]["after"]  # the next launch's before-sample
+                results[variant].append(res)
+                took = time.monotonic() - t0
+                mark = "  LOADED: " + "; ".join(record["load"][variant]["reasons"]) if record["load"][variant]["loaded"] else ""
+                print(f"run {r + 1}/{len(orders)} {variant}: {args.warmup}+{args.steps} steps on {args.ranks} ranks "
+                      f"in {took:.1f}s{mark}")
+            runs.append(record)
         network = net.describe()
+    per_run = [{v: variant_stats(results[v][r]) for v in variants} for r in range(len(orders))]
+    stats = {v: variant_stats(merge_runs(results[v])) for v in variants}
     baseline = "standard" if "standard" in stats else variants[0]
     ratios = ratios_vs(stats, baseline)
+    over = over_runs_stats(per_run, baseline, seed=args.seed)
+    for rec, run_stats in zip(runs, per_run):
+        rec["variants"] = {v: {key: run_stats[v][key]["median"] for key in RUN_FIGURES if key in run_stats[v]}
+                           for v in variants}
+    loaded = {v: [rec["run"] for rec in runs if rec["load"][v]["loaded"]] for v in variants}
     print()
     print(f"network: {network['mode']}" + (f", {network['link']['gbit']:.4g} Gbit/s per rank link, "
           f"{network['link']['latency_ms']} ms one-way, {network['link']['shaper']}" if network["shaped"] else
           " (UNSHAPED loopback)") + f"; ratios vs {baseline}")  # fmt: skip
-    print(format_table(stats, ratios))
+    print(format_table(stats, ratios, over if args.runs > 1 else None, loaded))
+    if tuning is not None:
+        print(achieved_share_line(args.target_comm_fraction, tuning, over.get(probe_variant), probe_variant))
     if args.json:
         write_json(args.json, {
             "schema": OUTPUT_SCHEMA,
@@ -325,7 +355,8 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             "config": {
                 "ranks": args.ranks, "variants": variants, "warmup": args.warmup, "steps": args.steps,
                 "seed": args.seed, "threads": args.threads, "exact_rss": args.exact_rss, "config_path": args.config,
-                "device": args.device,
+                "device": args.device, "runs": args.runs, "load_threshold": args.load_threshold,
+                "strict": args.strict, "load_rule": gate.rule,
                 "overrides": overrides,
                 "synthetic": dataclasses.asdict(_synthetic_options(args)) if SYNTHETIC in variants else None,
             },
@@ -333,11 +364,34 @@ def _benchmark(args, argv, work_dir, budget) -> int:
             "tuning": tuning,
             "baseline": baseline,
             "variants": stats,
+            "over_runs": over,
             "ratios": ratios,
-            "per_rank": per_rank,
+            "runs": runs,
+            "per_rank": {v: [[r.to_dict() for r in run] for run in results[v]] for v in variants},
         })  # fmt: skip
         print(f"wrote {args.json}")
     return 0
+
+
+def _shares(stats: Optional[dict]) -> Optional[dict]:
+    """The all-to-all shares of one probe's stats (medians), for the tuning record."""
+    if stats is None:
+        return None
+    return {key: stats[key]["median"] for key in ("comm_fraction", "transfer_fraction", "skew_fraction")
+            if key in stats}
+
+
+def achieved_share_line(target: float, tuning: dict, over: Optional[dict], variant: str) -> str:
+    """The target share beside what the rate search reached and what the measured runs achieved
+    (in flight = transfer + rank-skew wait)."""
+    text = (f"all-to-all share of {variant}: target {target:.3f}, rate search {tuning['fraction']:.3f} "
+            f"(a2a / (a2a + fastest compute))")
+    if over and over.get("comm_fraction"):
+        text += f"; measured runs {format_ci(over['comm_fraction'], fmt='{:.3f}')}"
+        if over.get("transfer_fraction") and over.get("skew_fraction"):
+            text += (f" = transfer {format_ci(over['transfer_fraction'], fmt='{:.3f}')}"
+                     f" + skew {format_ci(over['skew_fraction'], fmt='{:.3f}')}")
+    return text
 
 
 def _calibrate(args, argv, work_dir, budget) -> int:

@@ -16,16 +16,26 @@ millisecond of compute with a collective in flight lies in that collective's win
 ``overlap <= bound``; ``overlap / bound`` is how much of what the schedule offers the
 implementation hides (below 1 when windows and collectives are mismatched: one collective's
 window has slack while another's is too short).
+
+Across ranks (``transfer_skew``): an all-to-all completes on every rank at about the same time,
+once the last rank has entered it and the data have crossed the link, so the rank that entered last
+spends the least time in it. Per collective, its **transfer** time is the shortest in-flight time
+over the ranks; on each rank the first ``in-flight - transfer`` of it is **rank-skew wait** (the
+rank entered that much before the last one) and the rest transfer. Per step and rank, transfer
+time is the union of the transfer parts, skew the in-flight union minus it, so ``transfer + skew``
+is the in-flight time of the counters. Only each rank's own durations are compared, so the ranks'
+clocks need not agree (GPU event clocks, other hosts).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from moe_variants.common.comm import BusyTime
 
-__all__ = ["events_from_timeline", "collectives", "direction_totals", "summarize"]
+__all__ = ["events_from_timeline", "collectives", "direction_totals", "summarize", "comm_spans",
+           "transfer_skew", "transfer_skew_steps"]
 
 
 def events_from_timeline(timeline) -> list[dict]:
@@ -114,3 +124,43 @@ def summarize(events: list[dict]) -> dict:
     return {"step_ms": step[0]["end"] - step[0]["start"] if step else None,
             "directions": direction_totals(events, rows), "kinds": kinds, "forward_phases_ms": phases,
             "collectives": rows}
+
+
+def comm_spans(timeline) -> list:
+    """A ``TimelineRecorder``'s collectives as ``[name, start_s, end_s]``, in launch order."""
+    return [[n, s, e] for n, lane, s, e in sorted(timeline.events, key=lambda ev: ev[2]) if lane == "comm"]
+
+
+def transfer_skew(spans_by_rank: Sequence[Sequence[Sequence]]) -> Optional[list]:
+    """Transfer time and rank-skew wait of one step (module docstring), per rank.
+
+    ``spans_by_rank[r]`` lists rank r's collectives of the step as ``(name, start_s, end_s)`` (any
+    order; matched across ranks by launch order). Returns ``[{"in_flight_s", "transfer_s",
+    "skew_s"}]`` per rank, or None when the ranks do not list the same collectives."""
+    ordered = [sorted(((str(n), float(s), float(e)) for n, s, e in spans), key=lambda x: x[1]) for spans in spans_by_rank]
+    if not ordered or any([n for n, _, _ in o] != [n for n, _, _ in ordered[0]] for o in ordered):
+        return None
+    shortest = [min(o[i][2] - o[i][1] for o in ordered) for i in range(len(ordered[0]))]
+    out = []
+    for o in ordered:
+        flight = _spans((s, e) for _, s, e in o).total
+        transfer = _spans((max(s, e - t), e) for (_, s, e), t in zip(o, shortest)).total
+        out.append({"in_flight_s": flight, "transfer_s": transfer, "skew_s": flight - transfer})
+    return out
+
+
+def transfer_skew_steps(steps_by_rank: Sequence[Sequence[Sequence[Sequence]]]) -> Optional[list]:
+    """``transfer_skew`` of every step: ``steps_by_rank[r][k]`` is rank r's spans of step k. Returns
+    per rank ``{"transfer_s": [per step], "skew_s": [per step]}``, or None when the ranks recorded
+    different numbers of steps or collectives."""
+    if not steps_by_rank or any(len(steps) != len(steps_by_rank[0]) for steps in steps_by_rank):
+        return None
+    out = [{"transfer_s": [], "skew_s": []} for _ in steps_by_rank]
+    for k in range(len(steps_by_rank[0])):
+        split = transfer_skew([steps[k] for steps in steps_by_rank])
+        if split is None:
+            return None
+        for acc, s in zip(out, split):
+            acc["transfer_s"].append(s["transfer_s"])
+            acc["skew_s"].append(s["skew_s"])
+    return out

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from moe_variants.common.comm import CommCounters, all_to_all
+    from moe_variants.common.comm import CommCounters, TimelineRecorder, all_to_all
+
+    from .overlap import comm_spans
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.seed + 7919 * rank)
@@ -69,13 +71,14 @@ def main(argv=None) -> int:
             h_TH = h_TH + back_NH.view(T, K, H).sum(dim=1)
         return h_TH.pow(2).mean()
 
-    rec = {k: [] for k in ("step", "fwd", "bwd", "a2a", "exposed", "disp", "comb", "bwdbytes", "loss")}
+    rec = {k: [] for k in ("step", "fwd", "bwd", "a2a", "exposed", "disp", "comb", "bwdbytes", "loss", "spans")}
     for step in range(spec.warmup + spec.steps):
         gen = torch.Generator().manual_seed(spec.seed * 1000003 + step * 31 + rank)
         x_TH = torch.randn(T, H, generator=gen)
         x_TH.requires_grad_(True)  # as if from an embedding: the first dispatch has a backward too
         collectives.barrier()  # steps start together, so skew from the previous step is not booked as comm
         counters.reset()
+        counters.timeline = TimelineRecorder()  # each collective's span: the transfer/skew split
         t0 = time.perf_counter()
         loss = forward(x_TH)
         t1 = time.perf_counter()
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
         rec["comb"].append(int(c["bytes_combine"]))
         rec["bwdbytes"].append(int(c["bytes_backward"]))
         rec["loss"].append(float(loss.detach()))
+        rec["spans"].append(comm_spans(counters.timeline))
 
     result = RankResult(
         rank=rank,
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
         a2a_bytes_backward=rec["bwdbytes"],
         tokens=[T] * spec.steps,
         peak_rss_mb=peak_rss_mb(),
-        extra={"loss": rec["loss"], "options": spec.options},
+        extra={"loss": rec["loss"], "options": spec.options, "a2a_spans": rec["spans"]},
     )
     collectives.barrier()
     dist.destroy_process_group()

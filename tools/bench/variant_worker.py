@@ -32,7 +32,7 @@ from megatron import compat
 from moe_variants import registry
 
 from . import peers
-from .overlap import direction_totals, events_from_timeline
+from .overlap import comm_spans, direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
 from moe_variants.common.files import write_json
 from .worker_env import init_from_env, rank_and_world, read_spec_from_argv
@@ -186,7 +186,8 @@ def run(spec: WorkerSpec) -> RankResult:
     fields = {k: [] for k in ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s",
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
-             "exposed_fwd_s": [], "exposed_bwd_s": [], "window_compute_fwd_s": [], "window_compute_bwd_s": []}
+             "exposed_fwd_s": [], "exposed_bwd_s": [], "window_compute_fwd_s": [], "window_compute_bwd_s": [],
+             "a2a_spans": []}  # each step's collectives [name, start, end]: the transfer/skew split
     for name in scheduled:
         extra[f"{name}_schedule_s"] = []
     peer_extra: dict = {}
@@ -218,6 +219,7 @@ def run(spec: WorkerSpec) -> RankResult:
         directions = direction_totals(events_from_timeline(timeline))
         extra["window_compute_fwd_s"].append(directions["forward"]["window_compute_ms"] / 1e3)
         extra["window_compute_bwd_s"].append(directions["backward"]["window_compute_ms"] / 1e3)
+        extra["a2a_spans"].append(comm_spans(timeline))
         for key, value in step_extra.items():
             peer_extra.setdefault(key, []).append(value)
         fields["step_time_s"].append(m.step_time_s)
