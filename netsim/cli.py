@@ -489,8 +489,8 @@ def _replay_inputs(args):
             raise ValueError(f"{what} {path}: {getattr(err, 'strerror', None) or err}") from None
 
     run = read(args.bench_serve, "--bench-serve")
-    if not isinstance(run, dict) or run.get("schema") != "bench_serve/1":
-        raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1)")
+    if not isinstance(run, dict) or run.get("schema") not in ("bench_serve/1", "bench_serve/2"):
+        raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1 or /2)")
     profile_path = args.profile or str(Path(args.bench_serve).with_suffix("")) + ".profile.json"
     profile = read(profile_path, "--profile")
     if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":

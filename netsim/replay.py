@@ -242,9 +242,13 @@ def load_fit(path) -> tuple[AlphaBeta, float]:
 
 def run_requests(run: dict, variant: str, phase: str) -> list:
     """The requests of one measured phase as the replay's input (actual send times, prompt and
-    output lengths): what the client did, not what the server answered."""
+    output lengths): what the client did, not what the server answered. A run of several
+    (``bench_serve/2``: one request list per run) replays its first run."""
+    requests = run["requests"][variant][phase]
+    if run.get("schema") == "bench_serve/2":
+        requests = requests[0]
     return [Request(float(r["sent"]), int(r["prompt_tokens"]), max(1, int(r["output_tokens"])))
-            for r in run["requests"][variant][phase] if r["ok"]]
+            for r in requests if r["ok"]]
 
 
 def rate_phases(run: dict, variant: str) -> list:

@@ -40,6 +40,7 @@ counted).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import warnings
 from typing import Optional
@@ -361,6 +362,8 @@ class RankEngine:
         self.requests_added = 0
         self.activations = None  # LocalActivationCounter when counting and every router reports its top-k
         self.local_rows = local_rows
+        self._span_file = None  # record_spans: each step's all-to-alls, one JSON line per step
+        self._timeline = None
         layers = moe_layers(model)
         if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
@@ -524,6 +527,31 @@ class RankEngine:
             self.comm["a2a_time_s"] += float(step["time_fwd_s"])
             self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
             reset_comm_counters([self.model])
+            if self._span_file is not None:
+                self._write_spans(start)
+
+    def record_spans(self, path: str) -> None:
+        """Append every step's expert all-to-alls to ``path``, one JSON line per step with any:
+        ``{"t": step start, "spans": [[name, start, end], ...]}`` (``perf_counter`` seconds, launch
+        order). The serving benchmark matches them across ranks to split the all-to-all time into
+        transfer and rank-skew wait (``tools.bench.overlap.transfer_skew``)."""
+        from moe_variants.common.comm import TimelineRecorder
+
+        self._timeline = TimelineRecorder()
+        for counters in self.counters:
+            counters.timeline = self._timeline
+        self._span_file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def close_spans(self) -> None:
+        if self._span_file is not None:
+            self._span_file.close()
+            self._span_file = None
+
+    def _write_spans(self, start: float) -> None:
+        events, self._timeline.events = self._timeline.events, []
+        spans = [[n, s, e] for n, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
+        if spans:
+            self._span_file.write(json.dumps({"t": start, "spans": spans}) + "\n")
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the routers then read their top-k on the host in every MoE layer")
     g.add_argument("--metrics-interval", type=float, default=1.0,
                    help="seconds between the ranks' routing counts reaching /metrics")
+    g.add_argument("--a2a-spans", metavar="DIR", default=None,
+                   help="append each engine step's expert all-to-alls (name, launch, completion) to "
+                        "DIR/a2a_spans_rank<R>.jsonl (bench_serve splits their time into transfer and rank-skew wait)")
     from moe_variants import registry
 
     registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables (request scheduling)
@@ -236,6 +239,10 @@ def serve(args) -> int:
                                  ep_rank=dist.get_rank(pgc.ep) if tp1 or rows is not None else None,
                                  ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats,
                                  local_rows=rows)
+        if args.a2a_spans:
+            os.makedirs(args.a2a_spans, exist_ok=True)
+            rank_engine.record_spans(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"))
+            stack.callback(rank_engine.close_spans)
 
         stop = {"signal": None}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ def _in_process(argv, capsys):
     (["--config", "MISSING.yaml", "--input-len", "8", "--no-netns"], "--config"),
     (["--load", "MISSING", "--input-len", "8", "--no-netns"], "--load"),
     (["--mode", "prefill", "--input-len", "600", "--no-netns"], "--prefill-tokens"),
+    (["--load-threshold", "-1", "--input-len", "8", "--no-netns"], "--load-threshold"),
 ])
 def test_bad_flags_give_one_line_and_write_nothing(argv, flag, tmp_path, capsys):
     argv = [a.replace("MISSING", str(tmp_path / "missing")) for a in argv]
@@ -72,7 +74,7 @@ def _check_distributions(stats: dict, requests: list) -> None:
     timings = [RequestTiming(r["ttft_s"], r["e2e_s"], r["output_tokens"], r["ok"]) for r in requests]
     for key, values in (("ttft_s", [t.ttft_s for t in timings if t.ok]), ("e2e_s", [t.e2e_s for t in timings if t.ok]),
                         ("tpot_s", [t.tpot_s for t in timings if t.ok and t.tpot_s is not None])):
-        assert set(stats[key]) == {"p50", "p90", "p99"}
+        assert set(stats[key]) == {"p50", "p90", "p99", "n"} and stats[key]["n"] == len(values)
         assert stats[key]["p50"] <= stats[key]["p90"] <= stats[key]["p99"]
         assert stats[key]["p50"] == percentile(values, 50) and stats[key]["p99"] == percentile(values, 99)
     assert len(ok) == len(requests) == stats["num_requests"] and stats["failed_requests"] == 0
@@ -83,11 +85,14 @@ def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
     out = tmp_path / "serve.json"
     proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,farskip", "--no-netns", "--ranks", 2,
                 "--input-len", 12, "--output-len", 6, "--request-rates", "4,inf", "--num-requests", 5,
-                "--warmup-requests", 2, "--slo-ttft", 5.0, "--slo-tpot", 1.0, "--json", out, "--timeout-s", 500)
+                "--warmup-requests", 2, "--slo-ttft", 5.0, "--slo-tpot", 1.0, "--runs", 1, "--json", out,
+                "--timeout-s", 500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "NOT shaped" in proc.stderr and "TTFT p50/p99 ms" in proc.stdout
+    assert "~: a percentile from fewer samples" in proc.stdout  # 5 requests per rate: p99 needs 100
     data = json.loads(out.read_text())
-    assert data["schema"] == "bench_serve/1" and data["mode"] == "serve" and data["baseline"] == "standard"
+    assert data["schema"] == "bench_serve/2" and data["mode"] == "serve" and data["baseline"] == "standard"
+    assert data["config"]["runs"] == 1 and len(data["runs"]) == 1 and "loaded" in data["runs"][0]["load"]["standard"]
     assert data["network"]["mode"] == "loopback" and data["tuning"] is None
     assert data["config"]["workload"]["request_rates"] == ["4", "inf"]
     for name in ("standard", "farskip"):
@@ -99,7 +104,7 @@ def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
             v["output_tokens_per_s"] / data["variants"]["standard"]["output_tokens_per_s"])
         pooled = []
         for rate, s in v["rates"].items():
-            reqs = data["requests"][name][f"rate-{rate}"]
+            reqs = data["requests"][name][f"rate-{rate}"][0]  # run 0
             pooled += reqs
             _check_distributions(s, reqs)
             assert s["output_tokens"] == 5 * 6 and s["short_outputs"] == 0  # ignore_eos: exactly max_tokens
@@ -109,6 +114,10 @@ def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
             for key in ("output_tokens_per_s", "requests_per_s", "goodput_requests_per_s"):
                 assert s[key] == expected[key]
             assert s["a2a_bytes_per_token"] > 0 and 0 < s["a2a_fraction"] <= 1 and 0 <= s["exposed_fraction"] <= 1
+            # the servers' step spans split the in-flight time: transfer + skew = the counters' (5%: the
+            # counters reach /metrics between scrapes, the spans by the step's start time)
+            assert s["transfer_s"] > 0 and s["skew_s"] >= 0
+            assert s["transfer_s"] + s["skew_s"] == pytest.approx(s["a2a_time_s"], rel=0.05)
             assert s["exposed_a2a_s_per_output_token"] == pytest.approx(s["exposed_a2a_s"] / s["output_tokens"])
             assert data["ratios"][name]["rates"][rate]["throughput_speedup"] == pytest.approx(
                 s["output_tokens_per_s"] / data["variants"]["standard"]["rates"][rate]["output_tokens_per_s"])
@@ -126,24 +135,28 @@ def test_loopback_prefill_run_reports_throughput_share_and_amdahl(serve_ckpts, t
     out = tmp_path / "prefill.json"
     proc = _run("--load", serve_ckpts["standard"], "--variants", "standard,farskip-simple", "--no-netns",
                 "--mode", "prefill", "--input-len", 16, "--prefill-tokens", 64, "--prefill-batches", 2,
-                "--prefill-repeats", 2, "--json", out, "--no-plots", "--timeout-s", 500)
+                "--prefill-repeats", 2, "--runs", 2, "--json", out, "--no-plots", "--timeout-s", 500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["mode"] == "prefill" and data["config"]["server"]["max_batch_tokens"] == 64
+    assert [r["order"] for r in data["runs"]] == [["standard", "farskip-simple"], ["farskip-simple", "standard"]]
     base = data["variants"]["standard"]
     for name, v in data["variants"].items():
         phases = data["requests"][name]
         assert set(phases) == {"prefill-0", "prefill-1"}  # --prefill-repeats 2
-        reqs = [r for p in phases.values() for r in p]
-        assert len(reqs) == 2 * 2 * 2 * (64 // 16) and all(r["output_tokens"] == 1 for r in reqs)
+        assert all(len(p) == 2 for p in phases.values())  # --runs 2
+        reqs = [r for p in phases.values() for run in p for r in run]
+        assert len(reqs) == 2 * 2 * 2 * 2 * (64 // 16) and all(r["output_tokens"] == 1 for r in reqs)
         assert v["prompt_tokens"] == v["tokens_forwarded"] == 16 * len(reqs)  # prompts only: max_tokens 1
         per_repeat = [x["prompt_tokens"] / x["duration_s"] for x in v["repeats"]]
-        assert v["prefill_tokens_per_s"]["median"] == pytest.approx(sum(per_repeat) / 2)  # median of two
+        assert v["prefill_tokens_per_s"]["median"] == pytest.approx(statistics.median(per_repeat))  # 2 runs x 2
+        assert v["over_runs"]["prefill_tokens_per_s"]["n"] == 2
         assert [x["forward_tokens_per_s"] for x in v["repeats"]] == \
             [x["tokens_forwarded"] / x["engine_busy_s"] for x in v["repeats"]]
         r = data["ratios"][name]
-        f = base["a2a_fraction"]["median"]
-        assert r["amdahl_bound"] == pytest.approx(1 / (1 - f)) and r["baseline_a2a_fraction"] == f
+        f, ft = base["a2a_fraction"]["median"], base["transfer_fraction"]["median"]
+        assert r["amdahl_basis"] == "transfer" and 0 < ft <= f + 1e-9  # the bound removes the transfer only
+        assert r["amdahl_bound"] == pytest.approx(1 / (1 - ft)) and r["baseline_a2a_fraction"] == f
         assert r["throughput_speedup"] == pytest.approx(
             v["prefill_tokens_per_s"]["median"] / base["prefill_tokens_per_s"]["median"])
     assert not list(tmp_path.glob("*.png"))
@@ -160,7 +173,7 @@ def test_netns_run_searches_the_link_rate_and_leaves_no_namespace(serve_ckpts, t
     proc = _run("--load", serve_ckpts["standard"], "--variants", "standard", "--mode", "prefill", "--input-len", 16,
                 "--prefill-tokens", 64, "--prefill-batches", 1, "--prefill-repeats", 1, "--target-comm-fraction", 0.3,
                 "--link-gbit", 0.05,
-                "--max-probes", 2, "--probe-rounds", 1, "--json", out, "--no-plots", "--timeout-s", 500)
+                "--max-probes", 2, "--probe-rounds", 1, "--runs", 1, "--json", out, "--no-plots", "--timeout-s", 500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["network"]["mode"] == "netns" and data["network"]["shaped"]
@@ -179,7 +192,7 @@ def test_config_trains_one_checkpoint_per_variant_and_reuses_it(tmp_path):
     common = ["--config", os.path.join(repo_root(), "examples", "tiny_moe_cpu.yaml"), "--num-layers", 1,
               "--hidden-size", 64, "--set", "bigmac_ratio=0.25", "--train-steps", 2, "--no-netns", "--mode", "prefill",
               "--input-len", 32, "--prefill-tokens", 64, "--prefill-batches", 1, "--prefill-repeats", 1, "--no-plots",
-              "--work-dir", work, "--timeout-s", 500]
+              "--runs", 1, "--work-dir", work, "--timeout-s", 500]
     out = tmp_path / "a.json"
     proc = _run(*common, "--variants", "standard,bigmac", "--json", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

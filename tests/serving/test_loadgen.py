@@ -46,4 +46,14 @@ def test_summarize_goodput_and_report_shape():
     assert s["tpot_s"]["p50"] == pytest.approx((0.1 + 0.1) / 2)
     out = report({"standard": s, "bigmac": dict(s, output_tokens_per_s=16.0)})
     assert out["ratios"]["bigmac"]["throughput_speedup"] == 2.0 and out["ratios"]["standard"]["throughput_speedup"] == 1.0
-    assert set(out["variants"]["bigmac"]["ttft_s"]) == {"p50", "p90", "p99"}
+    assert set(out["variants"]["bigmac"]["ttft_s"]) == {"p50", "p90", "p99", "n"}
+    assert s["ttft_s"]["n"] == 2 and s["tpot_s"]["n"] == 2  # the failed request has none
+
+
+def test_samples_needed_for_one_sample_beyond_the_percentile():
+    from tools.serve_bench.loadgen import samples_needed
+
+    assert (samples_needed(50), samples_needed(90), samples_needed(99), samples_needed(99.9)) == (2, 10, 100, 1000)
+    for q in (50, 90, 99, 99.9):  # the smallest n with n (1 - q/100) >= 1: one sample expected beyond
+        n = samples_needed(q)
+        assert n * (1 - q / 100) >= 1 - 1e-9 > (n - 1) * (1 - q / 100)

@@ -114,7 +114,7 @@ def test_bench_serve_runs_an_mla_checkpoint_at_tp2(mla_ckpt, tmp_path):
     out = tmp_path / "tp.json"
     proc = subprocess.run([sys.executable, "scripts/bench_serve.py", "--load", mla_ckpt, "--no-netns", "--ranks", "2",
                            "--tensor-model-parallel-size", "2", "--input-len", "16", "--output-len", "6",
-                           "--request-rates", "inf", "--num-requests", "4", "--warmup-requests", "0", "--no-plots",
+                           "--request-rates", "inf", "--num-requests", "4", "--warmup-requests", "0", "--no-plots", "--runs", "1",
                            "--json", str(out), "--work-dir", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

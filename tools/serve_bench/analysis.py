@@ -27,6 +27,17 @@ tokens over the burst's wall time, first send to last answer) and the engine's f
 (forwarded tokens over ``engine_busy_s``), median/min/max over repeated bursts.
 ``probe_fraction`` is the rate search's measurement, as bench_ep's: median all-to-all time over
 (median all-to-all + fastest compute), per (rank, round).
+
+Transfer and rank-skew wait: with the servers' step spans (``serve --a2a-spans``) ``phase_split``
+matches each engine step's all-to-alls across ranks (``tools.bench.overlap.transfer_skew``) for the
+steps inside a phase's window; a phase carrying that split (``phase["a2a_split"]``) adds
+``transfer_s``/``skew_s`` (mean over ranks) and ``transfer_fraction``/``skew_fraction`` of
+``engine_busy_s`` (``a2a_fraction`` = their sum). Amdahl's bounds use the transfer share when it is
+there (``amdahl_basis``): the skew wait is the ranks' imbalance, which no cheaper all-to-all removes.
+
+Several runs (``--runs``): ``serve_over_runs``/``prefill_over_runs`` take each run's figures and give
+their median with a bootstrap 95% interval (``tools.bench.discipline.median_ci``); the speedups are
+paired by run.
 """
 
 from __future__ import annotations
@@ -36,11 +47,14 @@ from typing import Optional, Sequence
 
 from tools.bench.aggregate import summarize as summarize_values
 from tools.bench.aggregate import uncontended_comm_fraction
+from tools.bench.discipline import median_ci, paired_ratios
+from tools.bench.overlap import transfer_skew
 
-from .loadgen import RequestTiming, distribution, summarize
+from .loadgen import PERCENTILES, RequestTiming, distribution, summarize
 
 __all__ = ["RANK_COUNTERS", "rank_deltas", "device_load", "sum_load", "load_imbalance", "comm_summary", "serve_stats", "pooled_serve_stats", "prefill_stats",
-           "probe_fraction", "prefill_ratios", "amdahl_bound"]
+           "probe_fraction", "prefill_ratios", "amdahl_bound", "phase_split", "split_summary", "SERVE_FIGURES",
+           "serve_over_runs", "prefill_over_runs", "run_figure"]
 
 RANK_COUNTERS = {
     "tokens": "moe_serve_tokens_forwarded_total",
@@ -136,6 +150,40 @@ def comm_summary(deltas: Sequence[dict], *, output_tokens: Optional[int] = None,
     return out
 
 
+def phase_split(spans_by_rank: Sequence[Sequence[dict]], clock_start: float, clock_end: float) -> Optional[dict]:
+    """Per rank transfer time and rank-skew wait of the engine steps that began inside
+    ``[clock_start, clock_end]`` (rank 0's step start). ``spans_by_rank[r]`` is rank r's step lines
+    (``{"t", "spans"}``, ``serve --a2a-spans``), matched by position: every expert-parallel rank
+    forwards in lock-step. ``{"transfer_s": [per rank], "skew_s": [per rank], "steps"}``; None when
+    the ranks recorded different numbers of steps or collectives."""
+    if not spans_by_rank or any(len(lines) != len(spans_by_rank[0]) for lines in spans_by_rank):
+        return None
+    transfer, skew, steps = [0.0] * len(spans_by_rank), [0.0] * len(spans_by_rank), 0
+    for k, line in enumerate(spans_by_rank[0]):
+        if not clock_start <= line["t"] <= clock_end:
+            continue
+        split = transfer_skew([lines[k]["spans"] for lines in spans_by_rank])
+        if split is None:
+            return None
+        steps += 1
+        for r, x in enumerate(split):
+            transfer[r] += x["transfer_s"]
+            skew[r] += x["skew_s"]
+    return {"transfer_s": transfer, "skew_s": skew, "steps": steps}
+
+
+def split_summary(splits: Sequence[Optional[dict]], busy_s: float) -> dict:
+    """``transfer_s``/``skew_s`` (summed over phases, mean over ranks) and their shares of
+    ``busy_s``; None values unless every phase has a split."""
+    if not splits or any(x is None for x in splits):
+        return {"transfer_s": None, "skew_s": None, "transfer_fraction": None, "skew_fraction": None}
+    ranks = len(splits[0]["transfer_s"])
+    transfer = sum(sum(x["transfer_s"]) for x in splits) / ranks
+    skew = sum(sum(x["skew_s"]) for x in splits) / ranks
+    return {"transfer_s": transfer, "skew_s": skew, "transfer_fraction": _div(transfer, busy_s),
+            "skew_fraction": _div(skew, busy_s)}
+
+
 def _timings(requests) -> list:
     return [RequestTiming(r["ttft_s"], r["e2e_s"], int(r["output_tokens"]), bool(r["ok"])) for r in requests]
 
@@ -164,6 +212,7 @@ def serve_stats(phases: Sequence[dict], *, slo_ttft_s=None, slo_tpot_s=None) -> 
                short_outputs=sum(1 for r in ok if int(r["output_tokens"]) != int(r["max_tokens"])))
     deltas = _sum_deltas([rank_deltas(p["metrics_before"], p["metrics_after"]) for p in phases])
     out.update(comm_summary(deltas, output_tokens=output_tokens))
+    out.update(split_summary([p.get("a2a_split") for p in phases], out["engine_busy_s"]))
     out["load_imbalance"] = load_imbalance(sum_load([device_load(p["metrics_before"], p["metrics_after"])
                                                       for p in phases]))
     return out
@@ -187,6 +236,7 @@ def _prefill_one(phase: dict) -> dict:
     ok = [r for r in phase["requests"] if r["ok"]]
     prompt_tokens = sum(int(r["prompt_tokens"]) for r in ok)
     comm = comm_summary(rank_deltas(phase["metrics_before"], phase["metrics_after"]), prompt_tokens=prompt_tokens)
+    comm.update(split_summary([phase.get("a2a_split")], comm["engine_busy_s"]))
     return {
         "duration_s": phase["duration_s"],
         "prompt_tokens": prompt_tokens,
@@ -196,7 +246,8 @@ def _prefill_one(phase: dict) -> dict:
     }
 
 
-PREFILL_SUMMARIZED = ("prefill_tokens_per_s", "forward_tokens_per_s", "a2a_fraction", "exposed_fraction")
+PREFILL_SUMMARIZED = ("prefill_tokens_per_s", "forward_tokens_per_s", "a2a_fraction", "exposed_fraction",
+                      "transfer_fraction", "skew_fraction")
 
 
 def prefill_stats(phases: Sequence[dict]) -> dict:
@@ -208,6 +259,7 @@ def prefill_stats(phases: Sequence[dict]) -> dict:
     ok = [r for r in requests if r["ok"]]
     pooled = comm_summary(_sum_deltas([rank_deltas(p["metrics_before"], p["metrics_after"]) for p in phases]),
                           prompt_tokens=sum(int(r["prompt_tokens"]) for r in ok))
+    pooled.update(split_summary([p.get("a2a_split") for p in phases], pooled["engine_busy_s"]))
     out = {
         "num_requests": len(requests),
         "failed_requests": len(requests) - len(ok),
@@ -217,7 +269,7 @@ def prefill_stats(phases: Sequence[dict]) -> dict:
     }
     out.update(pooled)
     for key in PREFILL_SUMMARIZED:
-        values = [r[key] for r in repeats if r[key] is not None]
+        values = [r.get(key) for r in repeats if r.get(key) is not None]
         out[key] = summarize_values(values) if values else None
     out["repeats"] = repeats
     return out
@@ -250,10 +302,14 @@ def _median(stat) -> Optional[float]:
 def prefill_ratios(per_variant: dict) -> dict:
     """Against the first variant (medians over repeats): throughput and forward speedups, the
     all-to-all bytes ratio, and Amdahl's bounds for the baseline's measured all-to-all share: all
-    of it removed (``amdahl_bound``) and scaled by the bytes ratio (``amdahl_bound_bytes``)."""
+    of it removed (``amdahl_bound``) and scaled by the bytes ratio (``amdahl_bound_bytes``). The
+    share is the transfer share where the split was recorded (``amdahl_basis`` "transfer"), else
+    the in-flight share ("in flight")."""
     names = list(per_variant)
     base = per_variant[names[0]]
-    share = _median(base["a2a_fraction"])
+    in_flight = _median(base["a2a_fraction"])
+    transfer = _median(base.get("transfer_fraction"))
+    share = transfer if transfer is not None else in_flight
     out = {}
     for n in names:
         s = per_variant[n]
@@ -262,8 +318,59 @@ def prefill_ratios(per_variant: dict) -> dict:
             "throughput_speedup": _div(_median(s["prefill_tokens_per_s"]), _median(base["prefill_tokens_per_s"])),
             "forward_speedup": _div(_median(s["forward_tokens_per_s"]), _median(base["forward_tokens_per_s"])),
             "bytes_ratio": bytes_ratio,
-            "baseline_a2a_fraction": share,
+            "baseline_a2a_fraction": in_flight,
+            "baseline_transfer_fraction": transfer,
+            "amdahl_basis": "transfer" if transfer is not None else "in flight",
             "amdahl_bound": amdahl_bound(share),
             "amdahl_bound_bytes": amdahl_bound(share, bytes_ratio) if bytes_ratio is not None else None,
         }
+    return out
+
+
+# a serving run's figures per rate whose medians over runs are reported (``serve_over_runs``);
+# "ttft_s.p99" is the p99 of the run's TTFTs
+SERVE_FIGURES = ("output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "a2a_fraction",
+                 "transfer_fraction", "skew_fraction") + tuple(
+    f"{key}.p{q}" for key in ("ttft_s", "tpot_s", "e2e_s") for q in PERCENTILES)
+
+
+def run_figure(stats: dict, name: str):
+    """A ``SERVE_FIGURES`` entry of a rate's stats (``"ttft_s.p99"``: the p99 of its TTFTs)."""
+    if "." in name:
+        key, q = name.split(".")
+        return (stats.get(key) or {}).get(q)
+    return stats.get(name)
+
+
+def _ci(values: Sequence, seed: int) -> Optional[dict]:
+    values = [v for v in values if v is not None]
+    return median_ci(values, seed=seed) if values else None
+
+
+def serve_over_runs(per_run: Sequence[dict], baseline: str, seed: int = 0) -> dict:
+    """``{variant: {rate: {figure: median_ci over runs, "throughput_speedup": median_ci}}}`` from
+    ``per_run[r] = {variant: serving stats of run r}`` (``pooled_serve_stats``' shape, with
+    ``rates``); the speedup is output tokens/s over the baseline's in the same run."""
+    out = {}
+    for name in per_run[0]:
+        out[name] = {}
+        for rate in per_run[0][name]["rates"]:
+            runs = [run[name]["rates"][rate] for run in per_run]
+            figures = {f: _ci([run_figure(x, f) for x in runs], seed) for f in SERVE_FIGURES}
+            base = [run[baseline]["rates"].get(rate, {}).get("output_tokens_per_s") for run in per_run]
+            figures["throughput_speedup"] = _ci(paired_ratios([x["output_tokens_per_s"] for x in runs], base), seed)
+            out[name][rate] = figures
+    return out
+
+
+def prefill_over_runs(per_run: Sequence[dict], baseline: str, seed: int = 0) -> dict:
+    """``{variant: {figure: median_ci over runs of the run's median, "throughput_speedup",
+    "forward_speedup"}}`` from ``per_run[r] = {variant: prefill_stats of run r}``."""
+    out = {}
+    for name in per_run[0]:
+        figures = {key: _ci([_median(run[name].get(key)) for run in per_run], seed) for key in PREFILL_SUMMARIZED}
+        for ratio, key in (("throughput_speedup", "prefill_tokens_per_s"), ("forward_speedup", "forward_tokens_per_s")):
+            figures[ratio] = _ci(paired_ratios([_median(run[name][key]) for run in per_run],
+                                               [_median(run[baseline][key]) for run in per_run]), seed)
+        out[name] = figures
     return out

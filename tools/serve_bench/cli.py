@@ -30,6 +30,13 @@ load imbalance.
 at which the probe variant's forwards spend F of their time in all-to-all, measured from the
 server's ``/metrics`` over a short calibration load.
 
+The whole comparison runs ``--runs`` times (default 3), the variant order rotated by one each run,
+every variant's servers restarted each run; the load is sampled between launches and a run taken on
+a loaded machine is marked (``--strict``: refused; ``tools.bench.discipline``). Latency percentiles
+pool every run's requests; throughputs and speedups are also given per run, as medians over the
+runs with a bootstrap 95% interval. The servers record each engine step's all-to-alls
+(``serve --a2a-spans``), from which the all-to-all share splits into transfer and rank-skew wait.
+
 Prints a table, writes JSON (``--json``, bench_ep's shape) and PNG plots. User errors print one
 line and exit 2 before anything is written. See docs/serving.md.
 """
@@ -48,6 +55,7 @@ from moe_variants import registry
 from moe_variants.common.files import write_json
 from tools.bench import netns
 from tools.bench.cli import Budget, host_info, model_overrides, run_harness, script_path
+from tools.bench.discipline import LoadGate, rotations
 
 from . import analysis
 from .checkpoints import place, tokenizer_and_context, train
@@ -59,7 +67,7 @@ from .server import Server, tune
 
 __all__ = ["build_parser", "main"]
 
-OUTPUT_SCHEMA = "bench_serve/1"
+OUTPUT_SCHEMA = "bench_serve/2"  # 2: --runs (runs, over_runs, requests[variant][phase][run])
 
 
 def _benchmark(args, argv, work_dir, budget, printer) -> int:
@@ -77,46 +85,62 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
     work = phase_requests_for(args, tokenizer, context)
     probe = (args.probe_variant or ("standard" if "standard" in variants else variants[0])) \
         if args.target_comm_fraction is not None else None
-    order = sorted(variants, key=lambda v: v != probe)  # the probe variant first: it sets the link
+    orders = rotations(sorted(variants, key=lambda v: v != probe), args.runs)  # the probe first: it sets the link
+    gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads + 1, strict=args.strict)  # + the client
     link = netns.LinkSpec(args.link_gbit, 0.0, args.shaper)
-    phases, tuning, engine = {}, None, None
+    phases, tuning, engine, runs = {v: [] for v in variants}, None, None, []
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None and not net.shaped:
             raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
-        for variant in order:
-            t0 = time.monotonic()
-            placement = placements.get(variant)
-            preset = variant if args.load and placement is None else None
-            with Server(net, args, checkpoints[variant], preset, os.path.join(work_dir, f"serve-{variant}"),
-                         budget, printer, variant, placement) as server:
-                engine = server.engine
-                if "warmup" in work["phases"]:
-                    server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
-                if variant == probe:
-                    tuning = tune(server, net, args, work, printer)
-                measured = {k: v for k, v in work["phases"].items() if k != "warmup"}
-                phases[variant] = server.run(measured, "load")
-            printer.line(f"[{variant}] measured in {time.monotonic() - t0:.0f}s")
+        load = gate.before("the first run")  # each launch's after-sample is the next one's before-sample
+        for r, order in enumerate(orders):
+            record = {"run": r, "order": order, "load": {}}
+            for variant in order:
+                t0 = time.monotonic()
+                placement = placements.get(variant)
+                preset = variant if args.load and placement is None else None
+                with Server(net, args, checkpoints[variant], preset, os.path.join(work_dir, f"serve-{variant}-run{r}"),
+                             budget, printer, variant, placement) as server:
+                    engine = server.engine
+                    if "warmup" in work["phases"]:
+                        server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
+                    if variant == probe and r == 0:
+                        tuning = tune(server, net, args, work, printer)
+                    measured = server.run({k: v for k, v in work["phases"].items() if k != "warmup"}, "load")
+                spans = server.spans()
+                for p in measured.values():
+                    p["a2a_split"] = analysis.phase_split(spans, p["clock_start"], p["clock_end"]) if spans else None
+                phases[variant].append(measured)
+                what = f"run {r + 1} of {variant}"
+                record["load"][variant] = gate.after(load, what)
+                load = record["load"][variant]["after"]
+                mark = record["load"][variant]
+                printer.line(f"[{variant}] run {r + 1}/{len(orders)} measured in {time.monotonic() - t0:.0f}s"
+                             + (f"  LOADED: {'; '.join(mark['reasons'])}" if mark["loaded"] else ""))
+            runs.append(record)
         network = net.describe()
 
     slo = {"slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot}
-    per_variant = {}
+    per_run = [{v: _variant_stats(args, phases[v][r:r + 1], slo) for v in variants} for r in range(len(orders))]
+    per_variant = {v: _variant_stats(args, phases[v], slo) for v in variants}  # pooled over the runs
     for v in variants:
-        if args.mode == "prefill":
-            per_variant[v] = analysis.prefill_stats(list(phases[v].values()))
-        else:
-            per_rate = {name.split("-", 1)[1]: analysis.serve_stats([p], **slo) for name, p in phases[v].items()}
-            for rate, s in per_rate.items():
-                s["offered_rate"] = float(rate) if math.isfinite(float(rate)) else None  # inf: all at once
-            per_variant[v] = analysis.pooled_serve_stats(per_rate, phases[v], **slo)
         per_variant[v]["request_scheduler"] = placements[v].request_scheduler if v in placements else "round-robin"
-        if args.mode == "prefill":
-            per_variant[v]["load_imbalance"] = analysis.load_imbalance(analysis.sum_load(
-                [analysis.device_load(p["metrics_before"], p["metrics_after"]) for p in phases[v].values()]))
     if args.mode == "prefill":
         result = {"variants": per_variant, "ratios": analysis.prefill_ratios(per_variant)}
+        over = analysis.prefill_over_runs(per_run, variants[0], seed=args.seed)
+        for v in variants:
+            per_variant[v]["over_runs"] = {k: x for k, x in over[v].items() if not k.endswith("speedup")}
+            result["ratios"][v]["over_runs"] = {k: x for k, x in over[v].items() if k.endswith("speedup")}
     else:
         result = report(per_variant)
+        over = analysis.serve_over_runs(per_run, variants[0], seed=args.seed)
+        for v in variants:
+            for rate, figures in over[v].items():
+                per_variant[v]["rates"][rate]["over_runs"] = {k: x for k, x in figures.items() if k != "throughput_speedup"}
+                result["ratios"][v].setdefault("rates", {}).setdefault(rate, {})["over_runs"] = {
+                    "throughput_speedup": figures["throughput_speedup"]}
+    for rec, stats in zip(runs, per_run):
+        rec["variants"] = {v: _run_figures(args.mode, stats[v]) for v in variants}
     model = {"load": os.path.abspath(args.load)} if args.load else \
         {"config": args.config, "overrides": model_overrides(args), "train_steps": args.train_steps}
     result = {
@@ -140,20 +164,25 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
                          "prefill_batches": args.prefill_batches if args.mode == "prefill" else None,
                          "prefill_repeats": args.prefill_repeats if args.mode == "prefill" else None},
             "slo": slo,
+            "runs": args.runs, "load_threshold": args.load_threshold, "strict": args.strict, "load_rule": gate.rule,
         },
         "network": network,
         "tuning": tuning,
         "baseline": variants[0],
         "variants": result["variants"],
         "ratios": result["ratios"],
-        "requests": {v: {name: p["requests"] for name, p in phases[v].items()} for v in variants},
+        "runs": runs,
+        "requests": {v: {name: [run[name]["requests"] for run in phases[v]] for name in phases[v][0]} for v in variants},
     }
+    loaded = {v: [rec["run"] for rec in runs if rec["load"][v]["loaded"]] for v in variants}
     print()
     print(f"network: {network['mode']}" + (f", {network['link']['gbit']:.4g} Gbit/s per rank link, "
           f"{network['link']['shaper']}" if network["shaped"] else " (UNSHAPED loopback)") +
           f"; {args.ranks} ranks (EP {args.serve_ep}, TP {args.tensor_model_parallel_size}); "
           f"ratios vs {variants[0]}")
-    print(prefill_table(result) if args.mode == "prefill" else serve_table(result))
+    print(prefill_table(result, loaded) if args.mode == "prefill" else serve_table(result, loaded))
+    if tuning is not None:
+        print(achieved_share(args.target_comm_fraction, tuning, result, probe))
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")
@@ -164,6 +193,46 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
         for path in write_plots(result, *target):
             print(f"wrote {path}")
     return 0
+
+
+def _variant_stats(args, runs: list, slo: dict) -> dict:
+    """One variant's statistics over the phases of ``runs`` (a list of ``{phase name: phase}``, one
+    per run): prefill bursts pooled as repeats; serving rates each pooled over the runs."""
+    if args.mode == "prefill":
+        out = analysis.prefill_stats([p for run in runs for p in run.values()])
+        out["load_imbalance"] = analysis.load_imbalance(analysis.sum_load(
+            [analysis.device_load(p["metrics_before"], p["metrics_after"]) for run in runs for p in run.values()]))
+        return out
+    per_rate = {name.split("-", 1)[1]: analysis.serve_stats([run[name] for run in runs], **slo) for name in runs[0]}
+    for rate, s in per_rate.items():
+        s["offered_rate"] = float(rate) if math.isfinite(float(rate)) else None  # inf: all at once
+    return analysis.pooled_serve_stats(per_rate, {f"{name}#{r}": p for r, run in enumerate(runs)
+                                                  for name, p in run.items()}, **slo)
+
+
+def _run_figures(mode: str, stats: dict) -> dict:
+    """One run's headline figures of a variant (the JSON's ``runs[].variants``)."""
+    if mode == "prefill":
+        return {k: (stats.get(k) or {}).get("median") for k in analysis.PREFILL_SUMMARIZED}
+    return {rate: {f: analysis.run_figure(s, f) for f in analysis.SERVE_FIGURES} for rate, s in stats["rates"].items()}
+
+
+def achieved_share(target: float, tuning: dict, result: dict, probe: str) -> str:
+    """The target all-to-all share beside the rate search's and the measured one (in flight =
+    transfer + rank-skew wait, shares of the engine's busy time, pooled over runs and rates)."""
+    s = result["variants"][probe]
+
+    def med(x):
+        return x.get("median") if isinstance(x, dict) else x
+
+    share, transfer, skew = med(s["a2a_fraction"]), med(s.get("transfer_fraction")), med(s.get("skew_fraction"))
+    text = (f"all-to-all share of {probe}: target {target:.3f}, rate search {tuning['fraction']:.3f} "
+            f"(a2a / (a2a + fastest compute))")
+    if share is not None:
+        text += f"; measured {share:.3f}"
+        if transfer is not None and skew is not None:
+            text += f" = transfer {transfer:.3f} + skew {skew:.3f}"
+    return text
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -165,6 +165,7 @@ def _run_phase(spec: ClientSpec, phase: dict, progress: _Progress) -> dict:
     requests = sorted(phase["requests"], key=lambda r: r["at"])
     with progress.lock:
         progress.state.update(phase=phase["name"], total=len(requests), sent=0, done=0, failed=0, phase_start=None)
+    clock_start = time.perf_counter()  # the phase's window on the host clock (the servers' step spans)
     before = scrape_metrics(spec.url)
     results: list = [None] * len(requests)
     threads = []
@@ -194,11 +195,12 @@ def _run_phase(spec: ClientSpec, phase: dict, progress: _Progress) -> dict:
     end = max([r["sent"] + r["e2e_s"] for r in results], default=start)
     time.sleep(spec.settle_s)
     after = scrape_metrics(spec.url)
+    clock_end = time.perf_counter()
     for r, req in zip(results, requests):
         r["scheduled_s"] = float(req["at"])
         r["sent"] = r["sent"] - start  # seconds from the phase's start
     return {"name": phase["name"], "duration_s": end - start, "requests": results,
-            "metrics_before": before, "metrics_after": after}
+            "metrics_before": before, "metrics_after": after, "clock_start": clock_start, "clock_end": clock_end}
 
 
 def run(spec: ClientSpec) -> dict:

@@ -4,8 +4,9 @@
 reads prompts (JSONL with a ``text`` field, or ShareGPT JSON: a list of ``{"conversations":
 [{"from": "human", "value": ...}, ...]}``, the first human turn taken) and ``load_prompt_pairs``
 the answers with them (JSONL ``answer``, the ShareGPT model turn after the prompt); ``summarize`` turns
-per-request timings into TTFT / TPOT / end-to-end p50/p90/p99, output tokens/s, requests/s and
-goodput at an SLO; ``report`` lays variants out in bench_ep's JSON shape
+per-request timings into TTFT / TPOT / end-to-end p50/p90/p99 (with the number of samples each
+rests on: a p99 needs 100 for one sample beyond it, ``samples_needed``), output tokens/s, requests/s
+and goodput at an SLO; ``report`` lays variants out in bench_ep's JSON shape
 (``variants.<name>.<metric>`` with p50/p90/p99 or a single value, ``ratios.<name>.throughput_speedup``
 against the first variant).
 """
@@ -20,7 +21,7 @@ import random
 from typing import Optional, Sequence
 
 __all__ = ["RequestTiming", "poisson_arrivals", "load_prompts", "load_prompt_pairs", "percentile", "distribution",
-           "summarize", "report"]
+           "samples_needed", "PERCENTILES", "summarize", "report"]
 
 
 @dataclasses.dataclass
@@ -114,9 +115,21 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
+PERCENTILES = (50, 90, 99)
+
+
+def samples_needed(q: float) -> int:
+    """Samples a ``q``-th percentile needs so that at least one is expected beyond it,
+    ``n (1 - q / 100) >= 1``: ``ceil(100 / (100 - q))`` (p50: 2, p90: 10, p99: 100). With fewer it is
+    interpolated between the largest samples and mostly reports the maximum."""
+    return math.ceil(100.0 / (100.0 - q) - 1e-9)
+
+
 def distribution(values) -> dict:
-    """``{"p50", "p90", "p99"}`` of ``values`` (each None when there are none)."""
-    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+    """``{"p50", "p90", "p99", "n"}`` of ``values`` (each percentile None when there are none; ``n``
+    the number of samples, which ``samples_needed`` compares with)."""
+    values = list(values)
+    return {**{f"p{q}": percentile(values, q) for q in PERCENTILES}, "n": len(values)}
 
 
 def summarize(timings: Sequence[RequestTiming], duration_s: float, *, slo_ttft_s: Optional[float] = None,

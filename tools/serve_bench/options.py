@@ -10,6 +10,7 @@ from moe_variants import registry
 from moe_variants.common.cli import float_list, nonneg_int, positive_float, positive_int
 from tools.bench import netns
 from tools.bench.cli import add_model_options, model_overrides
+from tools.bench.discipline import add_discipline_arguments
 
 from .loadgen import load_prompt_pairs
 
@@ -17,7 +18,8 @@ __all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", 
            "DEFAULT_NUM_REQUESTS"]
 
 PROG = "bench_serve.py"
-DEFAULT_NUM_REQUESTS = 32
+# a p99 needs 100 samples for one to be expected beyond it (loadgen.samples_needed)
+DEFAULT_NUM_REQUESTS = 100
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-rates", type=float_list, default=[1.0, 2.0, 4.0], help="requests/s, comma-separated "
                    "(inf: all at once)")
     g.add_argument("--num-requests", type=positive_int, default=None,
-                   help=f"requests per rate (default {DEFAULT_NUM_REQUESTS})")
+                   help=f"requests per rate and run (default {DEFAULT_NUM_REQUESTS}: a percentile p needs "
+                        "100 / (100 - p) samples for one to be expected beyond it, so p50 2, p90 10, p99 100; the "
+                        "table marks a percentile resting on fewer)")
     g.add_argument("--duration", type=positive_float, default=None, help="seconds of arrivals per rate, instead "
                    "of --num-requests")
     g.add_argument("--prompts", metavar="FILE", help="JSONL with a 'text' field, or ShareGPT JSON (default: "
@@ -68,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "answer length, else --max-output-len)")
     g.add_argument("--max-output-len", type=positive_int, default=64, help="cap on output tokens (default 64)")
     g.add_argument("--warmup-requests", type=nonneg_int, default=4, help="unrecorded burst before the rates")
+    add_discipline_arguments(g, runs_help="each run restarts every variant's servers; latency percentiles are "
+                                          "also pooled over the runs")
     g.add_argument("--slo-ttft", type=positive_float, help="goodput SLO on time to first token, seconds")
     g.add_argument("--slo-tpot", type=positive_float, help="goodput SLO on time per output token, seconds")
     g.add_argument("--prefill-tokens", type=positive_int, default=512,
@@ -189,6 +195,8 @@ def check_args(args) -> None:
         raise ValueError(f"--plots {args.plots}: is a file, expected a directory")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if not args.load_threshold >= 0:
+        raise ValueError(f"--load-threshold must be >= 0, got {args.load_threshold}")
     manifest = None
     if args.load:
         from megatron.training.checkpointing import find_latest_checkpoint, read_manifest

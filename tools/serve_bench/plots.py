@@ -2,12 +2,15 @@
 
 Serving mode:
 
-* ``<stem>_latency.png``     TTFT, TPOT and end-to-end latency (p50 solid, p99 dashed) vs request
-                             rate, one colour per variant;
-* ``<stem>_throughput.png``  output tokens/s and goodput (requests/s within the SLOs) vs rate.
+* ``<stem>_latency.png``     TTFT, TPOT and end-to-end latency (p50 solid, p99 dashed, pooled over
+                             the runs) vs request rate, one colour per variant; with several runs
+                             the bars are the 95% interval of the runs' percentiles;
+* ``<stem>_throughput.png``  output tokens/s (bars: the runs' 95% interval) and goodput (requests/s
+                             within the SLOs) vs rate.
 
-Prefill mode: ``<stem>_prefill.png``, prefill tokens/s per variant (median over the repeated
-bursts, min-max bars) with the baseline's Amdahl bound (all-to-all removed) as a line.
+Prefill mode: ``<stem>_prefill.png``, prefill tokens/s per variant (median over the runs with their
+bootstrap 95% interval as bars; one run: over its bursts, min-max bars) with the baseline's Amdahl
+bound (its transfer share removed, or its in-flight share without the split) as a line.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def _serve(plt, result: dict, out_dir: str, stem: str) -> list:
                 y = [s["rates"][r][key][q] for r in rates]
                 y = [v * scale if v is not None else float("nan") for v in y]
                 ax.plot(x, y, style, marker="o", ms=4, color=color, label=f"{name} {q}")
+                cis = [(s["rates"][r].get("over_runs") or {}).get(f"{key}.{q}") for r in rates]
+                _ci_lines(ax, x, cis, scale, color)
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
@@ -59,7 +64,10 @@ def _serve(plt, result: dict, out_dir: str, stem: str) -> list:
         rates = _rates(s)
         x = _rate_axis(axes[0], rates)
         _rate_axis(axes[1], rates)
-        axes[0].plot(x, [s["rates"][r]["output_tokens_per_s"] for r in rates], marker="o", color=f"C{i}", label=name)
+        y = [s["rates"][r]["output_tokens_per_s"] for r in rates]
+        axes[0].plot(x, y, marker="o", color=f"C{i}", label=name)
+        cis = [(s["rates"][r].get("over_runs") or {}).get("output_tokens_per_s") for r in rates]
+        _ci_lines(axes[0], x, cis, 1.0, f"C{i}")
         axes[1].plot(x, [s["rates"][r]["requests_per_s"] for r in rates], ":", marker="s", color=f"C{i}",
                      label=f"{name} completed")
         axes[1].plot(x, [s["rates"][r]["goodput_requests_per_s"] for r in rates], marker="o", color=f"C{i}",
@@ -79,27 +87,48 @@ def _prefill(plt, result: dict, out_dir: str, stem: str) -> list:
     variants = result["variants"]
     names = list(variants)
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 3.8))
-    stats = [variants[n]["prefill_tokens_per_s"] for n in names]
-    values = [s["median"] if s else 0.0 for s in stats]
-    errors = [[v - (s["min"] if s else v) for v, s in zip(values, stats)],
-              [(s["max"] if s else v) - v for v, s in zip(values, stats)]]
+    over = [(variants[n].get("over_runs") or {}).get("prefill_tokens_per_s") for n in names]
+    several = any(c and c["n"] > 1 for c in over)
+    if several:  # medians over the runs, bars their 95% interval
+        values = [c["median"] if c else 0.0 for c in over]
+        errors = _ci_bars(values, over)
+    else:
+        stats = [variants[n]["prefill_tokens_per_s"] for n in names]
+        values = [s["median"] if s else 0.0 for s in stats]
+        errors = [[v - (s["min"] if s else v) for v, s in zip(values, stats)],
+                  [(s["max"] if s else v) - v for v, s in zip(values, stats)]]
     ax.bar(names, values, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(names))])
     r0 = result["ratios"][names[0]]
     bound = r0.get("amdahl_bound")
     if bound is not None and values[0]:
+        basis = r0.get("amdahl_basis", "in flight")
+        share = r0["baseline_transfer_fraction"] if basis == "transfer" else r0["baseline_a2a_fraction"]
         ax.axhline(values[0] * bound, ls="--", color="k", lw=1,
-                   label=f"Amdahl bound {bound:.2f}x ({names[0]}'s all-to-all share "
-                         f"{r0['baseline_a2a_fraction']:.2f} removed)")
+                   label=f"Amdahl bound {bound:.2f}x ({names[0]}'s all-to-all {basis} share {share:.2f} removed)")
         ax.legend(fontsize=7)
     for i, n in enumerate(names):
         speedup = result["ratios"][n]["throughput_speedup"]
         if speedup is not None:
             ax.text(i, values[i] + errors[1][i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("prefill tokens/s (median, min-max)")
+    ax.set_ylabel("prefill tokens/s (median over runs, 95% interval)" if several else
+                  "prefill tokens/s (median, min-max)")
     ax.set_title(_title(result))
     path = save_png(fig, os.path.join(out_dir, f"{stem}_prefill.png"))
     plt.close(fig)
     return [path]
+
+
+def _ci_bars(values: list, cis: list) -> list:
+    """Error bars ``[below, above]`` of ``median_ci`` dicts around their medians ``values``."""
+    return [[v - c["ci_low"] if c else 0.0 for v, c in zip(values, cis)],
+            [c["ci_high"] - v if c else 0.0 for v, c in zip(values, cis)]]
+
+
+def _ci_lines(ax, x: list, cis: list, scale: float, color: str) -> None:
+    """The runs' 95% intervals (``median_ci`` dicts, several runs only) as vertical lines at ``x``."""
+    marks = [(xi, c["ci_low"] * scale, c["ci_high"] * scale) for xi, c in zip(x, cis) if c and c["n"] > 1]
+    if marks:
+        ax.vlines([m[0] for m in marks], [m[1] for m in marks], [m[2] for m in marks], colors=color, lw=2, alpha=0.4)
 
 
 def _title(result: dict) -> str:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 from tools.bench.aggregate import format_rows
+from tools.bench.discipline import format_ci
+
+from .loadgen import samples_needed
 
 __all__ = ["Printer", "serve_table", "prefill_table", "plot_target"]
 
@@ -53,28 +57,68 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x * 100:.1f}"
 
 
-def serve_table(result: dict) -> str:
-    header = ("variant", "rate", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "e2e p50/p99 s",
-              "goodput", "a2a B/tok", "a2a %", "exposed %", "exp ms/tok", "LAR", "imbal", "speedup")
-    rows = []
+def _pq(dist: dict, q: int, scale: float = 1e3, fmt: str = "{:.1f}") -> str:
+    """A percentile of a ``distribution``, ``~`` in front when it rests on fewer samples than it
+    needs (``loadgen.samples_needed``)."""
+    value = dist.get(f"p{q}")
+    if value is None:
+        return "-"
+    return ("~" if dist.get("n", 0) < samples_needed(q) else "") + fmt.format(value * scale)
+
+
+def _footer(result: dict, loaded: Optional[dict], what: str) -> list:
+    lines = []
+    runs = result.get("config", {}).get("runs") or 1
+    if runs > 1:
+        lines.append(f"{what}: medians over {runs} runs [bootstrap 95% interval]; the rest pooled over the runs")
+    for name, bad in (loaded or {}).items():
+        if bad:
+            lines.append(f"* {name}: run(s) {', '.join(str(r + 1) for r in bad)} taken on a loaded machine "
+                         "(the JSON's runs[].load says why)")
+    return lines
+
+
+def serve_table(result: dict, loaded: Optional[dict] = None) -> str:
+    """One row per variant and rate; latency percentiles pooled over the runs (``~``: fewer samples
+    than the percentile needs), output tokens/s and the speedup medians over the runs."""
+    header = ("variant", "rate", "n", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "e2e p50/p99 s",
+              "goodput", "a2a B/tok", "a2a %", "xfer %", "skew %", "exposed %", "exp ms/tok", "LAR", "imbal",
+              "speedup")
+    rows, thin = [], False
     for name, s in result["variants"].items():
         ratios = result["ratios"][name].get("rates", {})
         for rate, r in s["rates"].items():
-            rows.append((name, rate, _num(r["requests_per_s"]), _num(r["output_tokens_per_s"], "{:.1f}"),
-                         f"{_ms(r['ttft_s']['p50'])} / {_ms(r['ttft_s']['p99'])}",
-                         f"{_ms(r['tpot_s']['p50'])} / {_ms(r['tpot_s']['p99'])}",
-                         f"{_num(r['e2e_s']['p50'])} / {_num(r['e2e_s']['p99'])}",
+            over = r.get("over_runs") or {}
+            ratio = ratios.get(rate, {})
+            speedup = (ratio.get("over_runs") or {}).get("throughput_speedup")
+            thin |= any(r[k].get("n", 0) < samples_needed(99) for k in ("ttft_s", "tpot_s", "e2e_s"))
+            rows.append((name + ("*" if (loaded or {}).get(name) else ""), rate, str(r["num_requests"]),
+                         _num(r["requests_per_s"]),
+                         format_ci(over.get("output_tokens_per_s")) if over.get("output_tokens_per_s")
+                         else _num(r["output_tokens_per_s"], "{:.1f}"),
+                         f"{_pq(r['ttft_s'], 50)} / {_pq(r['ttft_s'], 99)}",
+                         f"{_pq(r['tpot_s'], 50)} / {_pq(r['tpot_s'], 99)}",
+                         f"{_pq(r['e2e_s'], 50, 1.0, '{:.2f}')} / {_pq(r['e2e_s'], 99, 1.0, '{:.2f}')}",
                          _num(r["goodput_requests_per_s"]), _num(r["a2a_bytes_per_token"], "{:.0f}"),
-                         _pct(r["a2a_fraction"]), _pct(r["exposed_fraction"]),
+                         _pct(r["a2a_fraction"]), _pct(r.get("transfer_fraction")), _pct(r.get("skew_fraction")),
+                         _pct(r["exposed_fraction"]),
                          _ms(r.get("exposed_a2a_s_per_output_token")), _num(r.get("lar"), "{:.3f}"),
                          _num((r.get("load_imbalance") or {}).get("mean"), "{:.3f}"),
-                         _num(ratios.get(rate, {}).get("throughput_speedup"), "{:.3f}")))
-    return format_rows(header, rows, left=2)
+                         format_ci(speedup, fmt="{:.3f}") if speedup else
+                         _num(ratio.get("throughput_speedup"), "{:.3f}")))
+    lines = [format_rows(header, rows, left=2)]
+    if thin:
+        lines.append(f"~: a percentile from fewer samples than it needs for one to be expected beyond it (p90 "
+                     f"{samples_needed(90)}, p99 {samples_needed(99)}); n: requests per rate over all runs")
+    return "\n".join(lines + _footer(result, loaded, "out tok/s and speedup"))
 
 
-def prefill_table(result: dict) -> str:
-    header = ("variant", "prefill tok/s [min-max]", "fwd tok/s", "TTFT p50 ms", "a2a %", "exposed %", "overlap %",
-              "a2a B/tok", "bytes x", "speedup", "fwd speedup", "Amdahl bound")
+def prefill_table(result: dict, loaded: Optional[dict] = None) -> str:
+    """One row per variant: prefill tokens/s median over the runs [95% interval] (one run: over its
+    bursts [min-max]); the all-to-all share in flight, split into transfer and rank-skew wait; the
+    Amdahl bound on the baseline's transfer share (its in-flight share without the split)."""
+    header = ("variant", "prefill tok/s", "fwd tok/s", "TTFT p50 ms", "a2a %", "xfer %", "skew %", "exposed %",
+              "overlap %", "a2a B/tok", "bytes x", "speedup", "fwd speedup", "Amdahl bound")
     rows = []
 
     def med(stat):
@@ -82,14 +126,25 @@ def prefill_table(result: dict) -> str:
 
     for name, s in result["variants"].items():
         r = result["ratios"][name]
+        over, ratio_over = s.get("over_runs") or {}, r.get("over_runs") or {}
         tput = s["prefill_tokens_per_s"]
-        rows.append((name, "-" if tput is None else f"{tput['median']:.0f} [{tput['min']:.0f}-{tput['max']:.0f}]",
+        several = (over.get("prefill_tokens_per_s") or {}).get("n", 1) > 1
+        rows.append((name + ("*" if (loaded or {}).get(name) else ""),
+                     format_ci(over["prefill_tokens_per_s"], fmt="{:.0f}") if several else
+                     "-" if tput is None else f"{tput['median']:.0f} [{tput['min']:.0f}-{tput['max']:.0f}]",
                      _num(med(s["forward_tokens_per_s"]), "{:.0f}"), _ms(s["ttft_s"]["p50"]),
-                     _pct(med(s["a2a_fraction"])), _pct(med(s["exposed_fraction"])),
+                     _pct(med(s["a2a_fraction"])), _pct(med(s.get("transfer_fraction"))),
+                     _pct(med(s.get("skew_fraction"))), _pct(med(s["exposed_fraction"])),
                      _pct(s["overlap"]), _num(s["a2a_bytes_per_token"], "{:.0f}"), _num(r["bytes_ratio"], "{:.3f}"),
-                     _num(r["throughput_speedup"], "{:.3f}"), _num(r["forward_speedup"], "{:.3f}"),
+                     format_ci(ratio_over["throughput_speedup"], fmt="{:.3f}") if several and
+                     ratio_over.get("throughput_speedup") else _num(r["throughput_speedup"], "{:.3f}"),
+                     _num(r["forward_speedup"], "{:.3f}"),
                      f"{_num(r['amdahl_bound'])} (bytes: {_num(r['amdahl_bound_bytes'])})"))
-    return format_rows(header, rows)
+    base = next(iter(result["ratios"].values()), {})
+    lines = [format_rows(header, rows),
+             f"Amdahl bound: the baseline's {base.get('amdahl_basis', 'in flight')} share removed (bytes: scaled "
+             "by the bytes ratio)"]
+    return "\n".join(lines + _footer(result, loaded, "prefill tok/s and speedup"))
 
 
 def plot_target(args):

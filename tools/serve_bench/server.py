@@ -40,6 +40,7 @@ class Server:
         self.net, self.args, self.run_dir, self.budget, self.printer, self.label = \
             net, args, run_dir, budget, printer, label
         self.ready_file = os.path.join(run_dir, "ready.json")
+        self.spans_dir = os.path.join(run_dir, "a2a_spans")  # each rank's engine steps' all-to-alls
         if args.mode == "prefill":
             max_batch = args.prefill_tokens
             max_requests = math.ceil(args.prefill_tokens / args.input_len) + 1
@@ -51,7 +52,7 @@ class Server:
                      str(args.tensor_model_parallel_size), "--host", "127.0.0.1", "--port", "0", "--ready-file", self.ready_file,
                      "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
-                     "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+                     "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--a2a-spans", self.spans_dir]
         # LAR is defined for attention-DP, and for attention-TP where the placement's server re-batches
         # tokens (Sem-MoE's Algorithm 3)
         if args.routing_stats and (args.tensor_model_parallel_size == 1
@@ -102,6 +103,19 @@ class Server:
             log.warning("[%s] the server did not stop cleanly: %s", self.label, str(err).splitlines()[0])
         finally:
             self.ranks.kill()
+
+    def spans(self) -> list:
+        """Every rank's step lines (``serve --a2a-spans``; read once the servers stopped), or [] when
+        no rank recorded an all-to-all (one expert-parallel rank)."""
+        out = []
+        for r in range(self.net.num_ranks):
+            path = os.path.join(self.spans_dir, f"a2a_spans_rank{r}.jsonl")
+            try:
+                with open(path) as f:
+                    out.append([json.loads(line) for line in f if line.strip()])
+            except (OSError, ValueError):
+                out.append([])
+        return out if any(out) else []
 
     def run(self, phases: dict, what: str) -> dict:
         """Run the load client on ``phases`` (name -> requests) in rank 0's namespace; its result."""
