@@ -82,12 +82,55 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "ttq.png.tmp.png").exists()
 
 
+def _metrics(path, step_s, evals):
+    """A finished run's metrics.jsonl: every step ``step_s`` seconds (a quarter in all-to-all)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": k, "step_time_s": step_s, "a2a_time_s": step_s / 4} for k in range(1, max(evals) + 1)]
+    lines += [{"event": "valid", "step": k, "ppl": p} for k, p in sorted(evals.items())]
+    lines += [{"event": "summary", "step": max(evals), "interrupted": False}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_runs_live_in_their_own_directories_and_are_summarized_over_runs(tmp_path, capsys):
+    """Three runs of the same curves on a drifting machine (x1, x1.5, x0.8): bigmac's steps take half
+    of standard's; it crosses standard's best (8.0) 0.6 of the way from step 2 (9.5) to step 4 (7.0),
+    at 1.6 steps of standard's time against standard's 4: speed-up 2.5 in every run, interval
+    [2.5, 2.5]; standard's clock to target follows the drift (the interval over 3 runs: their range)."""
+    from tools.bench.ttq import _report, build_parser, run_dir, summarize_runs
+
+    assert run_dir("OUT", 0, "bigmac") == os.path.join("OUT", "bigmac")
+    assert run_dir("OUT", 2, "bigmac") == os.path.join("OUT", "run3", "bigmac")
+    for r, drift in enumerate((1.0, 1.5, 0.8)):
+        _metrics(tmp_path / run_dir("", r, "standard") / "metrics.jsonl", 1.0 * drift, {2: 9.0, 4: 8.0})
+        _metrics(tmp_path / run_dir("", r, "bigmac") / "metrics.jsonl", 0.5 * drift, {2: 9.5, 4: 7.0})
+    args = build_parser().parse_args(["--out", str(tmp_path), "--variants", "standard,bigmac", "--no-netns"])
+    assert (args.runs, args.load_threshold, args.strict) == (3, 1.3, False)
+    launches = [{"variant": "bigmac", "run": 1, "load": {"loaded": True}}]
+    pytest.importorskip("matplotlib")
+    result = _report(args, str(tmp_path), ["standard", "bigmac"], None, launches)
+    assert [r["run"] for r in result["runs"]] == [0, 1, 2] and result["loaded_launches"] == [{"variant": "bigmac", "run": 1}]
+    speedup = result["over_runs"]["bigmac"]["speedup_to_target"]
+    assert (speedup["median"], speedup["ci_low"], speedup["ci_high"]) == pytest.approx((2.5, 2.5, 2.5))
+    # standard reaches its best (8.0) at step 4: clock 4 x drift
+    clock = result["over_runs"]["standard"]["to_target_clock_s"]
+    assert clock["values"] == pytest.approx([4.0, 6.0, 3.2]) and (clock["ci_low"], clock["ci_high"]) == pytest.approx((3.2, 6.0))
+    assert result["over_runs"]["bigmac"]["a2a_share_median"]["median"] == pytest.approx(0.25)
+    assert result["variants"]["standard"]["to_target"]["clock_s"] == pytest.approx(4.0)  # the first run on top
+    assert (tmp_path / "ttq.png").exists() and json.loads((tmp_path / "ttq.json").read_text())["runs_requested"] == 3
+    assert summarize_runs([]) == {}
+    from tools.bench.ttq import _print
+
+    _print(result)
+    out = capsys.readouterr().out
+    assert "2.500 [2.500-2.500]" in out and "medians over 3 runs" in out and "* bigmac run 2: a launch" in out
+
+
 @pytest.mark.slow
 def test_tiny_run_over_loopback_is_resumable_and_writes_the_json(tmp_path):
     cmd = [sys.executable, os.path.join(repo_root(), "scripts", "time_to_quality.py"), "--out", str(tmp_path),
            "--no-netns", "--steps", "4", "--eval-interval", "2", "--eval-iters", "1", "--variants", "standard,bigmac",
            "--set", "num_layers=2", "--set", "hidden_size=32", "--set", "seq_length=32",
-           "--set", "micro_batch_size=2", "--set", "global_batch_size=8"]  # fmt: skip
+           "--set", "micro_batch_size=2", "--set", "global_batch_size=8", "--runs", "2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "ttq.json").read_text())
@@ -98,9 +141,13 @@ def test_tiny_run_over_loopback_is_resumable_and_writes_the_json(tmp_path):
         assert v["done"] and v["steps_logged"] == 4 and [e["step"] for e in v["evaluations"]] == [2, 4]
         assert v["clock_s"] > 0 and v["a2a_share_median"] > 0
     assert data["variants"]["standard"]["to_target"]["step"] <= 4
-    assert (tmp_path / "ttq.png").exists()
+    assert (tmp_path / "ttq.png").exists() and (tmp_path / "run2" / "bigmac" / "metrics.jsonl").exists()
+    assert len(data["runs"]) == 2 and data["over_runs"]["bigmac"]["mean_step_s"]["n"] == 2
+    assert [la["variant"] for la in data["launches"]] == ["standard", "bigmac", "bigmac", "standard"]  # rotated
+    assert all("loaded" in la["load"] for la in data["launches"])
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "standard: done earlier" in again.stdout and "bigmac: done earlier" in again.stdout
+    assert "bigmac (run 2): done earlier" in again.stdout
     changed = subprocess.run(cmd[:cmd.index("--steps") + 1] + ["6"] + cmd[cmd.index("--steps") + 2:],
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert changed.returncode == 2 and "steps differ" in changed.stderr

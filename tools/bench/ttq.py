@@ -20,10 +20,20 @@ best validation perplexity the standard model reaches? (The paper: BigMac 1.71x 
    time to target is the clock at which its curve first reaches it (linear interpolation between
    the two evaluations around the crossing), and its speed-up is standard's time / its time.
 
-Writes ``OUT/ttq.json`` (link, tuning, per-variant curves and results) and ``OUT/ttq.png`` (perplexity
-against hours of training clock, the target as a line; needs matplotlib). Timings on this shared
-2-core machine mean something only when the load is low; the JSON records the load average at
-the start and end of every training launch.
+4. **Runs** (``--runs N``, default 3): the whole comparison is trained N times with the same seed
+   (the curves repeat; the clocks measure the machine), the variant order rotated by one each run.
+   Run 1 lives in ``OUT/<variant>/``, run k > 1 in ``OUT/run<k>/<variant>/``; each is resumable on its
+   own. Every run is summarized against its own standard; the time to target, the speed-ups, the
+   step time and the all-to-all share are then given as medians over the runs with a bootstrap 95%
+   interval (``tools.bench.discipline``).
+
+Writes ``OUT/ttq.json`` (link, tuning, per-variant curves and results; the first run at the top
+level, every run under ``runs``, the medians under ``over_runs``) and ``OUT/ttq.png`` (the first
+run's perplexity against hours of training clock, the target as a line, each variant's time to
+target with the runs' interval as a band; needs matplotlib). The load is sampled before and after
+every training launch and a launch taken on a loaded machine is marked (``--strict``: refused).
+The rate search records its chosen probe's all-to-all share split into transfer and rank-skew wait
+(from the model worker's spans); the training runs' share (rank 0's metrics) is not split.
 """
 
 from __future__ import annotations
@@ -40,12 +50,15 @@ from typing import Optional, Sequence
 from moe_variants import registry
 from moe_variants.common.cli import nonneg_int, positive_int, run_cli
 from moe_variants.common.files import write_json
+from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 
 __all__ = [
     "Curve",
     "load_curve",
     "time_to_target",
     "summarize_curves",
+    "summarize_runs",
+    "run_dir",
     "plot_curves",
     "build_parser",
     "main",
@@ -161,9 +174,35 @@ def summarize_curves(curves: dict, baseline: str = "standard") -> dict:
     return out
 
 
-def plot_curves(summary: dict, path: str, title: str = "") -> None:
+RUN_FIGURES = ("speedup_to_target", "to_target_clock_s", "speedup_per_step", "mean_step_s", "a2a_share_median",
+               "best_ppl")
+
+
+def summarize_runs(summaries: Sequence[dict], seed: int = 0) -> dict:
+    """``{variant: {figure: median_ci over the runs that have it}}`` of ``RUN_FIGURES`` from each
+    run's ``summarize_curves`` (speed-ups are within a run: paired by construction)."""
+    from tools.bench.discipline import median_ci
+
+    out = {}
+    for name in summaries[0]["variants"] if summaries else []:
+        out[name] = {}
+        for key in RUN_FIGURES:
+            values = []
+            for summary in summaries:
+                v = summary["variants"].get(name)
+                if v is None:
+                    continue
+                value = (v["to_target"] or {}).get("clock_s") if key == "to_target_clock_s" else v[key]
+                if value is not None:
+                    values.append(value)
+            out[name][key] = median_ci(values, seed=seed) if values else None
+    return out
+
+
+def plot_curves(summary: dict, path: str, title: str = "", over_runs: Optional[dict] = None) -> None:
     """Validation perplexity against the training clock (hours), one line per variant, the target
-    dashed. matplotlib is imported here (an optional dependency)."""
+    dashed; with ``over_runs`` (several runs) each variant's time to target as a band over the runs'
+    95% interval. matplotlib is imported here (an optional dependency)."""
     try:
         import matplotlib
 
@@ -178,6 +217,9 @@ def plot_curves(summary: dict, path: str, title: str = "") -> None:
             ax.plot([e["clock_s"] / 3600 for e in ev], [e["ppl"] for e in ev], marker="o", ms=3, label=name)
         if v["to_target"]:
             ax.axvline(v["to_target"]["clock_s"] / 3600, color=ax.lines[-1].get_color(), ls=":", lw=0.8)
+        ci = ((over_runs or {}).get(name) or {}).get("to_target_clock_s")
+        if ci and ci["n"] > 1 and ev:
+            ax.axvspan(ci["ci_low"] / 3600, ci["ci_high"] / 3600, color=ax.lines[-1].get_color(), alpha=0.15, lw=0)
     ax.axhline(summary["target_ppl"], color="k", ls="--", lw=0.8,
                label=f"{summary['baseline']}'s best ({summary['target_ppl']:.2f})")  # fmt: skip
     ax.set_xlabel("training clock (h, sum of step times)")
@@ -224,7 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fraction-tol", type=float, default=0.02)
     ap.add_argument("--timeout-s", type=float, default=48 * 3600.0, help="wall-clock limit of one training launch")
     ap.add_argument("--report-only", action="store_true", help="only rebuild ttq.json/ttq.png from the runs so far")
+    add_discipline_arguments(ap, runs_help="run 1 trains in OUT/<variant>, run k in OUT/run<k>/<variant>, same seed")
     return ap
+
+
+def run_dir(out_dir: str, run: int, variant: str) -> str:
+    """Where run ``run`` (from 0) of ``variant`` trains: ``OUT/<variant>`` for the first run (the
+    layout of single runs), ``OUT/run<k>/<variant>`` for run k = run + 1 > 1."""
+    return os.path.join(out_dir, variant) if run == 0 else os.path.join(out_dir, f"run{run + 1}", variant)
 
 
 def _schedule(args) -> tuple[int, int, int]:
@@ -310,11 +359,16 @@ def _link(args, net, out_dir, overrides, schedule, log) -> dict:
                                   config_path=os.path.abspath(args.config) if args.config else None,
                                   overrides=overrides, num_threads=args.threads)  # fmt: skip
                 raw = launch(net, "tools.bench.variant_worker", spec, os.path.join(out_dir, "probes", f"p{n}"), 3600.0)
-                return uncontended_comm_fraction(variant_stats([RankResult.from_dict(d) for d in raw]))
+                shares[gbit] = variant_stats([RankResult.from_dict(d) for d in raw])
+                return uncontended_comm_fraction(shares[gbit])
 
+            shares = {}
             result = find_rate(measure, args.target_comm_fraction, start=args.link_gbit, tol=args.fraction_tol,
                                max_probes=args.max_probes, log=log)  # fmt: skip
-            record["tuning"] = {**result.as_dict(), "probe_variant": "standard"}
+            probe = shares.get(result.gbit) or {}
+            record["tuning"] = {**result.as_dict(), "probe_variant": "standard", "target": args.target_comm_fraction,
+                                "probe_shares": {k: probe[k]["median"] for k in
+                                                 ("comm_fraction", "transfer_fraction", "skew_fraction") if k in probe}}
             link = dataclasses.replace(link, gbit=result.gbit)
         net.set_link(link)
         record["link"] = link.as_dict()
@@ -322,71 +376,113 @@ def _link(args, net, out_dir, overrides, schedule, log) -> dict:
     return record
 
 
-def _train(args, net, out_dir, variant, overrides, schedule, log) -> dict:
+def _train(args, net, out_dir, variant, overrides, schedule, log, run: int = 0, gate: Optional[LoadGate] = None) -> dict:
     from tools.bench.launcher import launch
     from tools.bench.schema import WorkerSpec
 
     steps, interval, iters = schedule
-    save_dir = os.path.join(out_dir, variant)
+    save_dir = run_dir(out_dir, run, variant)
     metrics = os.path.join(save_dir, "metrics.jsonl")
+    what = f"{variant}" + (f" (run {run + 1})" if run else "")
     if os.path.exists(metrics) and load_curve(metrics).done and steps in load_curve(metrics).evals:
-        log(f"{variant}: done earlier ({metrics})")
+        log(f"{what}: done earlier ({metrics})")
         return {"skipped": True}
     n = 0
     while os.path.exists(os.path.join(save_dir, "launches", f"l{n}")):
         n += 1
-    run_dir = os.path.join(save_dir, "launches", f"l{n}")
+    launch_dir = os.path.join(save_dir, "launches", f"l{n}")
     spec = WorkerSpec(
-        variant=variant, output_dir=os.path.join(run_dir, "out"), warmup=0, steps=1, seed=args.seed,
+        variant=variant, output_dir=os.path.join(launch_dir, "out"), warmup=0, steps=1, seed=args.seed,
         config_path=os.path.abspath(args.config) if args.config else None, overrides=overrides,
         options={"save_dir": save_dir, "steps": steps, "eval_interval": interval, "eval_iters": iters},
         num_threads=args.threads,
     )  # fmt: skip
-    load_start = list(os.getloadavg())
+    gate = gate or LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
+    before = gate.before(f"{what} launch {n}")
     t0 = time.monotonic()
-    launch(net, "tools.bench.ttq_worker", spec, run_dir, args.timeout_s)
+    launch(net, "tools.bench.ttq_worker", spec, launch_dir, args.timeout_s)
     took = time.monotonic() - t0
-    log(f"{variant}: launch {n} finished in {took:.0f}s")
-    return {"launch": n, "wall_s": took, "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())}
+    mark = gate.after(before, f"{what} launch {n}")
+    log(f"{what}: launch {n} finished in {took:.0f}s" + (f"  LOADED: {'; '.join(mark['reasons'])}" if mark["loaded"] else ""))
+    return {"launch": n, "wall_s": took, "loadavg_start": before["loadavg_1_5_15"],
+            "loadavg_end": mark["after"]["loadavg_1_5_15"], "load": mark}
 
 
 def _report(args, out_dir, variants, record, launches) -> dict:
-    curves = {}
-    for v in variants:
-        path = os.path.join(out_dir, v, "metrics.jsonl")
-        if os.path.exists(path):
-            curves[v] = load_curve(path)
-    if "standard" not in curves:
-        raise ValueError(f"no standard run in {out_dir} yet")
-    summary = summarize_curves(curves, "standard")
+    summaries = []
+    for r in range(args.runs):
+        curves = {}
+        for v in variants:
+            path = os.path.join(run_dir(out_dir, r, v), "metrics.jsonl")
+            if os.path.exists(path):
+                curves[v] = load_curve(path)
+        if "standard" in curves and curves["standard"].evals:
+            summaries.append({"run": r, **summarize_curves(curves, "standard")})
+        elif r == 0:
+            raise ValueError(f"no standard run in {out_dir} yet")
+    over = summarize_runs(summaries, seed=args.seed)
+    summary = {k: v for k, v in summaries[0].items() if k != "run"}
+    loaded = sorted({(la["variant"], la["run"]) for la in launches if (la.get("load") or {}).get("loaded")})
     result = {
         "schema": SCHEMA,
         "command": ["python", "scripts/time_to_quality.py", *sys.argv[1:]],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "link": record,
         "launches": launches,
+        "runs_requested": args.runs,
+        "load_rule": LoadGate(args.load_threshold, expected=args.ranks * args.threads).rule,
+        "loaded_launches": [{"variant": v, "run": r} for v, r in loaded],
         **summary,
+        "runs": summaries,
+        "over_runs": over,
     }
     write_json(os.path.join(out_dir, "ttq.json"), result)
     gbit = (record or {}).get("link", {}) or {}
     plot_curves(summary, os.path.join(out_dir, "ttq.png"),
                 title=f"{', '.join(variants)} on a {gbit.get('gbit', 'unshaped'):.3g} Gbit/s link" if gbit
-                else "time to quality (unshaped loopback)")  # fmt: skip
+                else "time to quality (unshaped loopback)", over_runs=over if len(summaries) > 1 else None)  # fmt: skip
     return result
 
 
 def _print(result) -> None:
-    print(f"target: {result['baseline']}'s best validation perplexity {result['target_ppl']:.3f}")
-    print(f"{'variant':<16} {'best ppl':>9} {'step ms':>9} {'a2a %':>6} {'to target s':>12} {'at step':>8} "
-          f"{'speedup':>8} {'per step':>8}")  # fmt: skip
+    runs = len(result.get("runs") or [None])
+    print(f"target: {result['baseline']}'s best validation perplexity {result['target_ppl']:.3f}"
+          + (f" (first run; {runs} runs summarized)" if runs > 1 else ""))
+    over = result.get("over_runs") or {}
+    print(f"{'variant':<16} {'best ppl':>9} {'step ms':>22} {'a2a %':>18} {'to target s':>24} {'at step':>8} "
+          f"{'speedup':>22} {'per step':>8}")  # fmt: skip
     for name, v in result["variants"].items():
         t = v["to_target"]
+        o = over.get(name) or {}
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        print(f"{name:<16} {fmt(v['best_ppl'], '9.3f')} {fmt(v['mean_step_s'] and v['mean_step_s'] * 1e3, '9.1f')} "
-              f"{fmt(v['a2a_share_median'] and v['a2a_share_median'] * 100, '6.1f')} "
-              f"{fmt(t and t['clock_s'], '12.1f')} {fmt(t and t['step'], '8.1f')} "
-              f"{fmt(v['speedup_to_target'], '8.3f')} {fmt(v['speedup_per_step'], '8.3f')}"
+
+        def ci(key, single, scale=1.0, f="{:.1f}"):
+            return format_ci(o[key], scale, f) if runs > 1 and o.get(key) else single
+
+        print(f"{name:<16} {fmt(v['best_ppl'], '9.3f')} "
+              f"{ci('mean_step_s', fmt(v['mean_step_s'] and v['mean_step_s'] * 1e3, '.1f'), 1e3):>22} "
+              f"{ci('a2a_share_median', fmt(v['a2a_share_median'] and v['a2a_share_median'] * 100, '.1f'), 100):>18} "
+              f"{ci('to_target_clock_s', fmt(t and t['clock_s'], '.1f')):>24} {fmt(t and t['step'], '8.1f')} "
+              f"{ci('speedup_to_target', fmt(v['speedup_to_target'], '.3f'), 1.0, '{:.3f}'):>22} "
+              f"{fmt(v['speedup_per_step'], '8.3f')}"
               + ("" if v["done"] else "  (running)"))  # fmt: skip
+    if runs > 1:
+        print(f"step ms, a2a %, to target s, speedup: medians over {runs} runs [bootstrap 95% interval]; "
+              "the rest: the first run")
+    for item in result.get("loaded_launches") or []:
+        print(f"* {item['variant']} run {item['run'] + 1}: a launch was taken on a loaded machine (see launches)")
+    tuning = (result.get("link") or {}).get("tuning")
+    if tuning:
+        shares = tuning.get("probe_shares") or {}
+        line = (f"all-to-all share of standard: target {tuning.get('target', float('nan')):.3f}, rate search "
+                f"{tuning['fraction']:.3f} (a2a / (a2a + fastest compute))")
+        if "transfer_fraction" in shares:
+            line += (f", its probe {shares['comm_fraction']:.3f} = transfer {shares['transfer_fraction']:.3f} + skew "
+                     f"{shares['skew_fraction']:.3f}")
+        std = over.get("standard", {}).get("a2a_share_median")
+        if std:
+            line += f"; training runs {format_ci(std, fmt='{:.3f}')} (in flight, rank 0)"
+        print(line)
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -419,8 +515,11 @@ def main(argv: Optional[list] = None) -> int:
                 raise ValueError("network namespaces are unavailable (root and iproute2 needed); "
                                  "--no-netns runs unshaped smoke tests only")  # fmt: skip
             record = _link(args, net, out_dir, overrides, schedule, print)
-            for v in variants:
-                launches.append({"variant": v, **_train(args, net, out_dir, v, overrides, schedule, print)})
+            gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
+            for r, order in enumerate(rotations(variants, args.runs)):
+                for v in order:
+                    launches.append({"variant": v, "run": r,
+                                     **_train(args, net, out_dir, v, overrides, schedule, print, run=r, gate=gate)})
         result = _report(args, out_dir, variants, record, launches)
         _print(result)
         print(f"wrote {os.path.join(out_dir, 'ttq.json')} and ttq.png")
