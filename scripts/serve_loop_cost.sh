@@ -30,8 +30,8 @@ for ckpt in "$@"; do
       json="$out/$model-$code-$rep.json"
       case $code in
         old) (cd "$old" && "$py" scripts/bench_serve.py --load "$ckpt" "${common[@]}" --json "$json" > "${json%.json}.log" 2>&1);;
-        on)  (cd "$here" && "$py" scripts/bench_serve.py --load "$ckpt" "${common[@]}" --routing-stats --json "$json" > "${json%.json}.log" 2>&1);;
-        off) (cd "$here" && "$py" scripts/bench_serve.py --load "$ckpt" "${common[@]}" --no-routing-stats --json "$json" > "${json%.json}.log" 2>&1);;
+        on)  (cd "$here" && "$py" scripts/bench_serve.py --load "$ckpt" "${common[@]}" --runs 1 --routing-stats --json "$json" > "${json%.json}.log" 2>&1);;
+        off) (cd "$here" && "$py" scripts/bench_serve.py --load "$ckpt" "${common[@]}" --runs 1 --no-routing-stats --json "$json" > "${json%.json}.log" 2>&1);;
       esac
     done
   done
