@@ -207,7 +207,7 @@ def add_discipline_arguments(group, *, default_runs: int = DEFAULT_RUNS, runs_he
     """``--runs``, ``--load-threshold`` and ``--strict`` (the same meaning in every harness)."""
     from moe_variants.common.cli import positive_int
 
-    group.add_argument("--runs", type=positive_int, default=default_runs,
+    group.add_argument("--runs", type=positive_int, default=default_runs, metavar="N",
                        help=f"repeat the whole comparison N times, the variant order rotated by one each run; "
                             f"figures are medians over the runs with a bootstrap 95%% interval (default {default_runs})"
                             + (f"; {runs_help}" if runs_help else ""))
