@@ -195,13 +195,14 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
         c.checkpoint.finetune = True
         lineage = new_lineage()
     proxy_text = fcsd.proxy_text or (c.data.heldout_text or [None])[0]
-    lm_eval_spec = _lm_eval_proxy(fcsd, c.training.micro_batch_size) if fcsd.proxy == Proxy.lm_eval else None
-    if proxy_text is not None and not os.path.isfile(proxy_text):
-        raise UserError(f"--proxy-text {proxy_text}: no such file")
-    mode = "min"
-    if lm_eval_spec is not None:
-        proxy_metric, higher = _lm_eval_proxy_metric(fcsd, lm_eval_spec)
-        mode = "max" if higher else "min"
+    with user_input():  # the proxy's task, data and metric are user input
+        lm_eval_spec = _lm_eval_proxy(fcsd, c.training.micro_batch_size) if fcsd.proxy == Proxy.lm_eval else None
+        if proxy_text is not None and not os.path.isfile(proxy_text):
+            raise UserError(f"--proxy-text {proxy_text}: no such file")
+        mode = "min"
+        if lm_eval_spec is not None:
+            proxy_metric, higher = _lm_eval_proxy_metric(fcsd, lm_eval_spec)
+            mode = "max" if higher else "min"
     stopper = EarlyStopping(patience=fcsd.patience, min_delta=fcsd.min_delta, mode=mode)
     state = {}
 

@@ -200,7 +200,10 @@ def test_config_trains_one_checkpoint_per_variant_and_reuses_it(tmp_path):
     ckpts = data["config"]["checkpoints"]
     assert ckpts == {v: str(work / f"train-{v}" / "ckpt") for v in ("standard", "bigmac")}
     assert data["config"]["model"]["train_steps"] == 2 and data["config"]["workload"]["input_len"] == 32
-    assert data["ratios"]["bigmac"]["bytes_ratio"] < 0.5  # r = 0.25 of the hidden size crosses the link
+    # r = 0.25 of the hidden size crosses the link. An idle EP rank's dummy forwards (how many depends
+    # on when the 4 requests reach the engine) add their all-to-alls to either side: 0.19 and 0.53 were
+    # measured in two runs; a payload still at the full hidden size gives about 1
+    assert data["ratios"]["bigmac"]["bytes_ratio"] < 0.75
     proc = _run(*common, "--variants", "bigmac", "--json", tmp_path / "b.json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"[bigmac] reusing the checkpoint in {ckpts['bigmac']}" in proc.stdout
