@@ -57,7 +57,6 @@ optimizer restarts, with a warning.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -532,7 +531,7 @@ def _complete_save(*, save_dir, tmp, final, iteration, consumed_samples, layout,
         except OSError as e:
             raise cannot(e) from None
 
-    copied, sizes = _from_rank0(listing)
+    copied, sizes = from_rank0(listing)
     share = hash_shares({rel: n for rel, n in sizes.items() if _hashed(rel, mode)}, world)[rank]
     try:
         mine = ("ok", _hash_files(tmp, share))
@@ -556,7 +555,7 @@ def _complete_save(*, save_dir, tmp, final, iteration, consumed_samples, layout,
         except OSError as e:
             raise cannot(e) from None
 
-    _from_rank0(finish)
+    from_rank0(finish)
 
 
 def _copy_tokenizer_files(tmp: str, tokenizer_files: Optional[dict]) -> dict:
@@ -854,20 +853,30 @@ def verify_checkpoint(path: str, *, verify: Union[bool, str, VerifyCheckpoint] =
     return manifest, _safety_check(path, manifest)
 
 
-def _from_rank0(fn):
+def from_rank0(fn, *, user_errors: bool = False):
     """``fn()`` run on rank 0, its (picklable) result on every rank; a ``CheckpointError`` (or an
-    ``OSError``) there is the same one-line ``CheckpointError`` on all ranks (collective)."""
+    ``OSError``) there is the same one-line ``CheckpointError`` on all ranks, and with
+    ``user_errors`` a ``ValueError`` there is the same ``UserError`` on all ranks, so a refusal
+    never leaves the other ranks waiting in a collective (collective)."""
+    from moe_variants.common.cli import UserError
+
     out = None
     if dist.get_rank() == 0:
         try:
             out = ("ok", fn())
         except CheckpointError as e:
-            out = ("error", str(e))
+            out = ("checkpoint", str(e))
         except OSError as e:
-            out = ("error", one_line_error(e))
+            out = ("checkpoint", one_line_error(e))
+        except ValueError as e:
+            if not user_errors:
+                raise
+            out = ("user", str(e))
     status, value = broadcast_object(out)
-    if status == "error":
+    if status == "checkpoint":
         raise CheckpointError(value)
+    if status == "user":
+        raise UserError(value)
     return value
 
 
@@ -877,7 +886,7 @@ def _verify_collective(path: str, mode: VerifyCheckpoint):
     first bad file by name is the same one-line ``CheckpointError`` on every rank; rank 0 then
     reads the pickled parts through the restricted readers. Returns ``(manifest, shapes)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    manifest = _from_rank0(lambda: read_manifest(path, verify=VerifyCheckpoint.off))
+    manifest = from_rank0(lambda: read_manifest(path, verify=VerifyCheckpoint.off))
     files = manifest["files"]
     share = hash_shares({rel: info["bytes"] for rel, info in files.items()}, world)[rank]
     gathered = [None] * world
@@ -885,14 +894,14 @@ def _verify_collective(path: str, mode: VerifyCheckpoint):
     bad = min((p for p in gathered if p), default=None)
     if bad:
         raise CheckpointError(bad[1])
-    return manifest, _from_rank0(lambda: _safety_check(path, manifest))
+    return manifest, from_rank0(lambda: _safety_check(path, manifest))
 
 
 def _pick_and_verify(load_dir: str, *, verify, fallback: bool):
     """Collective: the checkpoint to load, verified, and the bad newer ones passed over
     (fallback). Rank 0 reads the directory; the files are checked by all ranks."""
     mode = _verify_mode(verify)
-    path, skipped, explicit = _from_rank0(
+    path, skipped, explicit = from_rank0(
         lambda: (*_select(load_dir, fallback=fallback), _is_checkpoint_dir(load_dir)))
     while path is not None:
         try:
@@ -908,7 +917,7 @@ def _pick_and_verify(load_dir: str, *, verify, fallback: bool):
                 logger.warning("%s: skipped (--load-fallback)", e)
             skipped.append((path, str(e)))
             bad = path
-            path = _from_rank0(lambda: next((p for it, p, problem in checkpoint_candidates(load_dir)
+            path = from_rank0(lambda: next((p for it, p, problem in checkpoint_candidates(load_dir)
                                              if problem is None and it < iteration_of(bad)), None))
     return None, None, None, skipped
 

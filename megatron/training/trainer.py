@@ -174,25 +174,11 @@ class Throughput:
 
 
 def _on_rank0(fn, rank: int):
-    """Run ``fn`` on rank 0 only; every rank returns its (picklable) result or raises its one-line
-    error (``fn`` validates: its ``ValueError`` is a ``UserError``), so a refusal never leaves the
-    other ranks waiting in a collective."""
-    from megatron.training.checkpointing import CheckpointError, broadcast_object
+    """Run ``fn`` (a validation) on rank 0 only; every rank returns its result or raises its
+    one-line error (``checkpointing.from_rank0``)."""
+    from megatron.training.checkpointing import from_rank0
 
-    out = None
-    if rank == 0:
-        try:
-            out = ("ok", fn())
-        except CheckpointError as e:
-            out = ("checkpoint", str(e))
-        except ValueError as e:
-            out = ("value", str(e))
-    kind, value = broadcast_object(out)
-    if kind == "checkpoint":
-        raise CheckpointError(value)
-    if kind == "value":
-        raise UserError(value)
-    return value
+    return from_rank0(fn, user_errors=True)
 
 
 def _has_checkpoint(directory: str) -> bool:
