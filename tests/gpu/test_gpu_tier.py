@@ -636,8 +636,8 @@ def test_server_on_gpu_mla(tmp_path, report):
     a cache (evaluate_lm's recompute generation) on the same GPU, exactly: the distributions are
     peaked (init std 0.5), so fp32 kernel differences (~1e-5 in a logit) cannot move an argmax;
     SIGTERM exits 0."""
-    from tests.serving.conftest import REPO, Server, post
-    from tests.serving.test_mla_tp import MAX_NEW, _prompts
+    from tests.serving.conftest import REPO, Server
+    from tests.serving.test_mla_tp import MAX_NEW, _prompts, served_greedy
 
     ckpt = str(tmp_path / "mla")
     code = f"import sys; sys.path.insert(0, {REPO!r}); from tests.gpu.test_gpu_tier import _save_mla; _save_mla({ckpt!r})"
@@ -649,12 +649,7 @@ def test_server_on_gpu_mla(tmp_path, report):
     reference, mode = _offline_greedy_on_gpu(ckpt, prompts, MAX_NEW, generation="recompute")
     server = Server(ckpt, tmp_path)
     try:
-        got = []
-        for ids in prompts:
-            status, body = post(server.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
-                                                                "return_token_ids": True})
-            assert status == 200, body
-            got.append(body["choices"][0]["token_ids"])
+        got = served_greedy(server.url, prompts, MAX_NEW)
     finally:
         exit_code = server.stop()
     with open(tmp_path / "server.log", "w") as f:

@@ -82,15 +82,21 @@ def test_served_layouts_equal_tp1_ep1(model, layout, serve_ckpts, mla_ckpt, tmp_
     nproc, extra = LAYOUTS[layout]
     srv = Server(ckpt, tmp_path, nproc=nproc, extra=extra)
     try:
-        got = []
-        for ids in prompts:
-            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
-                                                             "return_token_ids": True})
-            assert status == 200, body
-            got.append(body["choices"][0]["token_ids"])
+        got = served_greedy(srv.url, prompts, MAX_NEW)
     finally:
         srv.stop()
     assert got == [t for t, _ in reference]
+
+
+def served_greedy(url: str, prompts: list, max_new: int) -> list:
+    """The server's greedy completion token ids of each prompt (one request each, all must be 200)."""
+    got = []
+    for ids in prompts:
+        status, body = post(url, "/v1/completions", {"prompt": ids, "max_tokens": max_new, "temperature": 0,
+                                                     "return_token_ids": True})
+        assert status == 200, body
+        got.append(body["choices"][0]["token_ids"])
+    return got
 
 
 @pytest.mark.parametrize("flags,needle", [
