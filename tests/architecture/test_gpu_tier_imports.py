@@ -20,6 +20,8 @@ import importlib
 import importlib.util
 import pathlib
 import pickle
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPU_FILES = sorted((ROOT / "tests" / "gpu").glob("*.py"))
@@ -210,3 +212,57 @@ def test_every_torchrun_entry_point_of_the_gpu_tier_exists():
         modules = torchrun_modules(path.read_text())
         assert missing_modules(modules) == [], path.name
     assert "megatron.training.pretrain_gpt" in torchrun_modules((ROOT / "tests/gpu/test_gpu_tier.py").read_text())
+
+
+# --- optional extras ---------------------------------------------------------------------------
+# A GPU machine may lack an optional extra (the lm-eval one, say): only the check that
+# ``importorskip``s it may need it. Found on an H200 without lm-eval: both server checks failed
+# because their offline reference was imported through the lm-eval adapter.
+OPTIONAL = ("lm_eval",)
+
+
+def _skips(func: ast.AST) -> set[str]:
+    """Packages a function ``pytest.importorskip``s."""
+    return {node.args[0].value for node in ast.walk(func)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
+            and node.args and isinstance(node.args[0], ast.Constant)}
+
+
+def imports_outside_skips(source: str) -> list[str]:
+    """The modules of the ``from X import`` statements in ``source`` (any scope), leaving out those
+    inside a function that ``importorskip``s an optional extra."""
+    tree = ast.parse(source)
+    guarded = {id(node) for func in ast.walk(tree) if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and _skips(func) & set(OPTIONAL) for node in ast.walk(func)}
+    return sorted({node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.module and node.level == 0 and id(node) not in guarded})
+
+
+def failing_without_extras(modules: list[str]) -> list[str]:
+    """The modules that do not import in a fresh interpreter where the ``OPTIONAL`` packages are missing."""
+    code = ("import importlib, sys\n"
+            f"for name in {OPTIONAL!r}: sys.modules[name] = None\n"
+            f"for mod in {modules!r}:\n"
+            "    try: importlib.import_module(mod)\n"
+            "    except ImportError: print(mod)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
+
+
+def test_extras_checker_finds_an_unguarded_lm_eval_import():
+    stale = ("import pytest\n"
+             "def rank_fn():\n    from megatron.training.lm_eval_adapter import MegatronCheckpointLM\n"
+             "def test_lm_eval():\n    pytest.importorskip('lm_eval')\n    from lm_eval import simple_evaluate\n")
+    assert imports_outside_skips(stale) == ["megatron.training.lm_eval_adapter"]
+    assert failing_without_extras(imports_outside_skips(stale)) == ["megatron.training.lm_eval_adapter"]
+
+
+def test_the_gpu_tier_needs_no_optional_extra_outside_the_check_that_skips_on_it():
+    sources = [path.read_text() for path in GPU_FILES]
+    helpers = {m for s in sources for m in imports_outside_skips(s) if m.startswith("tests.")}
+    for helper in sorted(helpers):  # the test modules the tier borrows from, e.g. the serving conftest
+        sources.append(pathlib.Path(importlib.util.find_spec(helper).origin).read_text())
+    modules = sorted({m for s in sources for m in imports_outside_skips(s)})
+    assert "megatron.training.offline_lm" in modules
+    assert failing_without_extras(modules) == []

@@ -54,15 +54,15 @@ def serve_ckpts(tmp_path_factory) -> dict:
 
 
 def offline_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, generation: str = "auto"):
-    """evaluate_lm's generation (lm_eval_adapter's greedy batch, one prompt at a time):
+    """evaluate_lm's generation (offline_lm's greedy batch, one prompt at a time; no lm-eval needed):
     [(generated token ids without EOD, text)]."""
-    from megatron.training.lm_eval_adapter import MegatronCheckpointLM, _GenJob, _GreedyBatch
+    from megatron.training.offline_lm import CheckpointLM, GenJob, GreedyBatch
 
-    lm = MegatronCheckpointLM.from_checkpoint(ckpt, generation=generation)
+    lm = CheckpointLM.from_checkpoint(ckpt, generation=generation)
     out = []
     for prompt in prompts:
         tokens = prompt if isinstance(prompt, list) else lm.tok_encode(prompt)
-        batch = _GreedyBatch(lm, [_GenJob(tokens, [], max_new)])
+        batch = GreedyBatch(lm, [GenJob(tokens, [], max_new)])
         while not batch.finished:
             batch.step()
         out.append((list(batch.generated[0]), batch.texts()[0]))
