@@ -87,7 +87,7 @@ class Server:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
         else:
             cmd = [sys.executable, *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout_s
