@@ -1,6 +1,6 @@
-"""What the routers decide, observed: top-k traces and the local activation rate (LAR).
+"""What the routers decide, observed: top-k traces, the local activation rate (LAR) and dropping.
 
-Both install an observer on every ``ProjectRouter`` (``routing_observer``), so they work with any
+All three install an observer on every ``ProjectRouter`` (``routing_observer``), so they work with any
 variant's MoE layer. ``RouteRecorder`` keeps the last forward's top-k expert ids per MoE layer
 (Sem-MoE profiling); ``LocalActivationCounter`` counts how many (token, expert) activations land on
 the rank that holds the token (Sem-MoE's LAR; evaluate_lm reports it for every model).
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe_variants.common.moe_layer import moe_layers
 from moe_variants.common import collectives
 
-__all__ = ["RouteRecorder", "LocalActivationCounter"]
+__all__ = ["RouteRecorder", "LocalActivationCounter", "DropCounter"]
 
 
 class RouteRecorder:
@@ -154,3 +154,41 @@ class LocalActivationCounter:
             "activations": int(total.sum()),
             "remote_rows_all_tokens": int(t[-1]),
         }
+
+
+class DropCounter:
+    """(token, expert) pairs routed and kept by capacity dropping (``--moe-expert-capacity-factor``),
+    summed over every MoE layer's forwards while active (``with counter:``).
+
+    The router's map is observed after megatron-core's ``apply_router_token_dropping``, so a token
+    routed to ``k`` experts counts ``k`` routed pairs and as many kept as survive its experts'
+    capacity; dropless routing keeps all (with ``moe_pad_expert_input_to_capacity`` the map also
+    holds the padding slots, so ``kept`` counts those too). :meth:`take` returns and resets the totals.
+    """
+
+    def __init__(self, model):
+        chunks = model if isinstance(model, (list, tuple)) else [model]  # a model or its chunks
+        self.layers = [m for chunk in chunks for m in moe_layers(chunk)]
+        for m in self.layers:
+            if not hasattr(m.router, "routing_observer"):
+                raise ValueError(f"router {type(m.router).__name__} cannot report its routing (not a ProjectRouter)")
+        self.routed = self.kept = 0
+
+    def __enter__(self):
+        for m in self.layers:
+            m.router.routing_observer = self._observe
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.router.routing_observer = None
+        return False
+
+    def _observe(self, layer_number: int, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        self.routed += int(routing_map.shape[0]) * int(self.layers[0].router.topk)  # [T, E]: T tokens
+        self.kept += int(routing_map.sum())
+
+    def take(self) -> dict:
+        out = {"routed_rows": self.routed, "kept_rows": self.kept}
+        self.routed = self.kept = 0
+        return out

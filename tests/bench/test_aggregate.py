@@ -124,3 +124,26 @@ def test_uncontended_fraction_uses_the_fastest_compute():
     s_slow = variant_stats([slow, _result(1, [1.0, 4.0, 5.0], [0.5, 0.5, 0.5], 1, 1)])
     assert uncontended_comm_fraction(s_slow) == pytest.approx(uncontended_comm_fraction(s))
     assert s_slow["comm_fraction"]["median"] < s["comm_fraction"]["median"]
+
+
+def test_dispatch_rows_dropped_and_padded_by_hand():
+    """Routed/kept/sent (token, expert) rows summed over ranks and steps: rank 0 keeps 90+80 of
+    100+100, rank 1 keeps 100+70 of 100+100 -> 340 of 400 kept, 15% dropped; buffers of 150 rows
+    per step -> 600 sent, x1.5. Without ``buffer_rows`` no padding is claimed; nothing dropped, no
+    line."""
+    r0 = _result(0, [1.0, 1.0], [0.1, 0.1], 10, 10)
+    r1 = _result(1, [1.0, 1.0], [0.1, 0.1], 10, 10)
+    r0.extra.update(routed_rows=[100, 100], kept_rows=[90, 80], buffer_rows=[150, 150])
+    r1.extra.update(routed_rows=[100, 100], kept_rows=[100, 70], buffer_rows=[150, 150])
+    rows = variant_stats([r0, r1])["dispatch_rows"]
+    assert rows == {"routed": 400, "kept": 340, "dropped_fraction": pytest.approx(0.15), "buffer": 600,
+                    "padding_factor": 1.5}
+    table = format_table({"ds": variant_stats([r0, r1])})
+    assert "ds: capacity dropped 60 of 400 routed (token, expert) pairs (15.00%)" in table
+    assert "ds: dispatch buffers padded to capacity: 600 rows sent for 400 routed (x1.500)" in table
+    for r in (r0, r1):
+        del r.extra["buffer_rows"]
+        r.extra["kept_rows"] = [100, 100]
+    stats = variant_stats([r0, r1])
+    assert stats["dispatch_rows"] == {"routed": 400, "kept": 400, "dropped_fraction": 0.0}
+    assert "capacity dropped" not in format_table({"std": stats}) and "padded" not in format_table({"std": stats})

@@ -9,9 +9,10 @@ two layers apply the gate weight at different points and sum the two routes in d
 the observed differences are ~1e-7 relative). The auxiliary losses differ by design (DeepSpeed's
 GShard form counts the first choice only), so the coefficient is 0 for the comparison.
 
-Volume: DeepSpeed sends every expert's buffer padded to the capacity C (the largest per-expert
-count on any EP rank), so its off-rank dispatch bytes per rank are ``(E - E/D) x C x H x 4``
-exactly, and never fewer than ours, which are the routed rows only.
+Volume: DeepSpeed sends every expert's buffer padded to the capacity C (dropless: the largest
+per-expert count on any EP rank; with a capacity factor: ceil(cf x T x K / E)), so its off-rank
+dispatch bytes per rank are ``(E - E/D) x C x H x 4`` exactly, and never fewer than ours, which are
+the routed rows only.
 """
 
 import pytest
@@ -92,26 +93,71 @@ def test_deepspeed_layer_computes_our_function_at_ep2(topk, shared):
         assert routed == 48 * topk and buffer == experts * capacity >= routed
 
 
+def _capacity_layers(rank, world, topk, cf):
+    import math
+
+    from moe_variants.common.comm import CommCounters
+    from moe_variants.common.moe_layer import moe_layers
+    from moe_variants.common.routing import DropCounter
+    from tests.helpers import build_and_load
+    from tools.bench.peers import deepspeed_moe
+
+    cfg = tiny_model_config(num_layers=1, moe_aux_loss_coeff=0.0, moe_router_topk=topk, moe_expert_capacity_factor=cf)
+    model, pgc = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
+    ours = moe_layers(model)[0]
+    x = torch.randn(24, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(200 + rank))
+    tokens = x.numel() // cfg.hidden_size
+    # the dropless choice, from the router's weight: every expert keeps min(its count, C) pairs
+    chosen = torch.topk(x.view(tokens, -1) @ ours.router.weight.t(), topk, dim=1).indices
+    counts = torch.bincount(chosen.view(-1), minlength=cfg.num_experts)
+    capacity = math.ceil(tokens * topk / cfg.num_experts * cf)
+    expected = int(counts.clamp(max=capacity).sum())
+    with DropCounter(model) as drops:
+        ours(x)
+    got_ours = drops.take()
+    ds = deepspeed_moe.replace_moe_layers(model, cfg, pgc)[0]
+    out, _ = ds(x)
+    comm = CommCounters.total([ds.moe_comm_counters])
+    return (expected, tokens * topk, got_ours, deepspeed_moe.padding_stats([model]), capacity, cfg.num_experts,
+            cfg.hidden_size, comm["bytes_dispatch"], bool(torch.isfinite(out).all()))
+
+
+@pytest.mark.parametrize("topk", [2, 3])
+def test_capacity_mode_keeps_the_same_pairs_count_in_both_stacks(topk):
+    """``--moe-expert-capacity-factor 0.5``: DeepSpeed runs ``drop_tokens=True`` at the same capacity
+    C = ceil(cf x T x K / E) as megatron-core. Whatever the policy (DeepSpeed's top-2 gate keeps first
+    choices first, megatron-core and DeepSpeed's top-k gate keep the most probable), every expert
+    keeps min(its routed count, C) pairs, so both stacks keep exactly that many, fewer than routed;
+    DeepSpeed still sends every expert's full C-row buffer."""
+    for expected, routed, ours, ds, capacity, experts, hidden, sent, finite in run_distributed(
+            _capacity_layers, 2, topk, 0.5):
+        assert expected < routed  # cf 0.5 must drop something, else the test shows nothing
+        assert ours == {"routed_rows": routed, "kept_rows": expected}
+        assert ds == {"routed_rows": routed, "kept_rows": expected, "buffer_rows": experts * capacity}
+        assert sent == (experts - experts // 2) * capacity * hidden * 4
+        assert finite
+
+
 def _refusals(rank, world):
     from tools.bench.peers import deepspeed_moe
 
     out = []
-    for overrides in (dict(moe_router_score_function="sigmoid"), dict(moe_expert_capacity_factor=1.0),
-                      dict(moe_router_topk=1), dict(moe_variant="bigmac"), dict(farskip="all")):
+    for overrides in (dict(moe_router_score_function="sigmoid"), dict(moe_router_topk=1), dict(moe_variant="bigmac"),
+                      dict(farskip="all")):
         out.append(deepspeed_moe.model_refusal(tiny_model_config(**overrides), ParallelConfig()))
     out.append(deepspeed_moe.model_refusal(tiny_model_config(), ParallelConfig()))
     out.append(deepspeed_moe.model_refusal(tiny_model_config(moe_router_topk=1, moe_router_pre_softmax=True),
                                            ParallelConfig()))
+    out.append(deepspeed_moe.model_refusal(tiny_model_config(moe_expert_capacity_factor=1.0), ParallelConfig()))
     return out
 
 
 def test_configurations_deepspeed_cannot_match_are_refused_naming_the_flag():
-    *bad, ok, ok_top1 = _refusals(0, 1)
+    *bad, ok, ok_top1, ok_capacity = _refusals(0, 1)
     assert "--moe-router-score-function" in bad[0]
-    assert "--moe-expert-capacity-factor" in bad[1]
-    assert "--moe-router-pre-softmax" in bad[2]
-    assert "bigmac" in bad[3] and "farskip" in bad[4]
-    assert ok is None and ok_top1 is None
+    assert "--moe-router-pre-softmax" in bad[1]
+    assert "bigmac" in bad[2] and "farskip" in bad[3]
+    assert ok is None and ok_top1 is None and ok_capacity is None  # a capacity factor is DeepSpeed's drop mode
 
 
 def test_deepspeed_still_sends_through_the_all_to_all_the_peer_counts():
@@ -158,6 +204,9 @@ def test_bench_runs_deepspeed_moe_beside_standard_and_reports_its_padding(tmp_pa
     assert data["ratios"]["deepspeed-moe"]["bytes_ratio"] >= 1.0
     rows = ds["dispatch_rows"]
     assert rows["buffer"] >= rows["routed"] > 0
+    # dropless in both stacks: every routed (token, expert) pair kept
+    assert rows["dropped_fraction"] == 0.0 and std["dispatch_rows"]["dropped_fraction"] == 0.0
+    assert std["dispatch_rows"]["routed"] == rows["routed"]
     hidden, layers = 32, 2
     for r_std, r_ds in zip(data["per_rank"]["standard"][0], data["per_rank"]["deepspeed-moe"][0]):
         assert r_ds["extra"]["lm_loss"][0] == pytest.approx(r_std["extra"]["lm_loss"][0], rel=1e-4)

@@ -22,10 +22,12 @@ quantities:
 slowest rank's step time; its stats are over steps. Ratios compare medians:
 ``step_time_speedup = baseline step / variant step`` (> 1: faster than the baseline),
 ``bytes_ratio = variant a2a_bytes / baseline a2a_bytes``, ``a2a_time_ratio`` likewise.
-A worker that pads its dispatch buffers to a capacity (the ``deepspeed-moe`` peer) reports the rows
-routed and sent per step (``extra``: ``routed_rows``, ``buffer_rows``); they become
-``dispatch_rows`` (``routed``, ``buffer``, ``padding_factor`` = buffer / routed, over all ranks and
-steps) and a line under the table.
+Workers report the (token, expert) pairs routed and kept by the capacity per step (``extra``:
+``routed_rows``, ``kept_rows``; our layers through ``moe_variants.common.routing.DropCounter``), and a
+worker that pads its dispatch buffers to a capacity (the ``deepspeed-moe`` peer) the rows it sends
+(``buffer_rows``); they become ``dispatch_rows`` (``routed``, ``kept``, ``dropped_fraction`` = 1 -
+kept / routed, ``buffer``, ``padding_factor`` = buffer / routed, over all ranks and steps) and a line
+under the table where something was dropped or padded.
 
 Workers that record each step's collectives (``extra["a2a_spans"]``: ours, not the upstream peers)
 get the in-flight time split into ``transfer_s`` and ``skew_s`` (rank-skew wait), per (rank, step)
@@ -133,12 +135,17 @@ def variant_stats(results: Sequence[RankResult]) -> dict:
         out["transfer_fraction"] = summarize([t / s for t, s in zip(transfer, steps) if s > 0])
         out["skew_fraction"] = summarize([k / s for k, s in zip(skew, steps) if s > 0])
     out["peak_rss_mb"] = summarize([r.peak_rss_mb for r in results])
-    # capacity-padded dispatch (the deepspeed-moe peer): (token, expert) rows routed vs rows sent
-    if all("routed_rows" in r.extra and "buffer_rows" in r.extra for r in results):
+    # capacity dropping and padded dispatch: (token, expert) rows routed, kept and sent
+    if all("routed_rows" in r.extra for r in results):
         routed = sum(sum(r.extra["routed_rows"]) for r in results)
-        buffer = sum(sum(r.extra["buffer_rows"]) for r in results)
-        out["dispatch_rows"] = {"routed": routed, "buffer": buffer,
-                                "padding_factor": buffer / routed if routed else None}  # fmt: skip
+        rows = {"routed": routed}
+        if all("kept_rows" in r.extra for r in results):
+            rows["kept"] = sum(sum(r.extra["kept_rows"]) for r in results)
+            rows["dropped_fraction"] = 1.0 - rows["kept"] / routed if routed else None
+        if all("buffer_rows" in r.extra for r in results):
+            rows["buffer"] = sum(sum(r.extra["buffer_rows"]) for r in results)
+            rows["padding_factor"] = rows["buffer"] / routed if routed else None
+        out["dispatch_rows"] = rows
     return out
 
 
@@ -294,8 +301,11 @@ def format_table(stats: dict, ratios: Optional[dict] = None, over_runs: Optional
             lines.append(f"* {name}: run(s) {', '.join(str(r + 1) for r in runs)} taken on a loaded machine "
                          "(the JSON's runs[].load says why)")
     for name, s in stats.items():
-        rows = s.get("dispatch_rows")
-        if rows and rows["padding_factor"] is not None:
+        rows = s.get("dispatch_rows") or {}
+        if rows.get("dropped_fraction"):
+            lines.append(f"{name}: capacity dropped {rows['routed'] - rows['kept']} of {rows['routed']} routed "
+                         f"(token, expert) pairs ({rows['dropped_fraction'] * 100:.2f}%)")
+        if rows.get("padding_factor") is not None:
             lines.append(f"{name}: dispatch buffers padded to capacity: {rows['buffer']} rows sent for "
                          f"{rows['routed']} routed (x{rows['padding_factor']:.3f})")
     return "\n".join(lines)

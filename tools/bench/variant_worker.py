@@ -183,6 +183,12 @@ def run(spec: WorkerSpec) -> RankResult:
     _, _, _, train_iter = build_data(
         c, tokenizer, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=0, global_batch=global_batch
     )
+    drops = None  # (token, expert) pairs routed and kept by the capacity, for our layers (peers count their own)
+    if hooks is None:
+        from moe_variants.common.moe_layer import moe_layers
+        from moe_variants.common.routing import DropCounter
+
+        drops = DropCounter(chunks).__enter__() if moe_layers(chunks[0]) else None
     fields = {k: [] for k in ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s",
                               "a2a_bytes_dispatch", "a2a_bytes_combine", "a2a_bytes_backward", "tokens")}
     extra = {"lm_loss": [], "a2a_bytes_meta": [], "a2a_time_fwd_s": [], "a2a_time_bwd_s": [],
@@ -209,7 +215,7 @@ def run(spec: WorkerSpec) -> RankResult:
         end = time.perf_counter()
         # upstream peers' layers keep no counters of ours: their hooks count at the torch level
         comm = hooks.comm_totals(m) if hasattr(hooks, "comm_totals") else m.comm
-        step_extra = hooks.step_extra(chunks) if hooks is not None else {}
+        step_extra = hooks.step_extra(chunks) if hooks is not None else drops.take() if drops is not None else {}
         if timeline is not None:
             _detach_timeline(chunks)
             if trace_dir and step == total - 1:
@@ -241,8 +247,8 @@ def run(spec: WorkerSpec) -> RankResult:
             extra[f"{name}_schedule_s"].append(seconds)
     for name, rt in runtimes.items():
         extra[name] = rt.info
+    extra.update(peer_extra)
     if hooks is not None:
-        extra.update(peer_extra)
         extra["peer"] = getattr(hooks, "info", {"peer": spec.variant})
     extra["device"] = device
     extra["config"] = c.model.flat()

@@ -9,10 +9,20 @@ expert-parallel group, and copies our weights into it:
 * experts: :class:`SwiGLUExpert`, the same SwiGLU expert as ours (``fc1`` [2F, H], ``silu(a) * b``,
   ``fc2`` [H, F], no bias: the same parameter count); global expert ``r * E/D + i`` lives on EP rank
   ``r`` in both stacks, so each rank keeps its own experts' weights;
-* ``drop_tokens=False``: DeepSpeed all-reduces (MAX) the largest per-expert token count over the EP
-  group and pads every expert's buffer to it, so nothing is dropped; the whole ``[E, C, H]``
-  buffer crosses the all-to-all with equal splits. That padding is the volume difference from our
-  dispatcher, which sends exactly the routed rows with uneven splits;
+* capacity, from the model's ``--moe-expert-capacity-factor`` (the same flag sets megatron-core's
+  own dropping for ``standard``, so both stacks run the same mode side by side):
+  - unset (dropless): ``drop_tokens=False``. DeepSpeed all-reduces (MAX) the largest per-expert
+    token count over the EP group and pads every expert's buffer to it, so nothing is dropped;
+  - ``cf`` set: ``drop_tokens=True, capacity_factor=eval_capacity_factor=cf`` (DeepSpeed's usual
+    mode; its default cf is 1.0): every expert's buffer holds ``C = ceil(cf x T x K / E)`` rows,
+    megatron-core's capacity for the same cf, and the pairs beyond it are dropped. Which pairs
+    differ: DeepSpeed's top-2 gate keeps the first choices first, then the second, each in token
+    order, and renormalises a token's remaining weight over its kept experts (its top-k gate for
+    k > 2 keeps each expert's highest-probability pairs); megatron-core's default ``probs`` policy
+    keeps each expert's highest-probability pairs and does not renormalise.
+  Either way the whole ``[E, C, H]`` buffer crosses the all-to-all with equal splits: that padding
+  is the volume difference from our dispatcher, which sends exactly the kept rows with uneven
+  splits;
 * ``top2_2nd_expert_sampling=False`` (DeepSpeed's default picks the second expert with Gumbel
   noise), ``use_rts=False``, no noisy gate. DeepSpeed's routing is then the top-k of the softmax,
   renormalised over the chosen k: for K >= 2 that is exactly ours (top-k logits, then softmax over
@@ -84,8 +94,6 @@ def model_refusal(model, parallel) -> Optional[str]:
         (model.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias is not supported"),
         (bool(model.moe_z_loss_coeff), "--moe-z-loss-coeff is not supported"),
         (model.moe_router_load_balancing_type != "aux_loss", "--moe-router-load-balancing-type must be aux_loss"),
-        (model.moe_expert_capacity_factor is not None,
-         "the peer drops no tokens (drop_tokens=False): unset --moe-expert-capacity-factor"),
         (model.moe_router_topk == 1 and not model.moe_router_pre_softmax,
          "top-1 routing weighs the expert by the full softmax in DeepSpeed: add --moe-router-pre-softmax"),
         (parallel.tensor_model_parallel_size != 1 or parallel.expert_tensor_parallel_size != 1,
@@ -176,8 +184,10 @@ def _define():
 
         ``forward(hidden_states [S, B, H]) -> (output [S, B, H], None)`` like megatron-core's
         ``MoELayer``. ``moe_comm_counters`` are found by ``moe_variants.common.moe_layer.comm_counters``,
-        so the training step reports them like ours. ``routed_rows`` / ``buffer_rows`` accumulate the
-        (token, expert) pairs routed and the rows of the padded dispatch buffer since ``reset_padding``.
+        so the training step reports them like ours. ``routed_rows`` / ``kept_rows`` / ``buffer_rows``
+        accumulate the (token, expert) pairs routed and kept by the capacity (read off the gate's
+        routes: an evicted route has expert index -1) and the rows of the padded dispatch buffer
+        since ``reset_padding``.
         """
 
         def __init__(self, config, moe, shared_experts, layer_number: int, aux_loss_coeff: float, num_layers: int):
@@ -190,11 +200,17 @@ def _define():
             self.ep_size = moe.ep_size
             self.topk = moe.deepspeed_moe.gate.k
             self.moe_comm_counters = CommCounters()
-            self.routed_rows = 0
-            self.buffer_rows = 0
+            self.routed_rows = self.kept_rows = self.buffer_rows = 0
+            moe.deepspeed_moe.gate.register_forward_hook(self._count_kept)
+
+        def _count_kept(self, gate, args, output) -> None:
+            indices = output[3]  # [K, T] int32 (sparse routes, MOELayer's call): -1 where evicted
+            if indices.dim() != 2:
+                raise RuntimeError("DeepSpeed's gate no longer returns sparse routes: the kept-row count would be wrong")
+            self.kept_rows += int((indices >= 0).sum())
 
         def reset_padding(self) -> None:
-            self.routed_rows = self.buffer_rows = 0
+            self.routed_rows = self.kept_rows = self.buffer_rows = 0
 
         def forward(self, hidden_states, padding_mask=None, **kwargs):
             if padding_mask is not None:
@@ -292,6 +308,7 @@ def replace_moe_layers(model, model_cfg, pg_collection) -> list:
     ep_size = len(ep_ranks)
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
     ffn = model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size
+    cf = model_cfg.moe_expert_capacity_factor  # None: dropless
     layers = []
     for layer in model.decoder.layers:
         ours = layer.mlp
@@ -300,7 +317,8 @@ def replace_moe_layers(model, model_cfg, pg_collection) -> list:
         expert = classes["SwiGLUExpert"](model_cfg.hidden_size, ffn, dtype=dtype)
         ds = MoE(
             model_cfg.hidden_size, expert, num_experts=model_cfg.num_experts, ep_size=ep_size,
-            k=model_cfg.moe_router_topk, min_capacity=0, drop_tokens=False, use_rts=False,
+            k=model_cfg.moe_router_topk, min_capacity=0, drop_tokens=cf is not None, use_rts=False,
+            capacity_factor=cf or 1.0, eval_capacity_factor=cf or 1.0,
             noisy_gate_policy=None, use_residual=False, top2_2nd_expert_sampling=False,
         )  # fmt: skip
         ds.set_deepspeed_parallelism()
@@ -324,17 +342,17 @@ def replace_moe_layers(model, model_cfg, pg_collection) -> list:
 
 
 def padding_stats(model_chunks) -> dict:
-    """Rows routed vs rows sent (padded buffers) since the last reset, summed over this rank's peer
-    layers, and reset them: ``{"routed_rows", "buffer_rows"}``."""
+    """Rows routed, kept (capacity) and sent (padded buffers) since the last reset, summed over this
+    rank's peer layers, and reset them: ``{"routed_rows", "kept_rows", "buffer_rows"}``."""
     classes = _define()
-    routed = buffer = 0
+    out = {"routed_rows": 0, "kept_rows": 0, "buffer_rows": 0}
     for chunk in model_chunks:
         for m in chunk.modules():
             if isinstance(m, classes["DeepSpeedMoELayer"]):
-                routed += m.routed_rows
-                buffer += m.buffer_rows
+                for key in out:
+                    out[key] += getattr(m, key)
                 m.reset_padding()
-    return {"routed_rows": routed, "buffer_rows": buffer}
+    return out
 
 
 class WorkerHooks:
