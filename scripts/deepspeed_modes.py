@@ -12,7 +12,9 @@ order alternates and the mode order rotates between seeds.
 Per (mode, stack): step time (median over ranks x steps per run, then the median over seeds with a
 bootstrap 95% interval), all-to-all MiB per step (forward dispatch + combine, per rank), the
 dropped fraction of routed (token, expert) pairs, the buffer padding factor, and the LM loss at the
-end of the short run (rank 0's mean over the last 5 steps; median and range over seeds).
+end of the short run (rank 0's mean over the last 5 steps; median and range over seeds, and per seed
+its difference from megatron-core's dropless run of the same seed: the seeds' spread is larger than
+the modes' effect at this length, the paired difference is not).
 
     sudo .venv/bin/python scripts/deepspeed_modes.py --out runs/ds_modes --json docs/figures/deepspeed_modes.json
 
@@ -86,7 +88,18 @@ def summarize(paths_by_mode: dict) -> dict:
                                   "values": losses},
                 "loaded": loaded, "seeds": len(runs),
             }
+    ref = out.get("dropless", {}).get("standard")
+    for stacks in out.values():  # the loss paired by seed with megatron-core's dropless run of that seed
+        for s in stacks.values():
+            if ref is not None:
+                diffs = [a - b for a, b in zip(s["final_lm_loss"]["values"], ref["final_lm_loss"]["values"])]
+                s["loss_vs_dropless_standard"] = {"values": diffs, "median": statistics.median(diffs),
+                                                  "min": min(diffs), "max": max(diffs)}
     return out
+
+
+def _paired(d) -> str:
+    return "-" if d is None else " ".join(f"{v:+.4f}" for v in d["values"])
 
 
 def table(summary: dict) -> str:
@@ -100,9 +113,10 @@ def table(summary: dict) -> str:
                          f"{base / ci['median']:.2f}", f"{s['a2a_mib_per_step']:.3f}",
                          "-" if s["dropped_fraction"] is None else f"{s['dropped_fraction'] * 100:.2f}",
                          "-" if s["padding_factor"] is None else f"{s['padding_factor']:.3f}",
-                         f"{loss['median']:.4f} [{loss['min']:.4f}-{loss['max']:.4f}]"))
+                         f"{loss['median']:.4f} [{loss['min']:.4f}-{loss['max']:.4f}]",
+                         _paired(s.get("loss_vs_dropless_standard"))))
     header = ("mode", "stack", "step ms [95% CI]", "std/this", "a2a MiB/step", "dropped %", "buffer x",
-              f"loss, last {LAST} steps [min-max]")
+              f"loss, last {LAST} steps [min-max]", "loss - dropless standard's, per seed")
     return format_rows(header, rows, left=2)
 
 
