@@ -5,7 +5,7 @@
 about quality (final perplexity, whether a variant reaches standard's) needs different seeds, i.e.
 different initial weights and data order. This runs the comparison once per ``--seeds`` entry in
 ``OUT/seed<S>/`` (resumable: time_to_quality skips finished variants and resumes the others), the
-variant order rotated by one per seed, and summarizes per variant:
+variant order rotated by one per seed (time_to_quality's ``--rotate``), and summarizes per variant:
 
 * ``final_ppl``, ``best_ppl``: the last and the lowest validation perplexity of each seed's run;
 * ``final_ppl_vs_standard``: the per-seed (paired) ratio of the variant's final perplexity to
@@ -39,7 +39,7 @@ from tools.bench.discipline import median_ci  # noqa: E402
 
 FIGURES = ("final_ppl", "best_ppl", "final_ppl_vs_standard", "speedup_to_target", "speedup_per_step",
            "mean_step_s", "a2a_share_median")
-RESERVED = ("--out", "--seed", "--variants", "--runs", "--report-only")
+RESERVED = ("--out", "--seed", "--variants", "--rotate", "--runs", "--report-only")
 
 
 def seed_figures(ttq: dict) -> dict:
@@ -96,16 +96,16 @@ def main(argv=None) -> int:
         if a.split("=")[0] in RESERVED:
             ap.error(f"{a.split('=')[0]} is set by ttq_seeds.py; drop it after --")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "standard" not in variants:
-        ap.error("--variants must include standard (the target and the paired baseline)")
+    if not variants or variants[0] != "standard":
+        ap.error("--variants must start with standard (the target and the paired baseline)")
     seeds = [int(s) for s in args.seeds.split(",")]
     per_seed = {}
     for i, seed in enumerate(seeds):
         out = os.path.join(args.out, f"seed{seed}")
         if not args.report_only:
-            order = variants[i % len(variants):] + variants[:i % len(variants)]
             cmd = [sys.executable, os.path.join(ROOT, "scripts", "time_to_quality.py"), "--out", out,
-                   "--seed", str(seed), "--variants", ",".join(order), "--runs", "1", *ttq_args]
+                   "--seed", str(seed), "--variants", ",".join(variants), "--rotate", str(i), "--runs", "1",
+                   *ttq_args]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         path = os.path.join(out, "ttq.json")

@@ -57,6 +57,7 @@ def test_rotations_put_every_variant_in_every_position():
         assert sorted(o[pos] for o in orders) == ["a", "b", "c"]
     assert rotations(["a", "b"], 5) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"], ["a", "b"]]
     assert rotations(["x"], 2) == [["x"], ["x"]]
+    assert rotations(["a", "b", "c"], 2, start=1) == [["b", "c", "a"], ["c", "a", "b"]]
     with pytest.raises(ValueError):
         rotations(["a"], 0)
 

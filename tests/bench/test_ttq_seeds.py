@@ -47,4 +47,4 @@ def test_reserved_flags_and_a_missing_standard_are_refused(capsys):
     assert "--seed is set by ttq_seeds.py" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ttq_seeds.main(["--out", "x", "--variants", "bigmac,farskip"])
-    assert "must include standard" in capsys.readouterr().err
+    assert "must start with standard" in capsys.readouterr().err

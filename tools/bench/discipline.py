@@ -74,14 +74,15 @@ def paired_ratios(numerators: Sequence[Optional[float]], denominators: Sequence[
     return [n / d for n, d in zip(numerators, denominators) if n is not None and d]
 
 
-def rotations(variants: Sequence[str], runs: int) -> list:
-    """The variant order of each of ``runs`` runs: run ``r`` is ``variants`` rotated left by ``r``."""
+def rotations(variants: Sequence[str], runs: int, start: int = 0) -> list:
+    """The variant order of each of ``runs`` runs: run ``r`` is ``variants`` rotated left by
+    ``start + r`` (``start``: where a series of separate invocations, e.g. one per seed, continues)."""
     if runs < 1:
         raise ValueError(f"--runs must be >= 1, got {runs}")
     names = list(variants)
     if not names:
         raise ValueError("no variants to order")
-    return [names[r % len(names):] + names[:r % len(names)] for r in range(runs)]
+    return [names[(start + r) % len(names):] + names[:(start + r) % len(names)] for r in range(runs)]
 
 
 def format_ci(stat: Optional[dict], scale: float = 1.0, fmt: str = "{:.1f}") -> str:

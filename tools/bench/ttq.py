@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=positive_int, default=2)
     ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--rotate", type=nonneg_int, default=0, help="train the first run's variants in --variants' "
+                    "order rotated left by this many (scripts/ttq_seeds.py rotates between seeds)")
     ap.add_argument("--target-comm-fraction", type=float, metavar="F", default=0.4,
                     help="choose the link rate giving standard this all-to-all share (default 0.4)")
     ap.add_argument("--link-gbit", type=float, default=1.0,
@@ -516,7 +518,7 @@ def main(argv: Optional[list] = None) -> int:
                                  "--no-netns runs unshaped smoke tests only")  # fmt: skip
             record = _link(args, net, out_dir, overrides, schedule, print)
             gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
-            for r, order in enumerate(rotations(variants, args.runs)):
+            for r, order in enumerate(rotations(variants, args.runs, start=args.rotate)):
                 for v in order:
                     launches.append({"variant": v, "run": r,
                                      **_train(args, net, out_dir, v, overrides, schedule, print, run=r, gate=gate)})
