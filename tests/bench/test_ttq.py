@@ -151,3 +151,26 @@ def test_tiny_run_over_loopback_is_resumable_and_writes_the_json(tmp_path):
     changed = subprocess.run(cmd[:cmd.index("--steps") + 1] + ["6"] + cmd[cmd.index("--steps") + 2:],
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert changed.returncode == 2 and "steps differ" in changed.stderr
+
+
+def test_launch_records_survive_a_later_report(tmp_path):
+    """Each launch writes ``launches/l<n>/record.json``; a report made by a later invocation (which
+    only skipped finished variants) lists those launches with their load marks, not just its own."""
+    from tools.bench.ttq import _report, build_parser, launch_records, run_dir
+    from moe_variants.common.files import write_json
+
+    _metrics(tmp_path / "standard" / "metrics.jsonl", 1.0, {2: 9.0, 4: 8.0})
+    _metrics(tmp_path / "bigmac" / "metrics.jsonl", 0.5, {2: 9.5, 4: 7.0})
+    for v, n, loaded in (("standard", 0, False), ("bigmac", 0, False), ("bigmac", 1, True)):
+        write_json(os.path.join(run_dir(str(tmp_path), 0, v), "launches", f"l{n}", "record.json"),
+                   {"variant": v, "run": 0, "launch": n, "load": {"loaded": loaded}})
+    os.makedirs(tmp_path / "bigmac" / "launches" / "l2")  # a launch that died before its record
+    records = launch_records(str(tmp_path), ["standard", "bigmac"], 1)
+    assert [(r["variant"], r["launch"]) for r in records] == [("standard", 0), ("bigmac", 0), ("bigmac", 1)]
+    args = build_parser().parse_args(["--out", str(tmp_path), "--variants", "standard,bigmac", "--no-netns",
+                                      "--runs", "1"])
+    pytest.importorskip("matplotlib")
+    skipped = [{"variant": "standard", "run": 0, "skipped": True}, {"variant": "bigmac", "run": 0, "skipped": True}]
+    result = _report(args, str(tmp_path), ["standard", "bigmac"], None, skipped)
+    assert [(la["variant"], la["launch"]) for la in result["launches"]] == [("standard", 0), ("bigmac", 0), ("bigmac", 1)]
+    assert result["loaded_launches"] == [{"variant": "bigmac", "run": 0}]

@@ -59,6 +59,7 @@ __all__ = [
     "summarize_curves",
     "summarize_runs",
     "run_dir",
+    "launch_records",
     "plot_curves",
     "build_parser",
     "main",
@@ -401,13 +402,34 @@ def _train(args, net, out_dir, variant, overrides, schedule, log, run: int = 0, 
     )  # fmt: skip
     gate = gate or LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
     before = gate.before(f"{what} launch {n}")
+    started = time.time()
     t0 = time.monotonic()
     launch(net, "tools.bench.ttq_worker", spec, launch_dir, args.timeout_s)
     took = time.monotonic() - t0
     mark = gate.after(before, f"{what} launch {n}")
     log(f"{what}: launch {n} finished in {took:.0f}s" + (f"  LOADED: {'; '.join(mark['reasons'])}" if mark["loaded"] else ""))
-    return {"launch": n, "wall_s": took, "loadavg_start": before["loadavg_1_5_15"],
-            "loadavg_end": mark["after"]["loadavg_1_5_15"], "load": mark}
+    record = {"variant": variant, "run": run, "launch": n, "started": started, "wall_s": took,
+              "loadavg_start": before["loadavg_1_5_15"],
+              "loadavg_end": mark["after"]["loadavg_1_5_15"], "load": mark}
+    write_json(os.path.join(launch_dir, "record.json"), record)  # kept for every later report
+    return record
+
+
+def launch_records(out_dir: str, variants: Sequence[str], runs: int) -> list:
+    """Every training launch's record (``launches/l<n>/record.json``: wall time and load marks) of
+    ``variants`` x ``runs`` in ``out_dir``, in the order they started: a later invocation that only
+    resumes or reports keeps the earlier launches' load marks."""
+    found = []
+    for r in range(runs):
+        for v in variants:
+            root = os.path.join(run_dir(out_dir, r, v), "launches")
+            names = os.listdir(root) if os.path.isdir(root) else []
+            for n in sorted(int(d[1:]) for d in names if d.startswith("l") and d[1:].isdigit()):
+                path = os.path.join(root, f"l{n}", "record.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        found.append(json.load(f))
+    return sorted(found, key=lambda rec: rec.get("started", 0.0))
 
 
 def _report(args, out_dir, variants, record, launches) -> dict:
@@ -424,6 +446,10 @@ def _report(args, out_dir, variants, record, launches) -> dict:
             raise ValueError(f"no standard run in {out_dir} yet")
     over = summarize_runs(summaries, seed=args.seed)
     summary = {k: v for k, v in summaries[0].items() if k != "run"}
+    on_disk = launch_records(out_dir, variants, args.runs)
+    keys = {(la["variant"], la["run"], la["launch"]) for la in on_disk}
+    launches = on_disk + [la for la in launches if not la.get("skipped")
+                          and (la["variant"], la["run"], la.get("launch")) not in keys]
     loaded = sorted({(la["variant"], la["run"]) for la in launches if (la.get("load") or {}).get("loaded")})
     result = {
         "schema": SCHEMA,
