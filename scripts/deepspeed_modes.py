@@ -132,10 +132,13 @@ def main(argv=None) -> int:
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    for cf in modes:
-        if cf != "none" and not float(cf) > 0:
-            ap.error(f"--modes: a capacity factor must be > 0, got {cf}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        bad = [cf for cf in modes if cf != "none" and not float(cf) > 0]
+    except ValueError as e:
+        ap.error(f"--modes/--seeds: {e}")
+    if bad or not modes:
+        ap.error(f"--modes: capacity factors > 0 or 'none', got {args.modes!r}")
     os.makedirs(args.out, exist_ok=True)
     paths = {mode_name(cf): [] for cf in modes}
     for i, seed in enumerate(seeds):

@@ -98,7 +98,10 @@ def main(argv=None) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or variants[0] != "standard":
         ap.error("--variants must start with standard (the target and the paired baseline)")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
     per_seed = {}
     for i, seed in enumerate(seeds):
         out = os.path.join(args.out, f"seed{seed}")

@@ -48,3 +48,9 @@ def test_reserved_flags_and_a_missing_standard_are_refused(capsys):
     with pytest.raises(SystemExit):
         ttq_seeds.main(["--out", "x", "--variants", "bigmac,farskip"])
     assert "must start with standard" in capsys.readouterr().err
+
+
+def test_bad_seeds_are_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        ttq_seeds.main(["--out", "x", "--seeds", "a,b"])
+    assert "--seeds: comma-separated integers" in capsys.readouterr().err
