@@ -121,7 +121,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for the bench JSONs (resumable)")
     ap.add_argument("--modes", default="none,1.0,1.25", help="capacity factors; 'none' is dropless")
     ap.add_argument("--seeds", default="1234,1235,1236")

@@ -85,7 +85,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seeds", default="1234,1235,1236")
     ap.add_argument("--variants", default="standard,farskip")
