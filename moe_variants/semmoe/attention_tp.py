@@ -6,11 +6,12 @@ experts and routes and dispatches its own copy of them: the MoE layer computes, 
 all-to-all moves, every token TP times. Algorithm 3 keeps attention's activations replicated and
 gives each rank a different share of the tokens inside each MoE layer:
 
-1. before MoE layer ``l`` each token of the step gets a predicted device: from the tokens table
-   (``T[l][token id]``) or the sequence table (``A`` indexed by the devices the token was routed
-   to in the previous layers), whichever is more confident; shares are aligned to equal per-rank
-   slices and the tokens grouped by device (``scheduling.rebatch_tokens``). The routed devices
-   of a layer's tokens travel back with its output (one small all-gather of [T] ints per layer);
+1. before MoE layer ``l`` each real token of the step gets a predicted device: from the tokens
+   table (``T[l][token id]``) or the sequence table (``A`` indexed by the devices the token was
+   routed to in the previous layers), whichever is more confident; shares are aligned to equal
+   per-rank slices, the engine's padding fills the free slots, and the tokens are grouped by
+   device (``scheduling.rebatch_tokens``). The routed devices of a layer's tokens travel back
+   with its output (one small all-gather of [T] ints per layer);
 2. attention's output projection returns its un-reduced partial sum, and a reduce-scatter fused
    with that permutation (``shuffled_reduce_scatter``) gives each rank the summed rows of its own
    tokens: the same bytes as the all-reduce it replaces. The residual's rows are taken locally;
@@ -22,7 +23,11 @@ gives each rank a different share of the tokens inside each MoE layer:
 
 The arithmetic is the plain layer's, in another order of additions (the reduction and the expert
 outputs): greedy tokens equal the unscheduled server's. Requires TP = EP over the same ranks (each
-TP group is an EP group) and tables for that many devices. ``install`` wires it into a model;
+TP group is an EP group) and tables for that many devices. Tables without a token table (the
+contiguous and EPLB baselines) give every rank its natural contiguous slice: the
+sequence-parallel split, which ``tools.semmoe lar --mode tp`` measures them with. The real tokens
+of a forward are the engine's ``active_token_count`` (the dynamic context packs them first), or
+``num_real`` set by the caller of a plain forward. ``install`` wires it into a model;
 ``AttentionTP.local_rows(layer, n_real)`` tells which of a rank's rows in that MoE layer are real
 tokens (for counting local activations).
 
@@ -58,6 +63,7 @@ class AttentionTP:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.token_ids: Optional[torch.Tensor] = None  # [T] of the current forward
+        self.num_real: Optional[int] = None  # its first num_real tokens are requests' (None: all)
         self.perms: dict = {}  # MoE layer index -> [T] permutation of the current forward
         self.routed_local: dict = {}  # MoE layer index -> [T / W] routed device of this rank's rows
         self.history: list = []  # [T] routed devices of the forward's earlier MoE layers, newest first
@@ -65,14 +71,16 @@ class AttentionTP:
         # the placed checkpoint holds the tables' placement as megatron-core's contiguous split
         self.expert2device = torch.arange(num_experts) // (num_experts // self.world)
 
-    def begin(self, token_ids: torch.Tensor) -> None:
+    def begin(self, token_ids: torch.Tensor, num_real: Optional[int] = None) -> None:
+        """A forward starts: its tokens [T] (or [1, T]); the first ``num_real`` are real."""
         self.token_ids = token_ids.reshape(-1)
+        self.num_real = num_real
         self.history = []
 
     def permutation(self, layer: int) -> torch.Tensor:
         lookback = self.tables.lookback
         prev = torch.stack(self.history[:lookback], dim=1) if len(self.history) >= lookback else None
-        perm = rebatch_tokens(self.token_ids, self.tables, layer, prev)
+        perm = rebatch_tokens(self.token_ids, self.tables, layer, prev, self.num_real)
         self.perms[layer] = perm
         return perm
 
@@ -113,8 +121,11 @@ class AttentionTP:
 
 def _capture_token_ids(state: AttentionTP, module, args, kwargs):
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is not None:
-        state.begin(ids)
+    if ids is None:
+        return
+    context = kwargs.get("inference_context")
+    real = getattr(context, "active_token_count", None)  # the dynamic context: real tokens first, then pads
+    state.begin(ids, int(real) if real is not None else state.num_real)
 
 
 def install(model, tables: Tables, group) -> AttentionTP:

@@ -42,6 +42,8 @@ __all__ = [
     "align_to_ranks",
     "rebatch_permutation",
     "inverse_permutation",
+    "pad_assignment",
+    "assign_tokens",
     "rebatch_tokens",
     "resume_tokens",
     "shuffle_local",
@@ -266,29 +268,71 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def pad_assignment(assigned: torch.Tensor, num_ranks: int, total: Optional[int] = None) -> torch.Tensor:
+    """[total] device per token after appending ``total - n`` padding tokens to an aligned
+    assignment [n] (default ``total = W * ceil(n / W)``; the engine may pad further).
+
+    ``assigned`` gives each rank at most ``ceil(n / W)`` tokens (``align_to_ranks``); the pads
+    fill the remaining slots, lowest rank first, so that every rank gets exactly ``total / W``
+    rows and the real tokens keep their devices."""
+    n = assigned.numel()
+    total = num_ranks * -(-n // num_ranks) if total is None else int(total)
+    if total % num_ranks or total < n:
+        raise ValueError(f"{total} rows cannot hold {n} tokens in {num_ranks} equal slices")
+    counts = torch.bincount(assigned.long(), minlength=num_ranks)
+    free = total // num_ranks - counts
+    if bool((free < 0).any()):
+        raise ValueError(f"assignment is not aligned: per-rank counts {counts.tolist()}, at most {total // num_ranks}")
+    pads = torch.repeat_interleave(torch.arange(num_ranks, device=assigned.device), free)
+    return torch.cat([assigned.long(), pads])
+
+
+def assign_tokens(
+    token_ids: torch.Tensor,
+    tables: Tables,
+    layer: int,
+    prev_devices: torch.Tensor | None = None,
+    num_real: Optional[int] = None,
+) -> torch.Tensor:
+    """Alg. 3 lines 2-5 for one TP batch before MoE layer ``layer``: the device [n] of each token.
+
+    The first ``num_real`` tokens (default all ``n``) are predicted (``T``/``A``) and aligned to at
+    most ``ceil(num_real / W)`` per rank; the rest (the engine's padding) fill the free slots
+    (:func:`pad_assignment`). Tables without a token table (the contiguous and EPLB baselines)
+    predict nothing, which gives the natural contiguous slices (the sequence-parallel split).
+    prev_devices: [n, lookback] routed devices of the previous layers, or None."""
+    n = token_ids.numel()
+    m = n if num_real is None else max(0, min(int(num_real), n))
+    w = tables.num_devices
+    ids = token_ids.reshape(-1)[:m]
+    if tables.has_schedule:
+        as_t = lambda x: torch.as_tensor(x[layer], device=ids.device)  # noqa: E731
+        use_seq = prev_devices is not None and layer >= tables.lookback
+        pred, conf = predict_token_devices(
+            ids,
+            w,
+            as_t(tables.token2device),
+            as_t(tables.token2device_conf),
+            as_t(tables.seq2device) if use_seq else None,
+            as_t(tables.seq2device_conf) if use_seq else None,
+            prev_devices[:m] if use_seq else None,
+        )
+    else:
+        pred = torch.full((m,), -1, dtype=torch.long, device=ids.device)
+        conf = torch.zeros(m, device=ids.device)
+    return pad_assignment(align_to_ranks(pred, conf, w), w, total=n)
+
+
 def rebatch_tokens(
     token_ids: torch.Tensor,
     tables: Tables,
     layer: int,
     prev_devices: torch.Tensor | None = None,
+    num_real: Optional[int] = None,
 ) -> torch.Tensor:
-    """Alg. 3 ``rebatch_tokens``: predict, align and return the shuffle permutation [n] for the
-    tokens of one TP batch before MoE layer ``layer``. prev_devices: [n, lookback] or None."""
-    if not tables.has_schedule:
-        raise ValueError(f"tables of method {tables.method!r} carry no token table to re-batch with")
-    dev = token_ids.device
-    as_t = lambda x: torch.as_tensor(x[layer], device=dev)  # noqa: E731
-    use_seq = prev_devices is not None and layer >= tables.lookback
-    pred, conf = predict_token_devices(
-        token_ids,
-        tables.num_devices,
-        as_t(tables.token2device),
-        as_t(tables.token2device_conf),
-        as_t(tables.seq2device) if use_seq else None,
-        as_t(tables.seq2device_conf) if use_seq else None,
-        prev_devices if use_seq else None,
-    )
-    return rebatch_permutation(align_to_ranks(pred, conf, tables.num_devices), tables.num_devices)
+    """Alg. 3 ``rebatch_tokens``: predict, align (:func:`assign_tokens`) and return the shuffle
+    permutation [n] for the tokens of one TP batch before MoE layer ``layer``."""
+    return rebatch_permutation(assign_tokens(token_ids, tables, layer, prev_devices, num_real), tables.num_devices)
 
 
 def resume_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

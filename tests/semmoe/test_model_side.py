@@ -16,7 +16,6 @@ import torch
 from megatron.training.testing import run_distributed
 from tools.semmoe.cli import main
 from moe_variants.semmoe.metrics import evaluate
-from tools.semmoe.model_run import pad_assignment
 from moe_variants.semmoe.profile import load_profile
 from moe_variants.semmoe.tables import Tables, load_tables, save_tables
 
@@ -170,7 +169,8 @@ def _lar_runs(rank, world, fx, contiguous2):
         ("semmoe_tp", fx.placed2, fx.tables2, "tp"),
         ("contiguous_tp", fx.ckpt, contiguous2, "tp"),
     ):
-        opts = RunOptions(load=ckpt, data=fx.prompts, expert_model_parallel_size=2, batch_tokens=256)
+        opts = RunOptions(load=ckpt, data=fx.prompts, tensor_model_parallel_size=2 if mode == "tp" else 1,
+                          expert_model_parallel_size=2, batch_tokens=256)  # fmt: skip
         out[name] = lar_rank(opts, tables, mode)
         parallel_state.destroy_model_parallel()
     return out
@@ -178,9 +178,11 @@ def _lar_runs(rank, world, fx, contiguous2):
 
 def test_measured_lar_equals_tables_prediction(tiny_model, tmp_path):
     """LAR two ways: counting routed tokens in a real EP=2 forward of the placed checkpoint (with
-    Algorithm 2 for attention-DP, Algorithm 3's shuffled reduce-scatter for attention-TP) equals
-    ``evaluate``'s prediction from the tables and the profile of the same prompts (exact counts),
-    and the remote activations the routers chose equal the rows the dispatchers sent."""
+    Algorithm 2 for attention-DP; for attention-TP the served path at TP = EP = 2, Algorithm 3's
+    shuffled reduce-scatter of the tensor-parallel attention output, and the contiguous
+    sequence-parallel slices for the unscheduled tables) equals ``evaluate``'s prediction from
+    the tables and the profile of the same prompts (exact counts), and the remote activations the
+    routers chose equal the rows the dispatchers sent."""
     from moe_variants.semmoe.methods import place
 
     profile = load_profile(tiny_model.profile_path)
@@ -200,53 +202,58 @@ def test_measured_lar_equals_tables_prediction(tiny_model, tmp_path):
     assert by["semmoe_tp"]["lar"] > by["contiguous_tp"]["lar"]
 
 
-def _rebatched_logits(rank, world, ckpt, tables_path, tokens):
-    from moe_variants.config import ParallelConfig
+def _attention_tp_logits(rank, world, ckpt, tables_path, tokens, num_real):
+    from megatron.core import parallel_state
+
+    from megatron.inference.engine import replicate_activations
     from megatron.training.loading import load_model
-    from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import initialize_parallel
+    from moe_variants.builder import causal_attention_mask
+    from moe_variants.config import ParallelConfig
+    from moe_variants.semmoe.attention_tp import install
 
-    from moe_variants.common.routing import RouteRecorder
-    from tools.semmoe.model_run import AttentionTPRebatching
-
-    parallel = ParallelConfig(expert_model_parallel_size=2)
-    pgc = initialize_parallel(parallel, seed=1)
-    model, *_ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
     seq = tokens.shape[1]
-    pos = torch.arange(seq)[None]
-    mask = causal_attention_mask(seq)
-    recorder = RouteRecorder(model)
-    rebatch = AttentionTPRebatching(model, load_tables(tables_path), pgc.ep, recorder)
-    with torch.no_grad():
-        plain = model(tokens, pos, mask)
-        with recorder, rebatch:
-            rebatch.begin(tokens[0])
-            shuffled = model(tokens, pos, mask)
-            history = [h.clone() for h in rebatch.history]
-        again = model(tokens, pos, mask)  # the wrapper is gone again
-    return plain, shuffled, again, history, rebatch.local_counts.copy()
+    pos, mask = torch.arange(seq)[None], causal_attention_mask(seq)
+    out = []
+    for scheduled in (False, True):
+        parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+        pgc = initialize_parallel(parallel, seed=1)
+        model, *_ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
+        replicate_activations(model)
+        state = install(model, load_tables(tables_path), pgc.tp) if scheduled else None
+        if state is not None:
+            state.num_real = num_real
+        with torch.no_grad():
+            logits = model(tokens, pos, mask, runtime_gather_output=True)
+        history = [h.clone() for h in state.history] if state is not None else None
+        perms = {k: v.clone() for k, v in state.perms.items()} if state is not None else None
+        out.append((logits, history, perms))
+        parallel_state.destroy_model_parallel()
+    return out
 
 
-def test_attention_tp_rebatching_in_the_forward_is_exact(tiny_model):
-    """Algorithm 3 inside the model (shuffled reduce-scatter before each MoE layer, shuffled
-    all-gather after): the logits equal the plain EP=2 forward's, on both ranks, and leaving the
-    context restores the layers' own forward."""
+def test_algorithm_3_in_the_tensor_parallel_forward_is_exact(tiny_model):
+    """Algorithm 3 in the served attention-TP model (TP = EP = 2, activations replicated outside
+    the experts; shuffled reduce-scatter of attention's un-reduced output before each MoE layer,
+    shuffled all-gather after): the logits equal the same layout's plain forward on both ranks
+    (to rounding: the reduction and the combine add in another order), both ranks make the same
+    permutations and routed-device history, and the padding beyond ``num_real`` tokens fills the
+    free slots without moving a real token off its aligned device."""
+    from moe_variants.semmoe.scheduling import align_to_ranks, predict_token_devices
+
     tokens = _tokens(seed=3, batch=1, seq=30)
-    results = run_distributed(_rebatched_logits, 2, tiny_model.placed2, tiny_model.tables2, tokens)
-    for plain, shuffled, again, history, local_counts in results:
-        torch.testing.assert_close(shuffled, plain, atol=ATOL, rtol=RTOL)
-        assert torch.equal(again, plain)
+    results = run_distributed(_attention_tp_logits, 2, tiny_model.placed2, tiny_model.tables2, tokens, 27)
+    for (plain, _, _), (alg3, history, perms) in results:
+        torch.testing.assert_close(alg3, plain, atol=ATOL, rtol=RTOL)
         assert len(history) == 2 and all(h.shape == (30,) for h in history)
-        assert local_counts.sum() > 0
-    assert torch.equal(results[0][3][0], results[1][3][0])  # routed devices agree across ranks
-
-
-def test_pad_assignment_fills_free_slots_lowest_rank_first():
-    assigned = torch.tensor([1, 1, 0, 2, 2, 1, 0])  # n = 7, W = 3 -> 3 slots per rank
-    padded = pad_assignment(assigned, 3)
-    assert padded[:7].tolist() == assigned.tolist()
-    assert padded[7:].tolist() == [0, 2]
-    assert torch.bincount(padded).tolist() == [3, 3, 3]
+    (_, h0, p0), (_, h1, p1) = results[0][1], results[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(h0, h1)) and all(torch.equal(p0[k], p1[k]) for k in p0)
+    tables = load_tables(tiny_model.tables2)
+    layer_tables = (tables.token2device, tables.token2device_conf)
+    pred, conf = predict_token_devices(tokens[0, :27], 2, *(torch.as_tensor(x[0]) for x in layer_tables))
+    slice_of = torch.empty(30, dtype=torch.long)
+    slice_of[p0[0]] = torch.arange(30) // 15  # the rank whose slice each token landed in
+    assert torch.equal(slice_of[:27], align_to_ranks(pred, conf, 2))
 
 
 # -------------------------------------------------------------------------------- bad input

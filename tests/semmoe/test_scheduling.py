@@ -7,8 +7,10 @@ import torch
 from moe_variants.semmoe.scheduling import (
     DPRequestScheduler,
     align_to_ranks,
+    assign_tokens,
     choose_dp_rank,
     inverse_permutation,
+    pad_assignment,
     predict_token_devices,
     rebatch_permutation,
     rebatch_tokens,
@@ -146,3 +148,33 @@ def test_rebatch_permutation_rejects_unaligned_assignments():
         rebatch_permutation(torch.tensor([0, 0, 0, 1]), 2)
     with pytest.raises(ValueError, match="evenly"):
         rebatch_permutation(torch.tensor([0, 0, 1]), 2)
+
+
+def test_pad_assignment_fills_free_slots_lowest_rank_first():
+    assigned = torch.tensor([1, 1, 0, 2, 2, 1, 0])  # n = 7, W = 3 -> 3 slots per rank
+    padded = pad_assignment(assigned, 3)
+    assert padded[:7].tolist() == assigned.tolist() and padded[7:].tolist() == [0, 2]
+    # the engine may pad further than the next multiple of W: 12 rows, 4 per rank
+    padded = pad_assignment(assigned, 3, total=12)
+    assert padded[:7].tolist() == assigned.tolist() and padded[7:].tolist() == [0, 0, 1, 2, 2]
+    assert pad_assignment(torch.zeros(0, dtype=torch.long), 2, total=4).tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="not aligned"):
+        pad_assignment(torch.tensor([0, 0, 0, 1]), 2)
+    with pytest.raises(ValueError, match="equal slices"):
+        pad_assignment(assigned, 3, total=10)
+
+
+def test_assign_tokens_predicts_real_tokens_and_pads_the_rest():
+    """Only the first ``num_real`` tokens are predicted and aligned (to ceil(num_real / W) per
+    rank); the padding takes the free slots. Unscheduled tables give contiguous slices."""
+    tab = _tables()
+    tokens = torch.tensor([3, 5, 7, 11, 13, 2, 0, 0])  # 6 real tokens, 2 pads
+    layer_tables = (tab.token2device, tab.token2device_conf)
+    pred, conf = predict_token_devices(tokens[:6], D, *(torch.as_tensor(x[0]) for x in layer_tables))
+    out = assign_tokens(tokens, tab, 0, num_real=6)
+    assert torch.equal(out, pad_assignment(align_to_ranks(pred, conf, D), D, total=8))
+    assert torch.bincount(out, minlength=D).tolist() == [2, 2, 2, 2]
+    base = Tables("contiguous", D, tab.expert2device)
+    assert assign_tokens(tokens, base, 0, num_real=6).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert assign_tokens(tokens, base, 0).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert assign_tokens(tokens, tab, 0, num_real=0).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -3,7 +3,8 @@
 * ``profile``  run a checkpoint over prompts (any TP/EP, torchrun) -> profile .npz
 * ``apply``    permute a checkpoint's experts and router rows by tables -> placed checkpoint
 * ``lar``      measure the LAR of a (placed) checkpoint in a real forward at EP = D with the
-               tables' scheduling (Algorithm 2 for ``dp``, Algorithm 3 for ``tp``)
+               tables' scheduling (``dp``: TP = 1, Algorithm 2; ``tp``: TP = D as the server
+               runs it, Algorithm 3)
 
 Inputs are checked in the calling process before any rank starts, so bad input is a one-line
 error and nothing is written.
@@ -176,7 +177,9 @@ def _apply(args: argparse.Namespace) -> int:
 def _configure_lar(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.add_argument("--tables", required=True, help="tables applied to --load (contiguous: an unplaced checkpoint)")
-    p.add_argument("--mode", choices=["dp", "tp"], default="dp", help="attention deployment mode")
+    p.add_argument("--mode", choices=["dp", "tp"], default="dp",
+                   help="attention deployment mode: dp (TP = 1, Algorithm 2 for scheduled tables) or tp (TP = EP = "
+                        "the tables' D as served, Algorithm 3 for scheduled tables)")
     p.add_argument("--profile", default=None,
                    help="optional profile of the same prompts (original model): also print evaluate's prediction")
     p.add_argument("--out", default=None, help="JSON result (default: print only)")
@@ -201,6 +204,7 @@ def _lar(args: argparse.Namespace) -> int:
 
     tables = load_tables(args.tables)
     args.expert_model_parallel_size = tables.num_devices
+    args.tensor_model_parallel_size = tables.num_devices if args.mode == "tp" else 1  # tp: the served layout
     opts = _run_options(args)
     if in_torchrun():
         result = lar_rank(opts, args.tables, args.mode)

@@ -1,6 +1,6 @@
 """Running a checkpoint for Sem-MoE: routing traces (``profile``) and measured LAR (``lar``).
 
-Both run the model (any TP/EP for ``profile``; TP=1, EP=D for ``lar``) on prompts, with the
+Both run the model (any TP/EP for ``profile``; EP = D and TP = 1 or D for ``lar``) on prompts, with the
 routers' observers (``ProjectRouter.routing_observer``) reporting every routing decision.
 
 * :func:`profile_rank`: each data-parallel group takes every DP-th prompt, runs it in padded
@@ -11,13 +11,15 @@ routers' observers (``ProjectRouter.routing_observer``) reporting every routing 
   builds the :class:`Profile` with ``profile_from_traces`` and extends it to unseen tokens by
   nearest neighbour in the model's input embedding table.
 * :func:`lar_rank`: the local activation rate counted in a real forward of a (placed) model at
-  EP = D. ``dp``: Algorithm 2 assigns each request to a rank (round-robin for tables without a
-  token table), the rank runs it, and an activation is local when its expert lives on that rank.
-  ``tp``: every rank holds every request (attention-TP: attention runs replicated here, which is
-  what TP attention computes), and before each MoE layer Algorithm 3 re-batches the tokens with
-  the real shuffled reduce-scatter, the MoE runs on each rank's slice with the real EP
-  all-to-all, and the shuffled all-gather restores the order (:class:`AttentionTPRebatching`).
-  The dispatchers' own byte counters give a second count of the remote activations.
+  EP = D. ``dp`` (TP = 1): Algorithm 2 assigns each request to a rank (round-robin for tables
+  without a token table), the rank runs it, and an activation is local when its expert lives on
+  that rank. ``tp`` (TP = EP = D, the served attention-TP path): attention is tensor-parallel with
+  the activations replicated outside the experts, as the server runs it, and
+  ``moe_variants.semmoe.attention_tp`` re-batches each MoE layer's tokens by Algorithm 3 (tables
+  without a token table: contiguous slices, the sequence-parallel split) inside the shuffled
+  reduce-scatter of attention's un-reduced output; the MoE runs on each rank's rows with the real
+  EP all-to-all and the shuffled all-gather restores the order. The dispatchers' own byte
+  counters give a second count of the remote activations.
 
 Shape legend: ``L`` MoE layers, ``N`` experts, ``K`` top-k, ``S`` padded sequence, ``B`` batch,
 ``T`` tokens of a forward (``S * B`` flattened in megatron's ``[s, b]`` order), ``D`` EP ranks,
@@ -27,7 +29,6 @@ Shape legend: ``L`` MoE layers, ``N`` experts, ``K`` top-k, ``S`` padded sequenc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -49,8 +50,6 @@ __all__ = [
     "RunOptions",
     "profile_rank",
     "lar_rank",
-    "pad_assignment",
-    "AttentionTPRebatching",
 ]
 
 
@@ -253,118 +252,6 @@ def profile_rank(opts: RunOptions):
 # ------------------------------------------------------------------------ measured LAR (lar)
 
 
-def pad_assignment(assigned: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """[n_pad] device per token after appending padding tokens to an aligned assignment [n].
-
-    ``assigned`` gives each rank at most ``ceil(n / W)`` tokens (``align_to_ranks``); the pads
-    (``n_pad - n`` of them, ``n_pad = W * ceil(n / W)``) fill the remaining slots, lowest rank
-    first, so that every rank gets exactly ``n_pad / W`` rows and the real tokens keep their
-    devices."""
-    n = assigned.numel()
-    cap = -(-n // num_ranks)
-    counts = torch.bincount(assigned.long(), minlength=num_ranks)
-    free = cap - counts
-    assert bool((free >= 0).all()), "assignment is not aligned"
-    pads = torch.repeat_interleave(torch.arange(num_ranks, device=assigned.device), free)
-    return torch.cat([assigned.long(), pads])
-
-
-class AttentionTPRebatching:
-    """Algorithm 3 inside a real forward of a TP=1, EP=D model on one request (``B = 1``).
-
-    While active, every MoE layer's forward is wrapped: the tokens' devices are predicted from the
-    tables (``T``/``A`` with the routed devices of the previous layers), aligned to equal slices
-    (padding tokens fill the free slots), and the shuffled reduce-scatter hands each rank its
-    slice. Attention ran replicated on every rank, so the partial sums are the full activation on
-    rank 0 and zeros elsewhere (exact). The MoE layer runs on the slice (real EP all-to-all) and
-    the shuffled all-gather restores token order; the routed devices of the slice are all-gathered
-    the same way for the next layers' ``A`` lookups. Tables without a token table (baselines) use
-    the natural contiguous slices. ``local_counts[l]`` accumulates this rank's local activations of
-    real tokens per layer.
-    """
-
-    def __init__(self, model, tables, group, recorder: RouteRecorder):
-        from moe_variants.common.moe_layer import moe_layers
-
-        self.layers = moe_layers(model)
-        self.tables = tables
-        self.group = group
-        self.recorder = recorder
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        n_exp = recorder.num_experts
-        self.expert2device = torch.arange(n_exp) // (n_exp // self.world)  # physical ownership
-        self.local_counts = np.zeros(len(self.layers), dtype=np.int64)
-        self.begin(torch.zeros(1, dtype=torch.long))
-
-    def begin(self, token_ids: torch.Tensor) -> None:
-        """Start a request: its real token ids [n] (the forward's sequence is padded to W)."""
-        self.token_ids = token_ids.long()
-        self.history: list[torch.Tensor] = []  # routed devices [n] of previous layers, newest first
-
-    def __enter__(self):
-        for l, m in enumerate(self.layers):
-            m.forward = functools.partial(self._moe_forward, l, m.forward)
-        return self
-
-    def __exit__(self, *exc):
-        for m in self.layers:
-            del m.forward  # back to the class's forward
-        return False
-
-    def _assignment(self, layer: int) -> torch.Tensor:
-        from moe_variants.semmoe.scheduling import align_to_ranks, predict_token_devices
-
-        t, n, w = self.tables, self.token_ids.numel(), self.world
-        if not t.has_schedule:
-            pred, conf = torch.full((n,), -1, dtype=torch.long), torch.zeros(n)
-        else:
-            use_seq = layer >= t.lookback
-            pred, conf = predict_token_devices(
-                self.token_ids, w,
-                torch.from_numpy(t.token2device[layer].astype(np.int64)),
-                torch.from_numpy(t.token2device_conf[layer].astype(np.float32)),
-                torch.from_numpy(t.seq2device[layer].astype(np.int64)) if use_seq else None,
-                torch.from_numpy(t.seq2device_conf[layer].astype(np.float32)) if use_seq else None,
-                torch.stack(self.history[: t.lookback], dim=1) if use_seq else None,
-            )  # fmt: skip
-        return pad_assignment(align_to_ranks(pred, conf, w), w)
-
-    def _moe_forward(self, layer, original, hidden_states, intermediate_tensors=None, padding_mask=None):
-        from moe_variants.semmoe.scheduling import (
-            rebatch_permutation, routed_devices, shuffle_local, shuffled_all_gather, shuffled_reduce_scatter,
-        )  # fmt: skip
-
-        s, b, h = hidden_states.shape
-        if b != 1:
-            raise ValueError("attention-TP re-batching runs one request per forward")
-        if intermediate_tensors is not None:
-            raise ValueError("attention-TP re-batching does not support the MoE layer's partial (CUDA-graph) forward")
-        perm = rebatch_permutation(self._assignment(layer), self.world)
-        if perm.numel() != s:
-            raise RuntimeError(f"sequence of {s} tokens does not match the request's padded length {perm.numel()}")
-        if padding_mask is not None:  # [b=1, s] per-token metadata: moves with its token
-            (padding_mask,) = shuffle_local(perm, self.rank, self.world, padding_mask.reshape(s))
-            padding_mask = padding_mask.view(1, -1)
-        flat = hidden_states.reshape(s, h)
-        partial = flat if self.rank == 0 else torch.zeros_like(flat)
-        local = shuffled_reduce_scatter(partial, perm, self.group)  # [s/W, H]
-        out_local, bias = original(local.view(-1, 1, h), padding_mask=padding_mask)
-        out = shuffled_all_gather(out_local.reshape(-1, h), perm, self.group).view(s, b, h)
-        topk = self.recorder.last[layer]  # [s/W, K] physical expert ids of this rank's slice
-        dev_local = routed_devices(topk, self.expert2device)
-        dev = shuffled_all_gather(dev_local.view(-1, 1), perm, self.group).view(-1)
-        n = self.token_ids.numel()
-        self.history.insert(0, dev[:n])
-        del self.history[max(self.tables.lookback, 1):]
-        n_local = s // self.world
-        rows = perm[self.rank * n_local : (self.rank + 1) * n_local]
-        real = rows < n
-        local_hits = (self.expert2device[topk] == self.rank) & real[:, None]
-        self.local_counts[layer] += int(local_hits.sum())
-        return out, bias
-
-
 def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     """Measured LAR of the checkpoint at EP = D (the tables' D) on the prompts; dict on rank 0.
 
@@ -382,8 +269,9 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     model, configs, tokenizer, manifest, pgc = _load(opts)
     check_tables_match_checkpoint(tables, manifest, tables_path, opts.load)
     d = tables.num_devices
-    if dist.get_world_size() != d or opts.expert_model_parallel_size != d or opts.tensor_model_parallel_size != 1:
-        raise ValueError(f"lar runs at TP=1 and EP = world = the tables' D ({d})")
+    tp = d if mode == "tp" else 1
+    if dist.get_world_size() != d or opts.expert_model_parallel_size != d or opts.tensor_model_parallel_size != tp:
+        raise ValueError(f"lar --mode {mode} runs at TP = {tp} and EP = world = the tables' D ({d})")
     rank = dist.get_rank(pgc.ep)
     max_tokens = resolve_max_tokens(configs.model, opts.max_tokens, d if mode == "tp" else 1)
     prompts = read_prompts(opts.data, opts.limit)
@@ -423,17 +311,20 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
             per_layer = counter.local.copy()
             seen_remote = counter.remote_all
         elif mode == "tp":
-            rebatch = AttentionTPRebatching(model, tables, pgc.ep, recorder)
-            with rebatch:
-                for i in keep:
-                    seq = _round_up(int(lengths[i]), d)
-                    rebatch.begin(torch.from_numpy(ids[i]))
-                    before = rebatch.local_counts.copy()
-                    _forward(model, _batch_tensor([ids[i]], seq))
-                    for l, topk in enumerate(recorder.take()):
-                        seen_remote += int((counter.expert2device[topk] != rank).sum())
-                    local[i] = int((rebatch.local_counts - before).sum())
-            per_layer = rebatch.local_counts.copy()
+            from megatron.inference.engine import replicate_activations
+            from moe_variants.semmoe.attention_tp import install
+
+            replicate_activations(model)  # the server's attention-TP layout
+            state = install(model, tables, pgc.tp)
+            for i in keep:
+                n = int(lengths[i])
+                state.num_real = n  # the padding to a multiple of D fills the free slots
+                before = int(counter.local.sum())
+                _forward(model, _batch_tensor([ids[i]], _round_up(n, d)))
+                counter.count_layers([state.local_rows(layer, n) for layer in range(num_layers)])
+                local[i] = int(counter.local.sum()) - before
+            per_layer = counter.local.copy()
+            seen_remote = counter.remote_all
         else:
             raise ValueError(f"--mode {mode!r}: expected dp or tp")
     totals = comm_totals(model)
