@@ -532,16 +532,27 @@ def _validate(args) -> int:
     run, profile, constants, burst = _replay_inputs(args)
     pred = predict_run(run, profile["variants"], constants, burst)
     res = validate_run(run, pred)
+    print(f"replay model {res['model_version']} (replay.py sha256 {res['model_fingerprint']})")
     print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
     for r in res["rows"]:
         scale, unit = (1e3, "ms") if r["figure"].endswith("_s") and not r["figure"].endswith("per_s") else (1.0, "")
         m = "-" if r["measured"] is None else f"{r['measured'] * scale:.1f}{unit}"
         p = "-" if r["predicted"] is None else f"{r['predicted'] * scale:.1f}{unit}"
         e = "-" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.1f}%"
-        print(f"{r['variant']:<12}{r['rate']:>6}  {r['figure']:<20}{m:>10}{p:>11}{e:>9}")
-    mean = res["mean_abs_rel_error"]
-    print(f"mean absolute relative error over {res['points']} points: "
-          f"{'-' if mean is None else f'{mean * 100:.1f}%'} (max {res['max_abs_rel_error'] * 100:.1f}%)")
+        note = "  (offered-load bound: not counted)" if r["relative_error"] is not None and not r["counted"] else ""
+        print(f"{r['variant']:<12}{r['rate']:>6}  {r['figure']:<20}{m:>10}{p:>11}{e:>9}{note}")
+
+    def pct(x):
+        return "-" if x is None else f"{x * 100:.1f}%"
+
+    for fig, f in res["by_figure"].items():
+        print(f"{fig:<20} mean absolute relative error {pct(f['mean_abs_rel_error'])} over {f['points']} points "
+              f"(max {pct(f['max_abs_rel_error'])})")
+    print(f"mean absolute relative error over {res['points']} points: {pct(res['mean_abs_rel_error'])} "
+          f"(max {pct(res['max_abs_rel_error'])}); every point, throughput below saturation included: "
+          f"{pct(res['mean_abs_rel_error_all_points'])} over {res['all_points']}")
+    for v, why in res["unmodelled"].items():
+        print(f"note: {v} was served with {why}")
     if args.json:
         write_json(args.json, {"schema": "netsim-validate/1", "bench_serve": args.bench_serve, "fit": args.fit,
                                "predicted": pred, **res})

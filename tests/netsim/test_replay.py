@@ -82,7 +82,7 @@ def test_predict_scales_bytes_by_the_measured_lar_and_validate_compares():
     local = predict_run(_run(1.0), {"standard": prof}, C)["standard"]["2"]  # everything local: no bytes
     assert local["ttft_p50_s"] < base["ttft_p50_s"]
     res = validate_run(_run(), {"standard": {"2": base}})
-    assert res["points"] == 3
+    assert res["points"] == 3 and res["model_version"].startswith("replay/") and len(res["model_fingerprint"]) == 12
     ttft = next(r for r in res["rows"] if r["figure"] == "ttft_p50_s")
     assert ttft["relative_error"] == pytest.approx((base["ttft_p50_s"] - 0.05) / 0.05)
     assert res["mean_abs_rel_error"] == pytest.approx(sum(abs(r["relative_error"]) for r in res["rows"]) / 3)
@@ -103,3 +103,34 @@ def test_validate_cli(tmp_path, capsys):
     assert "mean absolute relative error over 3 points" in capsys.readouterr().out
     assert main(["validate", "--bench-serve", str(tmp_path / "missing.json")]) == 2
     assert "--bench-serve" in capsys.readouterr().err
+
+
+def test_validate_counts_throughput_only_above_saturation():
+    """Throughput is counted only where the server fell behind the offered load (requests/s
+    below 0.8 x offered); TTFT and TPOT always count; per-figure means are of their own points."""
+    run = _run()
+    run["variants"]["standard"]["rates"] = {
+        "2": {"ttft_s": {"p50": 0.1}, "tpot_s": {"p50": 0.02}, "output_tokens_per_s": 10.0,
+              "offered_rate": 2.0, "requests_per_s": 1.7},  # kept up: offered-load bound
+        "8": {"ttft_s": {"p50": 0.4}, "tpot_s": {"p50": 0.04}, "output_tokens_per_s": 20.0,
+              "offered_rate": 8.0, "requests_per_s": 4.0},  # saturated
+    }
+    pred = {"standard": {"2": {"ttft_p50_s": 0.11, "tpot_p50_s": 0.018, "output_tokens_per_s": 5.0},
+                         "8": {"ttft_p50_s": 0.3, "tpot_p50_s": 0.05, "output_tokens_per_s": 22.0}}}
+    res = validate_run(run, pred)
+    by = res["by_figure"]
+    assert by["ttft_p50_s"]["points"] == 2 and by["ttft_p50_s"]["mean_abs_rel_error"] == pytest.approx((0.1 + 0.25) / 2)
+    assert by["tpot_p50_s"]["mean_abs_rel_error"] == pytest.approx((0.1 + 0.25) / 2)
+    assert by["output_tokens_per_s"]["points"] == 1 and by["output_tokens_per_s"]["max_abs_rel_error"] == pytest.approx(0.1)
+    assert res["points"] == 5 and res["mean_abs_rel_error"] == pytest.approx((0.1 + 0.25 + 0.1 + 0.25 + 0.1) / 5)
+    assert res["all_points"] == 6 and res["mean_abs_rel_error_all_points"] == pytest.approx(1.3 / 6)
+    assert res["unmodelled"] == {}
+    run["variants"]["standard"]["request_scheduler"] = "semmoe-algorithm-2"
+    assert "round-robin" in validate_run(run, pred)["unmodelled"]["standard"]
+
+
+def test_predict_refuses_a_tensor_parallel_run():
+    run = _run()
+    run["config"]["tensor_model_parallel_size"] = 2
+    with pytest.raises(ValueError, match="tensor parallelism 2"):
+        predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C)
