@@ -163,3 +163,30 @@ def test_probe_fraction_uses_median_a2a_and_fastest_compute():
         rounds.append(_phase(ZERO, after, [], 1.0))
     # compute = busy - exposed: 2, 1, 4 -> minimum 1; a2a median 2 -> 2 / (2 + 1)
     assert analysis.probe_fraction(rounds) == pytest.approx(2 / 3)
+
+
+def test_serve_bounds_use_the_baselines_transfer_share_and_paired_speedups():
+    """Per rate: the all-hidden bound is 1 / (1 - the baseline's share), the transfer share when
+    recorded (medians over runs), else the in-flight share; a variant's fraction of the bound is
+    its paired speedup median over the bound."""
+    med = lambda x: {"median": x}  # noqa: E731
+    per_variant = {
+        "standard": {"rates": {
+            "4": {"over_runs": {"transfer_fraction": med(0.5), "a2a_fraction": med(0.6)}},
+            "8": {"a2a_fraction": 0.25, "transfer_fraction": None},  # one run, no split
+        }},
+        "bigmac+farskip": {"rates": {"4": {}, "8": {}, "16": {}}},
+    }
+    ratios = {"standard": {"rates": {"4": {"over_runs": {"throughput_speedup": med(1.0)}},
+                                     "8": {"throughput_speedup": 1.0}}},
+              "bigmac+farskip": {"rates": {"4": {"over_runs": {"throughput_speedup": med(1.8)}},
+                                           "8": {"throughput_speedup": 1.2}}}}
+    out = analysis.serve_bounds(per_variant, ratios)
+    four = out["bigmac+farskip"]["4"]
+    assert four["all_hidden_bound"] == pytest.approx(2.0) and four["amdahl_basis"] == "transfer"
+    assert four["baseline_share"] == 0.5 and four["fraction_of_bound"] == pytest.approx(0.9)
+    eight = out["bigmac+farskip"]["8"]
+    assert eight["all_hidden_bound"] == pytest.approx(4 / 3) and eight["amdahl_basis"] == "in flight"
+    assert eight["fraction_of_bound"] == pytest.approx(1.2 * 0.75)
+    assert "16" not in out["bigmac+farskip"]  # no baseline at that rate
+    assert out["standard"]["4"]["fraction_of_bound"] == pytest.approx(0.5)

@@ -53,7 +53,7 @@ from tools.bench.overlap import transfer_skew
 from .loadgen import PERCENTILES, RequestTiming, distribution, summarize
 
 __all__ = ["RANK_COUNTERS", "rank_deltas", "device_load", "sum_load", "load_imbalance", "comm_summary", "serve_stats", "pooled_serve_stats", "prefill_stats",
-           "probe_fraction", "prefill_ratios", "amdahl_bound", "phase_split", "split_summary", "SERVE_FIGURES",
+           "probe_fraction", "prefill_ratios", "amdahl_bound", "serve_bounds", "phase_split", "split_summary", "SERVE_FIGURES",
            "serve_over_runs", "prefill_over_runs", "run_figure"]
 
 RANK_COUNTERS = {
@@ -324,6 +324,38 @@ def prefill_ratios(per_variant: dict) -> dict:
             "amdahl_bound": amdahl_bound(share),
             "amdahl_bound_bytes": amdahl_bound(share, bytes_ratio) if bytes_ratio is not None else None,
         }
+    return out
+
+
+def serve_bounds(per_variant: dict, ratios: dict) -> dict:
+    """Serve mode, per rate: the all-hidden bound and each variant's share of it.
+
+    The bound is Amdahl's speedup over the baseline (the first variant) with its measured
+    all-to-all time removed: its transfer share where the split was recorded, else its in-flight
+    share (medians over runs where there are several). ``fraction_of_bound`` is a variant's
+    throughput speedup (median over runs, paired by run; else pooled) over that bound: 1.0 means
+    the variant serves as fast as the baseline would with free communication. It reads at rates
+    where the baseline saturates; below saturation throughput is the offered load.
+    ``{variant: {rate: {"all_hidden_bound", "amdahl_basis", "baseline_share", "fraction_of_bound"}}}``."""
+    names = list(per_variant)
+    base_rates = per_variant[names[0]].get("rates") or {}
+    out = {}
+    for n in names:
+        out[n] = {}
+        for rate, r in (per_variant[n].get("rates") or {}).items():
+            b = base_rates.get(rate)
+            if b is None:
+                continue
+            over = b.get("over_runs") or {}
+            transfer = _median(over.get("transfer_fraction")) if over else b.get("transfer_fraction")
+            in_flight = _median(over.get("a2a_fraction")) if over else b.get("a2a_fraction")
+            share = transfer if transfer is not None else in_flight
+            bound = amdahl_bound(share)
+            ratio = (ratios.get(n, {}).get("rates") or {}).get(rate, {})
+            speedup = _median((ratio.get("over_runs") or {}).get("throughput_speedup")) \
+                if ratio.get("over_runs") else ratio.get("throughput_speedup")
+            out[n][rate] = {"all_hidden_bound": bound, "amdahl_basis": "transfer" if transfer is not None else
+                            "in flight", "baseline_share": share, "fraction_of_bound": _div(speedup, bound)}
     return out
 
 

@@ -139,6 +139,9 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
                 per_variant[v]["rates"][rate]["over_runs"] = {k: x for k, x in figures.items() if k != "throughput_speedup"}
                 result["ratios"][v].setdefault("rates", {}).setdefault(rate, {})["over_runs"] = {
                     "throughput_speedup": figures["throughput_speedup"]}
+        for v, rates in analysis.serve_bounds(per_variant, result["ratios"]).items():
+            for rate, bound in rates.items():
+                result["ratios"][v].setdefault("rates", {}).setdefault(rate, {}).update(bound)
     for rec, stats in zip(runs, per_run):
         rec["variants"] = {v: _run_figures(args.mode, stats[v]) for v in variants}
     model = {"load": os.path.abspath(args.load)} if args.load else \

@@ -110,7 +110,26 @@ def serve_table(result: dict, loaded: Optional[dict] = None) -> str:
     if thin:
         lines.append(f"~: a percentile from fewer samples than it needs for one to be expected beyond it (p90 "
                      f"{samples_needed(90)}, p99 {samples_needed(99)}); n: requests per rate over all runs")
+    lines += _bound_lines(result)
     return "\n".join(lines + _footer(result, loaded, "out tok/s and speedup"))
+
+
+def _bound_lines(result: dict) -> list:
+    """At the highest finite rate (where the baseline saturates, if anywhere): each variant's
+    speedup as a fraction of the all-hidden bound (``analysis.serve_bounds``)."""
+    names = list(result["ratios"])
+    rates = [r for r in (result["ratios"][names[0]].get("rates") or {}) if r != "inf"]
+    if not rates:
+        return []
+    rate = max(rates, key=float)
+    first = result["ratios"][names[0]]["rates"][rate]
+    if first.get("all_hidden_bound") is None:
+        return []
+    parts = [f"{n} {_num(result['ratios'][n]['rates'][rate].get('fraction_of_bound'), '{:.2f}')}"
+             for n in names if rate in (result["ratios"][n].get("rates") or {})]
+    return [f"all-hidden bound at rate {rate}: {first['all_hidden_bound']:.2f}x ({names[0]}'s "
+            f"{first['amdahl_basis']} share {first['baseline_share']:.2f} removed); speedup / bound: "
+            + ", ".join(parts)]
 
 
 def prefill_table(result: dict, loaded: Optional[dict] = None) -> str:
