@@ -20,7 +20,8 @@ request plus prefill chunks of waiting requests (first come, first served) up to
 ``max_batch_tokens`` tokens and ``max_requests`` requests, padded as the engine pads them
 (``Engine.padded``); ranks without work run the dummy forward while another rank works. The step lasts as long as its slowest rank's compute plus its
 all-to-alls, each sized by the busiest rank. A request arriving during an iteration joins at the
-next one, on the rank round-robin gives it; the token a step produces reaches the client one
+next one, on the rank the run recorded for it (the server's ``x-dp-rank`` header, e.g. Sem-MoE's
+Algorithm 2) or else the rank round-robin gives it; the token a step produces reaches the client one
 control phase later. TTFT is arrival to first token; TPOT the mean gap between its later tokens.
 
 What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
@@ -32,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -46,7 +47,7 @@ FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (and say what changed in docs/netsim.md) whenever the replay's
 # arithmetic changes; ``validate`` prints it with ``model_fingerprint()`` of this file.
-MODEL_VERSION = "replay/2 (2026-11-26)"
+MODEL_VERSION = "replay/3 (2026-11-26)"  # /3: requests go to the engine the run recorded (x-dp-rank), if it did
 
 # A rate whose measured request rate is at least this fraction of the offered rate is bound by
 # the offered load (the server keeps up): its throughput says nothing about the model.
@@ -140,6 +141,7 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    rank: Optional[int] = None  # the engine the run gave it (None: round-robin, as the loop's default)
 
 
 @dataclasses.dataclass
@@ -169,8 +171,10 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
             t = max(t, requests[arrivals[0]].arrival_s)
         while arrivals and requests[arrivals[0]].arrival_s <= t:
             i = arrivals.popleft()
-            waiting[turn].append(_Live(i, requests[i]))
-            turn = (turn + 1) % engine.ranks
+            rank = requests[i].rank
+            if rank is None:
+                rank, turn = turn, (turn + 1) % engine.ranks
+            waiting[rank].append(_Live(i, requests[i]))
         t += ctrl
         bucket = link.refill(bucket, ctrl)
         tokens, reqs, padded, produced = [0] * engine.ranks, [0] * engine.ranks, [0] * engine.ranks, []
@@ -257,8 +261,18 @@ def run_requests(run: dict, variant: str, phase: str) -> list:
     requests = run["requests"][variant][phase]
     if run.get("schema") == "bench_serve/2":
         requests = requests[0]
-    return [Request(float(r["sent"]), int(r["prompt_tokens"]), max(1, int(r["output_tokens"])))
+    return [Request(float(r["sent"]), int(r["prompt_tokens"]), max(1, int(r["output_tokens"])), r.get("dp_rank"))
             for r in requests if r["ok"]]
+
+
+def recorded_assignment(run: dict, variant: str) -> bool:
+    """Whether every request of the variant's rate phases records the engine that served it."""
+    for phase in rate_phases(run, variant):
+        reqs = run["requests"][variant][phase]
+        for r in (reqs[0] if run.get("schema") == "bench_serve/2" else reqs):
+            if r["ok"] and r.get("dp_rank") is None:
+                return False
+    return True
 
 
 def rate_phases(run: dict, variant: str) -> list:
@@ -333,7 +347,7 @@ def validate_run(run: dict, predicted: dict) -> dict:
     rows, unmodelled = [], {}
     for v, rates in predicted.items():
         scheduler = run["variants"][v].get("request_scheduler")
-        if scheduler not in (None, "round-robin"):
+        if scheduler not in (None, "round-robin") and not recorded_assignment(run, v):
             unmodelled[v] = f"{scheduler} request scheduling (the replay assigns requests round-robin)"
         for rate, pred in rates.items():
             stats = run["variants"][v]["rates"][rate]

@@ -108,6 +108,7 @@ class _Choice:
         self.last_at: Optional[float] = None
         self.started = False  # streaming: the first chunk of this choice went out
         self.offset = 0  # streaming: text offset of the next logprobs token
+        self.dp_rank: Optional[int] = None  # the data-parallel engine the loop gave it
 
 
 class _Stream:
@@ -229,6 +230,15 @@ class Frontend:
                 self._call(self._abort_all)
             cmds.stop = self.in_flight == 0 or self._aborted_all
         return cmds
+
+    def assigned(self, placed: dict) -> None:
+        """The loop's assignment of new engine requests to data-parallel engines (engine thread):
+        reported to the client in the ``x-dp-rank`` response header (benchmarks replay it)."""
+        for rid, dp_rank in placed.items():
+            stream = self._streams.get(rid)
+            choice = stream.choices.get(rid) if stream is not None else None
+            if choice is not None:
+                choice.dp_rank = int(dp_rank)
 
     def publish(self, updates: list, stats: list) -> None:
         """Token updates and every rank's engine stats, from the engine loop."""
@@ -508,7 +518,8 @@ class Frontend:
             if not started:
                 started = True
                 await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                        *_rank_header(stream)]})
             await send({"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(),
                         "more_body": True})
 
@@ -579,7 +590,8 @@ class Frontend:
                                     token_ids=list(c.tokens) if req.return_token_ids else None,
                                     logprobs=self._logprobs(req, c, c.logprobs, with_prompt=True)) for c in choices]
             return await _send_json(send, 200, protocol.response(chat=chat, stream=False, rid=name,
-                                                                 model=self.served_model, choices=body, usage=usage))
+                                                                 model=self.served_model, choices=body, usage=usage),
+                                    headers=dict((k.decode(), v.decode()) for k, v in _rank_header(stream)))
         for c in choices:
             if aborted and c.finish is None:
                 await sse(protocol.response(chat=chat, stream=True, rid=name, model=self.served_model, choices=[
@@ -623,6 +635,15 @@ async def _read_body(receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _rank_header(stream: _Stream) -> list:
+    """``x-dp-rank``: the data-parallel engine of each choice, in choice order (comma-separated),
+    once the loop has assigned them all; nothing before."""
+    ranks = [c.dp_rank for c in sorted(stream.choices.values(), key=lambda c: c.index)]
+    if not ranks or any(r is None for r in ranks):
+        return []
+    return [(b"x-dp-rank", ",".join(str(r) for r in ranks).encode())]
 
 
 async def _send_json(send, status: int, payload: dict, headers: Optional[dict] = None) -> None:

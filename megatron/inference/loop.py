@@ -118,6 +118,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                         raise ValueError(f"the request scheduler gave rank {target}, not in [0, {dp_size})")
                     owner[submit.request_id] = placed[submit.request_id] = target
                     outstanding[target] += 1
+                frontend.assigned(placed)
                 message = (cmds.submits, cmds.cancels, placed)
                 commands = pickle.dumps(message)
         matrix = None

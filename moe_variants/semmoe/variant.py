@@ -5,13 +5,15 @@ permutes experts and router rows, so the built model needs no change and the var
 section. What the variant adds is for the inference-side applications (evaluate_lm, the server):
 ``--semmoe-tables DIR`` assigns requests to data-parallel ranks by Algorithm 2 (TP = 1), or with
 attention tensor parallelism (TP = EP = the tables' devices) re-batches the tokens of every MoE
-layer by Algorithm 3 (``attention_tp``), after checking that the tables fit the checkpoint (MoE
-layers x experts, its applied placement) and the layout.
+layer by Algorithm 3 (``attention_tp``; tables without a token table, the EPLB and contiguous
+baselines, give contiguous slices in that layout), after checking that the tables fit the
+checkpoint (MoE layers x experts, its applied placement) and the layout.
 
 For the benchmark tools: bench_ep's run-time variant ``semmoe`` places a freshly built model's
 experts by a profile of validation samples and schedules every step's samples by Algorithm 2
 (``bench.py``); bench_serve's placed variants ``eplb`` and ``semmoe`` serve ``--load`` placed by
-``--semmoe-tables DIR/<name>`` (``semmoe`` also schedules requests by Algorithm 2).
+``--semmoe-tables DIR/<name>`` (``semmoe`` also schedules requests by Algorithm 2; with TP > 1 both
+run Algorithm 3's layout, ``eplb`` on contiguous slices).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class SemMoE(Variant):
                              f"--tensor-model-parallel-size {d} --expert-model-parallel-size {d} (Algorithm 3, "
                              f"attention tensor-parallel) (got {world_size} ranks, EP {ep}, TP {tp})")
         check_tables_match_checkpoint(tables, manifest, path, args.load, flag="--semmoe-tables")
-        if not tables.has_schedule:
+        if not tables.has_schedule and attention_dp:  # Algorithm 3's layout takes them as contiguous slices
             raise ValueError(f"{flag}: tables of method {tables.method!r} carry no token table to schedule "
                              "requests with (solve with --method semmoe)")
         return tables
@@ -171,13 +173,16 @@ class SemMoE(Variant):
                              "placement's tables)")
         tables = os.path.abspath(os.path.join(tables_dir, name))
         schedules = name == "semmoe"
+        # with TP > 1 the placed baseline is served in Algorithm 3's layout too, on contiguous slices
+        # (the sequence-parallel split): the comparison isolates the token scheduling
+        attention_tp = getattr(args, "tensor_model_parallel_size", 1) > 1
         return ServePlacement(
             command=lambda load, out: ["-m", "moe_variants.semmoe", "apply", "--load", load, "--tables", tables,
                                        "--out", out],
             key={"tables": tables},
-            server_arguments=("--semmoe-tables", tables) if schedules else (),
+            server_arguments=("--semmoe-tables", tables) if schedules or attention_tp else (),
             request_scheduler=_REQUEST_SCHEDULER if schedules else "round-robin",
-            routing_stats_at_tp=schedules,
+            routing_stats_at_tp=schedules or attention_tp,
         )
 
     def serve_bench_record(self, args) -> dict:

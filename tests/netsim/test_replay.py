@@ -134,3 +134,22 @@ def test_predict_refuses_a_tensor_parallel_run():
     run["config"]["tensor_model_parallel_size"] = 2
     with pytest.raises(ValueError, match="tensor parallelism 2"):
         predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C)
+
+
+def test_recorded_assignment_is_replayed():
+    """Requests that record their engine (the server's x-dp-rank) go there, not round-robin: two
+    simultaneous requests recorded on rank 0 are served one after the other's prefill batch on
+    rank 0 while rank 1 idles; without a record they split over the ranks."""
+    engine = Engine(2, 64, 4, token_rounder=1)
+    spread = simulate([Request(0.0, 10, 1), Request(0.0, 10, 1)], engine, PROF, LINK)
+    stacked = simulate([Request(0.0, 10, 1, rank=0), Request(0.0, 10, 1, rank=0)], engine, PROF, LINK)
+    ctrl = 4 * 1e-4
+    assert spread[0][0] == pytest.approx(ctrl + PROF.compute_s(10, 1) + _a2a(10) + ctrl)
+    assert stacked[0][0] == pytest.approx(ctrl + PROF.compute_s(20, 2) + _a2a(20) + ctrl)  # one batch of both
+    run = _run()
+    run["variants"]["standard"]["request_scheduler"] = "semmoe-algorithm-2"
+    pred = predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C)
+    assert "standard" in validate_run(run, pred)["unmodelled"]
+    for r in run["requests"]["standard"]["rate-2"]:
+        r["dp_rank"] = 1
+    assert validate_run(run, predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C))["unmodelled"] == {}

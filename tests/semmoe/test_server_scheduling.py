@@ -31,16 +31,27 @@ def _prompt_ids(tiny_model) -> list:
     return [tok.tokenize(t)[:40] for t in texts]  # the tiny model's context is 64 tokens
 
 
+def _post_with_headers(url, body):
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.status, json.loads(resp.read()), dict(resp.headers.items())
+
+
 def _serve(ckpt, tmp_path, prompts, extra=(), routing=True):
     srv = Server(ckpt, tmp_path, nproc=2, extra=["--expert-model-parallel-size", "2",
                                                  *(["--routing-stats"] if routing else []), *extra])
     try:
-        out = []
+        out, ranks = [], []
         for ids in prompts:
-            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW,
-                                                             "temperature": 0, "return_token_ids": True})
+            status, body, headers = _post_with_headers(srv.url, {"prompt": ids, "max_tokens": MAX_NEW,
+                                                                 "temperature": 0, "return_token_ids": True})
             assert status == 200, body
             out.append(body["choices"][0]["token_ids"])
+            ranks.append(headers.get("x-dp-rank"))
+        srv.info["dp_ranks"] = ranks
         return out, srv.info, get_metrics(srv.url)
     finally:
         srv.stop()
@@ -60,10 +71,13 @@ def test_algorithm_2_in_the_server_keeps_tokens(tiny_model, tmp_path):
     def assigned(metrics):
         return [int(metrics[f'moe_serve_requests_assigned_total{{rank="{r}"}}']) for r in range(2)]
 
-    expected = np.bincount(schedule_requests([np.asarray(p) for p in prompts], load_tables(tiny_model.tables2)),
-                           minlength=2).tolist()
+    schedule = schedule_requests([np.asarray(p) for p in prompts], load_tables(tiny_model.tables2))
+    expected = np.bincount(schedule, minlength=2).tolist()
     assert assigned(base_m) == [NUM_PROMPTS // 2] * 2
     assert assigned(m) == expected
+    # each response names the engine that served it (x-dp-rank): round-robin, and Algorithm 2's choice
+    assert base_info["dp_ranks"] == [str(i % 2) for i in range(NUM_PROMPTS)]
+    assert info["dp_ranks"] == [str(r) for r in schedule]
     assert abs(expected[0] - expected[1]) <= 2  # the rotating mask: at most one per round of 2
 
     for metrics in (base_m, m):
@@ -152,3 +166,46 @@ def test_algorithm_3_in_the_server_keeps_tokens_and_reaches_the_predicted_lar(ti
     predicted = evaluate(load_tables(tiny_model.tables2), load_profile(tiny_model.profile_path), "tp", None, 2, 0).lar
     assert abs(served - predicted) <= 0.02, (served, predicted)
     assert served >= 1.4 * 0.5
+
+
+@pytest.mark.slow
+def test_unscheduled_tables_serve_algorithm_3_layout_on_contiguous_slices(tiny_model, tmp_path):
+    """The fair attention-TP baseline: contiguous tables (no token table) at TP = EP = 2 run
+    Algorithm 3's layout with each rank's contiguous slice (the sequence-parallel split), so every
+    token is routed once; the served LAR is the tables' ``tp`` prediction (about 1/2), and at TP = 1
+    the same tables are refused (Algorithm 2 needs a token table)."""
+    from moe_variants.semmoe.methods import place
+    from moe_variants.semmoe.metrics import evaluate
+    from moe_variants.semmoe.profile import load_profile
+    from moe_variants.semmoe.tables import save_tables
+
+    profile = load_profile(tiny_model.profile_path)
+    tables = place("contiguous", profile, 2)
+    save_tables(tables, tmp_path / "contiguous2")
+    prompts = _prompt_ids(tiny_model)
+    srv = Server(tiny_model.ckpt, tmp_path, nproc=2,
+                 extra=["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                        "--semmoe-tables", str(tmp_path / "contiguous2"), "--routing-stats"])
+    try:
+        assert srv.info["token_scheduler"] == "AttentionTP"
+        for ids in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
+            assert status == 200, body
+        metrics = get_metrics(srv.url)
+    finally:
+        srv.stop()
+    served = metrics["moe_serve_local_activation_rate"]
+    predicted = evaluate(tables, profile, "tp", None, 2, 0).lar
+    assert abs(served - predicted) <= 0.05 and abs(served - 0.5) <= 0.1, (served, predicted)
+    import argparse
+
+    from megatron.training.loading import find_checkpoint
+    from moe_variants.semmoe.variant import SemMoE
+
+    _, manifest = find_checkpoint(tiny_model.ckpt)
+    args = argparse.Namespace(semmoe_tables=str(tmp_path / "contiguous2"), load=tiny_model.ckpt,
+                              tensor_model_parallel_size=1, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="carry no token table"):
+        SemMoE()._tables(args, manifest, 2)
+    args.tensor_model_parallel_size = 2
+    assert SemMoE()._tables(args, manifest, 2).method == "contiguous"

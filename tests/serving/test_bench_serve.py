@@ -108,6 +108,7 @@ def test_loopback_serving_run_writes_the_documented_json(serve_ckpts, tmp_path):
             pooled += reqs
             _check_distributions(s, reqs)
             assert s["output_tokens"] == 5 * 6 and s["short_outputs"] == 0  # ignore_eos: exactly max_tokens
+            assert {r["dp_rank"] for r in reqs} == {0, 1}  # the streamed x-dp-rank header: round-robin
             assert s["tokens_forwarded"] == sum(r["prompt_tokens"] + r["max_tokens"] - 1 for r in reqs) == 5 * 17
             expected = summarize([RequestTiming(r["ttft_s"], r["e2e_s"], r["output_tokens"]) for r in reqs],
                                  s["duration_s"], slo_ttft_s=5.0, slo_tpot_s=1.0)

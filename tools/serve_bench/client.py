@@ -62,12 +62,13 @@ def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
 
 def stream_completion(url: str, prompt: list, max_tokens: int, timeout: float) -> dict:
     """One streaming greedy completion; ``{"sent", "ttft_s", "e2e_s", "output_tokens", "ok",
-    "finish_reason", "error"}`` with times in ``perf_counter`` seconds (``sent``) and seconds
-    from the send (the others)."""
+    "finish_reason", "error", "dp_rank"}`` with times in ``perf_counter`` seconds (``sent``) and
+    seconds from the send (the others); ``dp_rank``: the data-parallel engine that served it (the
+    server's ``x-dp-rank`` header), or None."""
     body = json.dumps({"prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0, "stream": True,
                        "ignore_eos": True, "return_token_ids": True})
     out = {"sent": None, "ttft_s": None, "e2e_s": None, "output_tokens": 0, "ok": False, "finish_reason": None,
-           "error": None}
+           "error": None, "dp_rank": None}
     conn = _connection(url, timeout)
     sent = time.perf_counter()
     out["sent"] = sent
@@ -82,6 +83,9 @@ def stream_completion(url: str, prompt: list, max_tokens: int, timeout: float) -
                 pass
             out["error"] = f"HTTP {resp.status}: {text}"[:500]
             return out
+        rank = resp.getheader("x-dp-rank")
+        if rank is not None and rank.isdigit():
+            out["dp_rank"] = int(rank)
         for line in resp:
             if not line.startswith(b"data: "):
                 continue
