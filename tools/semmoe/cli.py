@@ -7,6 +7,7 @@ Commands are registered in ``commands.COMMANDS``; each gets an argparse sub-pars
 * ``evaluate``  tables (one or more) x held-out profile -> LAR / imbalance / bytes table + JSON
 * ``synth``     write a synthetic profile with planted token-expert affinity
 * ``split``     split a profile's requests into a profiling part and a held-out part
+* ``stats``     routing statistics of profiles: Table 1 per layer, domain-expert mutual information
 * ``profile``, ``apply``, ``lar``: the model-side commands (``model_commands.py``)
 """
 
@@ -156,6 +157,107 @@ def _evaluate(args: argparse.Namespace) -> int:
     }
     write_json(out, payload, indent=2)
     print(f"wrote {out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def _named_profile(text: str) -> tuple:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH")
+    return name, path
+
+
+def _configure_stats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", type=_named_profile, action="append", required=True, metavar="NAME=PATH",
+                   help="a profile of one domain's prompts (repeat: one per domain)")
+    p.add_argument("--split-ids", type=positive_int, default=None, metavar="F",
+                   help="also split each profile into domains by the first F ':'-fields of its request ids "
+                        "(e.g. 2: mmlu:<subject>)")
+    p.add_argument("--min-count", type=positive_int, default=5, help="Table 1: tokens seen at least this often")
+    p.add_argument("--seed", type=int, default=0, help="the shuffled-label baseline's permutation")
+    p.add_argument("--json", default=None, help="write the result here")
+
+
+def _domain_information(groups: list, profiles: dict, seed: int) -> dict:
+    """I(domain; expert) per layer for ``groups`` [(domain, profile name, request indices)], and the
+    same with the domain labels shuffled over the requests (the finite-sample floor)."""
+    import numpy as np
+
+    from moe_variants.semmoe.routing_stats import domain_expert_information, expert_counts
+
+    def per_layer(assign):
+        counts = np.stack([sum(expert_counts(profiles[name], idx) for name, idx in parts) for parts in assign])
+        return [domain_expert_information(counts[:, layer]) for layer in range(counts.shape[1])]
+
+    real = per_layer([[(name, idx)] for _, name, idx in groups])
+    rng = np.random.default_rng(seed)
+    pooled = [(name, int(i)) for _, name, idx in groups for i in idx]
+    order = rng.permutation(len(pooled))
+    cuts = np.cumsum([len(idx) for _, _, idx in groups])[:-1]
+    shuffled = []
+    for chunk in np.split(order, cuts):
+        by_name: dict = {}
+        for j in chunk:
+            by_name.setdefault(pooled[j][0], []).append(pooled[j][1])
+        shuffled.append([(name, np.array(ix)) for name, ix in by_name.items()])
+    return {"domains": [g for g, _, _ in groups], "requests": [int(len(idx)) for _, _, idx in groups],
+            "per_layer": real, "shuffled_per_layer": per_layer(shuffled)}
+
+
+@command("stats", "routing statistics: the paper's Table 1 and domain-expert mutual information", _configure_stats)
+def _stats(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from moe_variants.semmoe.profile import load_profile
+    from moe_variants.semmoe.routing_stats import activation_concentration
+
+    profiles = {}
+    for name, path in args.profile:
+        if name in profiles:
+            raise ValueError(f"--profile {name}=...: the name {name!r} is given twice")
+        profiles[name] = load_profile(path)
+    shapes = {(p.num_layers, p.num_experts, p.top_k) for p in profiles.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"--profile: the profiles come from different routers (layers, experts, top-k: {sorted(shapes)})")
+    result = {"min_count": args.min_count, "table1": {}, "information": {}}
+    print(f"Table 1 (tokens seen >= {args.min_count} times; p25 / p50 / p75)")
+    print(f"{'profile':<12}{'layer':>6}{'tokens':>8}  {'F1':<20}{'cum. hotness top-k':<22}{'max hotness rest':<20}")
+    q = lambda d: f"{d['p25']:.3f} {d['p50']:.3f} {d['p75']:.3f}"  # noqa: E731
+    for name, prof in profiles.items():
+        rows = [activation_concentration(prof, layer, args.min_count) for layer in range(prof.num_layers)]
+        result["table1"][name] = rows
+        for r in rows:
+            print(f"{name:<12}{r['layer']:>6}{r['tokens']:>8}  {q(r['f1']):<20}{q(r['cum_hotness_topk']):<22}"
+                  f"{q(r['max_hotness_rest']):<20}")
+    levels = {}
+    if len(profiles) > 1:
+        levels["profiles"] = [(name, name, np.arange(p.num_requests)) for name, p in profiles.items()]
+    if args.split_ids:
+        for name, prof in profiles.items():
+            ids = prof.meta.get("request_ids")
+            if ids is None:
+                raise ValueError(f"--split-ids: profile {name} records no request ids")
+            keys = [":".join(str(i).split(":")[: args.split_ids]) for i in ids]
+            domains = sorted(set(keys))
+            if len(domains) > 1 and prof.num_requests < 10 * len(domains):
+                print(f"note: --split-ids {args.split_ids} gives profile {name} {len(domains)} domains for "
+                      f"{prof.num_requests} requests (fewer than 10 each): not split")
+            elif len(domains) > 1:
+                levels[f"{name} by id"] = [(d, name, np.flatnonzero(np.array(keys) == d)) for d in domains]
+    print("I(domain; expert) per layer, bits [shuffled-label floor]; normalised by H(domain)")
+    for level, groups in levels.items():
+        info = _domain_information(groups, profiles, args.seed)
+        result["information"][level] = info
+        cells = [f"{r['mutual_information_bits']:.4f} [{s['mutual_information_bits']:.4f}]"
+                 for r, s in zip(info["per_layer"], info["shuffled_per_layer"])]
+        h = info["per_layer"][0]["domain_entropy_bits"]
+        print(f"{level} ({len(groups)} domains, H = {h:.3f} bits): " + ", ".join(cells))
+    if args.json:
+        write_json(args.json, result, indent=2)
+        print(f"wrote {args.json}")
     return 0
 
 
