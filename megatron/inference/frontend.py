@@ -519,7 +519,7 @@ class Frontend:
                 started = True
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                                        *_rank_header(stream)]})
+                                        *((k.encode(), v.encode()) for k, v in _rank_header(stream).items())]})
             await send({"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(),
                         "more_body": True})
 
@@ -591,7 +591,7 @@ class Frontend:
                                     logprobs=self._logprobs(req, c, c.logprobs, with_prompt=True)) for c in choices]
             return await _send_json(send, 200, protocol.response(chat=chat, stream=False, rid=name,
                                                                  model=self.served_model, choices=body, usage=usage),
-                                    headers=dict((k.decode(), v.decode()) for k, v in _rank_header(stream)))
+                                    headers=_rank_header(stream))
         for c in choices:
             if aborted and c.finish is None:
                 await sse(protocol.response(chat=chat, stream=True, rid=name, model=self.served_model, choices=[
@@ -637,13 +637,13 @@ async def _read_body(receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def _rank_header(stream: _Stream) -> list:
+def _rank_header(stream: _Stream) -> dict:
     """``x-dp-rank``: the data-parallel engine of each choice, in choice order (comma-separated),
     once the loop has assigned them all; nothing before."""
     ranks = [c.dp_rank for c in sorted(stream.choices.values(), key=lambda c: c.index)]
     if not ranks or any(r is None for r in ranks):
-        return []
-    return [(b"x-dp-rank", ",".join(str(r) for r in ranks).encode())]
+        return {}
+    return {"x-dp-rank": ",".join(str(r) for r in ranks)}
 
 
 async def _send_json(send, status: int, payload: dict, headers: Optional[dict] = None) -> None:
