@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'+' combines): only presets that keep its parameters, e.g. farskip on a standard "
                         "checkpoint (the serving benchmark's --load runs); the checkpoint's architecture check "
                         "refuses the others")
+    p.add_argument("--expert-comm", choices=("alltoall", "allreduce"), default="alltoall",
+                   help="how tokens reach the experts: alltoall (dispatch and combine among the expert-parallel "
+                        "ranks) or allreduce (vLLM's layout, TP = EP > 1: every rank holds every token, runs its "
+                        "local experts, and one all-reduce sums them; FarSkip overlaps it, paper §4.2)")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: the --load directory's name)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefills are chunked to fit)")
     p.add_argument("--max-requests", type=int, default=16, help="requests decoding at once per data-parallel rank")
@@ -209,6 +213,11 @@ def serve(args) -> int:
                        kv_cache_gb=args.kv_cache_gb, block_size_tokens=args.block_size_tokens,
                        max_sequence_length=args.max_sequence_length, seed=args.seed)
     cfg.validate()
+    if args.expert_comm == "allreduce" and not (
+            args.tensor_model_parallel_size > 1 and args.tensor_model_parallel_size == args.expert_model_parallel_size):
+        raise ValueError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
+                         f"> 1 (every rank of the expert group holds the same tokens); got TP "
+                         f"{args.tensor_model_parallel_size}, EP {args.expert_model_parallel_size}")
     with contextlib.ExitStack() as stack:
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -229,6 +238,13 @@ def serve(args) -> int:
                                                          pg_collection=pgc)
         engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
         changed = registry.serving_model(args, manifest, model, pgc)  # e.g. Sem-MoE's Algorithm 3 (TP > 1)
+        if args.expert_comm == "allreduce":
+            if changed is not None:
+                raise ValueError("--expert-comm allreduce keeps every token on every rank; the variant's serving "
+                                 "change (e.g. Sem-MoE's Algorithm 3) re-batches them: use one or the other")
+            from moe_variants.common.dispatcher import use_replicated_experts
+
+            use_replicated_experts(model, pgc)
         rows = getattr(changed, "local_rows", None)
         tp1 = args.tensor_model_parallel_size == 1
         if not tp1 and args.routing_stats and rows is None:

@@ -37,6 +37,7 @@ __all__ = [
     "CommCounters",
     "PendingComm",
     "all_to_all",
+    "start_all_reduce",
     "wait_backward_hook",
     "off_rank_bytes",
     "TimelineRecorder",
@@ -354,6 +355,35 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
         tensor.record_stream(comm)
         output.record_stream(comm)
     return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done,
+                       source=tensor)
+
+
+def start_all_reduce(group, tensor: torch.Tensor, counters: Optional[CommCounters] = None,
+                     name: str = "combine") -> PendingComm:
+    """Start an in-place sum all-reduce of ``tensor`` over ``group`` (forward only: serving's
+    replicated-activation experts); ``wait()`` returns the reduced tensor.
+
+    Bytes booked under ``combine``: what a ring all-reduce sends from each rank,
+    ``2 (n-1)/n`` of the tensor. Timed like ``_launch`` (host clock on CPU, events around a
+    communication stream on GPU)."""
+    tensor = tensor.contiguous()
+    clock = timing.clock_for(tensor.device)
+    size = group.size()
+    if counters is not None:
+        counters.add_bytes("combine", tensor.numel() * tensor.element_size() * 2 * (size - 1) // size)
+    timeline = counters.timeline if counters is not None else None
+    if not clock.device_side:
+        work = collectives.all_reduce_async(tensor, group=group)
+        return PendingComm(work, tensor, counters, False, name, timeline, clock=clock, source=tensor)
+    comm = clock.communication_stream()
+    clock.wait_for(clock.stamp(), comm)
+    with clock.stream_context(comm):
+        start = clock.stamp(comm)
+        collectives.all_reduce_async(tensor, group=group).wait()
+        done = clock.stamp(comm)
+    if tensor.device.type == "cuda":
+        tensor.record_stream(comm)
+    return PendingComm(None, tensor, counters, False, name, timeline, clock=clock, start=start, done=done,
                        source=tensor)
 
 

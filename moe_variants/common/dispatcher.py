@@ -5,7 +5,9 @@ replaces only its two communication steps: megatron-core's ``_AllToAll`` allocat
 ``torch.cuda.current_device()`` (``tensor_parallel/mappings.py:442``) and is always blocking; ours
 allocates on the input's device, counts bytes and time, and can run asynchronously (FarSkip).
 ``AllGatherDispatcher`` wraps the all-gather / reduce-scatter steps of
-``MoEAllGatherTokenDispatcher`` with the same accounting.
+``MoEAllGatherTokenDispatcher`` with the same accounting. ``ReplicatedDispatcher`` is the serving
+layout of vLLM and SGLang (FarSkip paper §4.2): every rank already holds all tokens, so there is no
+dispatch, and one all-reduce sums the local experts' outputs.
 
 Both expose ``self.comm`` (a ``CommCounters``), which the training loop and the EP benchmark sum
 over layers.
@@ -18,9 +20,10 @@ from megatron.compat.token_dispatcher import AlltoAllTokenDispatcher
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from moe_variants.common import timing
-from moe_variants.common.comm import CommCounters, all_to_all
+from moe_variants.common.comm import CommCounters, all_to_all, start_all_reduce
 
-__all__ = ["AlltoAllDispatcher", "AllGatherDispatcher", "build_token_dispatcher", "host_splits"]
+__all__ = ["AlltoAllDispatcher", "AllGatherDispatcher", "ReplicatedDispatcher", "build_token_dispatcher",
+           "host_splits", "use_replicated_experts"]
 
 
 def host_splits(splits) -> list[int]:
@@ -151,6 +154,81 @@ class AllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.comm.add_bytes("combine", out.numel() * 4 * (self._group_size - 1))  # fp32 reduce
         self.comm.add_span(False, start, done, start)
         return out
+
+
+class ReplicatedDispatcher(MoEAllGatherTokenDispatcher):
+    """Experts over replicated activations (inference, vLLM's scheme; FarSkip paper §4.2).
+
+    When every rank of the expert group (``tp_ep``: expert-TP x EP) already holds the same tokens,
+    as with tensor-parallel attention and sequence parallelism off (``TP = EP x ETP`` on the same
+    ranks), the all-gather dispatcher's gather would only copy what each rank has. Here there is no
+    dispatch: each rank routes all tokens (the router is replicated, so the same decisions),
+    runs its local experts on the tokens routed to them, scatters their weighted outputs back into
+    a ``[T, h]`` partial sum (upstream's ``dispatch_postprocess`` / ``combine_preprocess``), and
+    one all-reduce over the group adds the partials: ``token_combine``, or ``token_combine_async``
+    for FarSkip, whose next layer's attention does not read it. Forward only.
+
+    Bytes: a ring all-reduce sends ``2 (n-1)/n`` of the ``[T, h]`` partial from each rank, in the
+    activations' dtype (the all-gather dispatcher's reduce-scatter runs in the probabilities'
+    fp32; the summation order differs from the all-to-all path's, so logits agree to rounding).
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
+        self.comm = CommCounters()
+        self._group_size = self.tp_size * self.ep_size
+
+    def token_dispatch(self, hidden_states, probs):
+        return hidden_states, probs  # every rank holds every token already
+
+    def token_dispatch_async(self, hidden_states, probs):
+        return hidden_states, probs, _no_wait
+
+    def token_combine(self, hidden_states):
+        output, wait = self.token_combine_async(hidden_states)
+        wait()
+        return output
+
+    def token_combine_async(self, hidden_states):
+        """Start the all-reduce of the local experts' partial sum; returns ``(output, wait)``."""
+        if self._group_size == 1:
+            return hidden_states, _no_wait
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            raise ValueError("the replicated-activation expert layout is for inference (no gradients)")
+        pending = start_all_reduce(self.tp_ep_group, hidden_states, self.comm, "combine")
+        return pending.output, pending.wait
+
+
+def use_replicated_experts(model, pg_collection) -> int:
+    """Serve ``model``'s MoE layers with ``ReplicatedDispatcher`` (no parameters change). Needs the
+    activations replicated over the expert group: tensor-parallel attention without sequence
+    parallelism (``engine.replicate_activations``) on exactly the expert group's ranks. Returns
+    the number of layers changed; raises a one-line ``ValueError`` on any other layout."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError("--expert-comm allreduce: the model has no MoE layer")
+    tp_ranks = dist.get_process_group_ranks(pg_collection.tp) if pg_collection.tp.size() > 1 else [dist.get_rank()]
+    tp_ep_ranks = (dist.get_process_group_ranks(pg_collection.tp_ep) if pg_collection.tp_ep.size() > 1
+                   else [dist.get_rank()])
+    if sorted(tp_ranks) != sorted(tp_ep_ranks) or len(tp_ranks) == 1:
+        raise ValueError(
+            f"--expert-comm allreduce needs tensor-parallel attention over exactly the expert group "
+            f"(--tensor-model-parallel-size = expert-parallel x expert-tensor-parallel size > 1); here "
+            f"attention TP spans ranks {sorted(tp_ranks)} and the experts {sorted(tp_ep_ranks)}")
+    for layer in layers:
+        old = layer.token_dispatcher
+        if type(old) not in (AlltoAllDispatcher, AllGatherDispatcher):
+            raise ValueError(f"--expert-comm allreduce: MoE layer {layer.layer_number} has "
+                             f"{type(old).__name__}, not the project's standard dispatcher "
+                             "(a variant with its own dispatcher)")
+        new = ReplicatedDispatcher(layer.num_local_experts, layer.local_expert_indices, layer.config,
+                                   pg_collection=layer.pg_collection)
+        new.comm = old.comm  # keep the counters (and any timeline) attached by the caller
+        layer.token_dispatcher = new
+    return len(layers)
 
 
 def build_token_dispatcher(config, num_local_experts, local_expert_indices, pg_collection):

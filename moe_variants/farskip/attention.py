@@ -14,13 +14,24 @@ inference context, packed sequences, output gate, activation offloading, core-at
 projection recompute, cached MLA latents or DSA; with the same operations in the same order, so the
 result is bit-identical (tests/farskip/test_farskip.py). Other attention classes, and those
 settings, are not split: ``can_split`` is False and the caller runs the module whole.
+
+At inference (megatron-core's KV-cached path, which this module does not re-implement) attention
+is split at its input projections instead: ``project_inputs`` runs the linears attention applies to
+its input directly (``SelfAttention``'s QKV projection; MLA's query and KV down-projections) ahead
+of time, and inside ``projected_inputs`` those linears hand back the stored outputs when upstream's
+``Attention.forward`` calls them on that same tensor, so the forward runs only the rest (norms,
+up-projections, RoPE, the cache write, core attention over the cache, the output projection).
+The same operations on the same tensors: the result is bit-identical.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["can_split", "attention_qkv", "attention_out", "core_attention_rows", "attention_proj"]
+__all__ = ["can_split", "attention_qkv", "attention_out", "core_attention_rows", "attention_proj",
+           "input_projections", "project_inputs", "projected_inputs"]
 
 
 def _is_mla(attn) -> bool:
@@ -105,3 +116,60 @@ def attention_proj(attn, core_parts):
     """Output projection of core-attention slices (concatenated along the batch): ``(output, bias)``."""
     core = core_parts[0] if len(core_parts) == 1 else torch.cat(core_parts, dim=1)
     return attn.linear_proj(core)
+
+
+def input_projections(attn) -> list:
+    """The linears ``attn`` applies to its input itself: ``SelfAttention``'s QKV projection; MLA's
+    query projection (or query down-projection with ``q_lora_rank``) and KV down-projection. Empty
+    for other attention classes."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    if _is_mla(attn):
+        query = attn.linear_q_down_proj if attn.config.q_lora_rank is not None else attn.linear_q_proj
+        return [query, attn.linear_kv_down_proj]
+    if type(attn) is SelfAttention and not getattr(attn, "offload_qkv_linear", False):
+        return [attn.linear_qkv]
+    return []
+
+
+class ProjectedInputs:
+    """Outputs of ``attn``'s input projections on one tensor (``project_inputs``); ``used`` counts
+    how many of them the forward then took instead of recomputing."""
+
+    def __init__(self, hidden: torch.Tensor, outputs: list):
+        self.hidden = hidden
+        self.outputs = outputs  # [(module, output)]
+        self.used = 0
+
+
+def project_inputs(attn, hidden: torch.Tensor) -> ProjectedInputs:
+    """Run ``input_projections(attn)`` on ``hidden`` now (the first stage of attention)."""
+    return ProjectedInputs(hidden, [(m, m(hidden)) for m in input_projections(attn)])
+
+
+@contextlib.contextmanager
+def projected_inputs(projected: ProjectedInputs):
+    """Within the block, each input projection called on ``projected.hidden`` (the very tensor)
+    returns its stored output, once; any other call runs the module."""
+    patched = []
+    for module, output in projected.outputs:
+        previous = module.__dict__.get("forward")  # an instance-level forward someone else set
+        original = previous if previous is not None else module.forward
+        pending = [output]
+
+        def forward(x, *args, _original=original, _pending=pending, **kwargs):
+            if x is projected.hidden and _pending and not args and not kwargs:
+                projected.used += 1
+                return _pending.pop()
+            return _original(x, *args, **kwargs)
+
+        module.forward = forward
+        patched.append((module, previous))
+    try:
+        yield
+    finally:
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous

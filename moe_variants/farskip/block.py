@@ -35,6 +35,7 @@ class FarSkipTransformerBlock(TransformerBlock):
     farskip_overlapped: bool = False
     farskip_mode: FarSkipMode = FarSkipMode.full
     farskip_async_tp: bool = False
+    farskip_inference_split: bool = False
     # when a list, each layer's full output stream is appended (FCSD's hidden-state L2); this
     # completes every combine inside its own layer, so it removes the cross-layer overlap
     layer_output_sink = None
@@ -69,7 +70,7 @@ class FarSkipTransformerBlock(TransformerBlock):
                     state = layer.farskip_forward(
                         state, attention_mask=attention_mask, overlapped=self.farskip_overlapped,
                         mode=self.farskip_mode, inference_context=inference_context,
-                        async_tp=self.farskip_async_tp,
+                        async_tp=self.farskip_async_tp, inference_split=self.farskip_inference_split,
                         sequence_len_offset=sequence_len_offset, **rotary,
                     )
                 else:
@@ -131,6 +132,7 @@ def apply_farskip(gpt, cfg: FarSkipConfig, num_layers: int):
     block.farskip_overlapped = cfg.overlapped
     block.farskip_mode = cfg.farskip_mode
     block.farskip_async_tp = cfg.farskip_async_tp
+    block.farskip_inference_split = cfg.farskip_inference_split
     for layer in block.layers:
         if layer.layer_number - 1 in selected:
             if type(layer) is not TransformerLayer:

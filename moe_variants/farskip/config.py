@@ -129,6 +129,14 @@ class FarSkipConfig(VariantConfig):
                           "tensor-parallel reduction runs asynchronously behind the layer's MoE"},
     )
 
+    # inference: attention split at its input projections (the paper's training split, Fig. 9)
+    farskip_inference_split: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "overlapped, at inference: only attention's input projections run behind the previous "
+                          "layer's combine; core attention over the KV cache and the output projection run behind "
+                          "this layer's dispatch (default: the whole attention behind the combine)"},
+    )
+
     def __post_init__(self):
         self.farskip = LayerSelection.parse(self.farskip)
         coerce_enums(self)

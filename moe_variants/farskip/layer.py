@@ -36,6 +36,7 @@ equal a full recompute (tests/eval/test_lm_eval_adapter.py, tests/serving/test_v
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -49,6 +50,9 @@ from moe_variants.farskip.attention import (
     attention_qkv,
     can_split,
     core_attention_rows,
+    input_projections,
+    project_inputs,
+    projected_inputs,
 )
 from moe_variants.farskip.config import FarSkipMode
 from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
@@ -66,6 +70,10 @@ __all__ = ["FarSkipTransformerLayer"]
 # gradient all-to-alls of the layer.
 COMBINE_INPUT = 3
 QKV = 2
+
+
+log = logging.getLogger(__name__)
+_warned_split: list = []  # warn once per process
 
 
 def _noop():
@@ -125,8 +133,20 @@ class FarSkipTransformerLayer(TransformerLayer):
             return combined, wait_combine
         return self.mlp.combine(expert_out), _noop
 
+    def _shared_expert(self, moe_in, async_tp: bool):
+        """The shared expert on ``moe_in``: ``(output, None)``, or with ``async_tp`` ``(None,
+        PendingReduction)`` whose ``wait()`` gives the same output, its TP reduction in flight
+        behind the routed experts (not with a shared-expert gate, which scales the reduced sum)."""
+        shared_mlp = self.mlp.shared_experts if self.mlp.use_shared_expert else None
+        if not async_tp or shared_mlp is None or shared_mlp.use_shared_expert_gate:
+            return self.mlp.shared_experts_compute(moe_in), None
+        fc2 = shared_mlp.linear_fc2
+        with unreduced(fc2):
+            partial = self.mlp.shared_experts_compute(moe_in)
+        return None, PendingReduction(partial, fc2.tp_group, self.config.sequence_parallel)
+
     def _inference_forward(self, state: FarSkipState, *, attention_mask, inference_context, attn_kwargs,
-                           async_tp: bool = False):
+                           async_tp: bool = False, split: bool = False):
         """The overlapped schedule when attention must run whole (megatron-core's inference path
         over the KV cache, or precomputed rotary cos/sin), for the ``full`` mode of an MoE layer:
         (1) attention on A_{k-1} while layer k-1's combine flies; (2) wait it, o_{k-1}; (3) route
@@ -134,29 +154,59 @@ class FarSkipTransformerLayer(TransformerLayer):
         *start* the combine; hand A_k and the pending combine to layer k+1, whose attention it
         overlaps. The same additions in the same order as ``simple``: the same outputs.
 
+        ``split`` (the paper's training split, Fig. 9, at inference): only attention's input
+        projections run in (1), behind the combine; the rest of attention (core attention over the KV
+        cache and the output projection) runs after (3), behind the dispatch with the shared expert
+        (``attention.project_inputs``).
+
         ``async_tp`` (paper §4.2, TP > 1): the attention projection's tensor-parallel reduction flies
-        behind (3)-(5) and is waited only when the residual is formed (``tp.py``)."""
+        behind (3)-(5), and the shared expert's behind (5); both are waited only when the residual is
+        formed (``tp.py``). With the replicated-activation expert layout (``ReplicatedDispatcher``,
+        vLLM's) the dispatch is a no-op and the "combine" is the all-reduce of the experts' partial
+        sums, in flight behind the next layer's whole attention: every collective of the layer then
+        has a window."""
         attn = self.self_attention
-        with self._phase("attention"):  # (1)
+
+        def run_attention(hidden, projected=None):
             with unreduced(attn.linear_proj) if async_tp else contextlib.nullcontext():
-                attn_out, attn_bias = attn(
-                    self.input_layernorm(state.attn_stream), attention_mask=attention_mask,
-                    inference_context=inference_context, **attn_kwargs,
-                )
-            if async_tp:
-                reduction = PendingReduction(attn_out, attn.linear_proj.tp_group, self.config.sequence_parallel)
+                with projected_inputs(projected) if projected is not None else contextlib.nullcontext():
+                    out, bias = attn(hidden, attention_mask=attention_mask, inference_context=inference_context,
+                                     **attn_kwargs)
+            pending = PendingReduction(out, attn.linear_proj.tp_group, self.config.sequence_parallel) \
+                if async_tp else None
+            return out, bias, pending
+
+        hidden = self.input_layernorm(state.attn_stream)
+        projected = None
+        if split and input_projections(attn):
+            with self._phase("qkv"):  # (1) only the input projections
+                projected = project_inputs(attn, hidden)
+        else:
+            with self._phase("attention"):  # (1)
+                attn_out, attn_bias, reduction = run_attention(hidden)
         with self._phase("finish combine"):
             full_prev = state.full_stream()  # (2)
         with self._phase("route"):  # (3)
             moe_in = self.pre_mlp_layernorm(full_prev)
             dispatched = self._start_dispatch(moe_in, overlapped=True)
+        if projected is not None:
+            with self._phase("attention"):  # (4a) the rest of attention behind the dispatch
+                attn_out, attn_bias, reduction = run_attention(hidden, projected)
+            self.projected_inputs_used = projected.used
+            if projected.used != len(projected.outputs) and not _warned_split:
+                _warned_split.append(True)
+                log.warning("FarSkip split attention: the forward took %d of %d precomputed input projections "
+                            "(%s) and recomputed the rest; the split does not save them",
+                            projected.used, len(projected.outputs), type(attn).__name__)
         with self._phase("shared expert"):  # (4)
-            shared = self.mlp.shared_experts_compute(moe_in)
+            shared, shared_reduction = self._shared_expert(moe_in, async_tp)
         with self._phase("experts"):  # (5)
             combined, wait_combine = self._experts_and_start_combine(dispatched, overlapped=True)
         if async_tp:
             with self._phase("finish attention reduction"):
                 attn_out = reduction.wait()
+                if shared_reduction is not None:
+                    shared = shared_reduction.wait()
         residual = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
             (attn_out, attn_bias), full_prev, self.hidden_dropout
         )
@@ -180,6 +230,7 @@ class FarSkipTransformerLayer(TransformerLayer):
         rotary_pos_cos_sin=None,
         sequence_len_offset=None,
         async_tp: bool = False,
+        inference_split: bool = False,
     ) -> FarSkipState:
         """One FarSkip layer; returns the state for the next layer (see the module docstring).
 
@@ -197,6 +248,7 @@ class FarSkipTransformerLayer(TransformerLayer):
                 inference_context is not None or precomputed_rope or async_tp):
             return self._inference_forward(
                 state, attention_mask=attention_mask, inference_context=inference_context, async_tp=async_tp,
+                split=inference_split,
                 attn_kwargs=dict(rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                  rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
                                  sequence_len_offset=sequence_len_offset),

@@ -17,6 +17,10 @@ class FarSkip(Variant):
         "farskip-eager-wgrad": {"farskip": "all", "farskip_impl": "overlapped", "farskip_defer_wgrad": False},
         # inference at TP > 1 (paper §4.2): the attention output's TP reduction flies behind the MoE
         "farskip-async-tp": {"farskip": "all", "farskip_impl": "overlapped", "farskip_async_tp": True},
+        # inference: attention split at its input projections, the rest behind the dispatch
+        "farskip-split": {"farskip": "all", "farskip_impl": "overlapped", "farskip_inference_split": True},
+        "farskip-split-async-tp": {"farskip": "all", "farskip_impl": "overlapped", "farskip_inference_split": True,
+                                   "farskip_async_tp": True},
     }
     off = {"farskip": "none"}
 
@@ -31,6 +35,9 @@ class FarSkip(Variant):
             raise ValueError("--farskip-impl overlapped needs --moe-token-dispatcher-type alltoall")
         if cfg.farskip_async_tp and (cfg.farskip_impl != FarSkipImpl.overlapped or cfg.farskip_mode.value != "full"):
             raise ValueError("--farskip-async-tp needs --farskip-impl overlapped and --farskip-mode full")
+        if cfg.farskip_inference_split and (cfg.farskip_impl != FarSkipImpl.overlapped
+                                            or cfg.farskip_mode.value != "full"):
+            raise ValueError("--farskip-inference-split needs --farskip-impl overlapped and --farskip-mode full")
 
     def apply(self, gpt, model) -> None:
         from moe_variants.farskip.block import apply_farskip

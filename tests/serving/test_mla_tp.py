@@ -103,6 +103,7 @@ def served_greedy(url: str, prompts: list, max_new: int) -> list:
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
     (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
     (["--block-size-tokens", "32"], "blocks of 64 tokens"),
+    (["--expert-comm", "allreduce", "--expert-model-parallel-size", "2"], "--expert-comm allreduce needs"),
 ])
 def test_bad_layouts_are_one_line(flags, needle, mla_ckpt):
     proc = subprocess.run([sys.executable, "-m", "megatron.inference.serve", "--load", mla_ckpt, "--port", "0", *flags],
@@ -180,6 +181,40 @@ def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
                                 registry.preset_overrides("farskip"), timeout_s=300)[0]
     nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
     assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", preset], nproc) == reference
+
+
+@pytest.mark.parametrize("model,layout", [("standard", "ep2"), ("mla", "one"), ("mla", "ep2")])
+def test_farskip_split_attention_serves_the_forward_tokens(model, layout, serve_ckpts, mla_ckpt, tmp_path):
+    """``--variant farskip-split``: at inference attention is split at its input projections (run
+    behind the previous combine) and the rest, over the KV cache (behind the dispatch). Self-
+    attention and MLA (latent cache, absorbed decoding) give the forward's tokens without a cache."""
+    from megatron.training.testing import run_distributed
+    from moe_variants import registry
+
+    ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
+    prompts = _prompts(ckpt)[:3]
+    reference = run_distributed(recompute_greedy_rank, 1, ckpt, prompts, MAX_NEW,
+                                registry.preset_overrides("farskip"), timeout_s=300)[0]
+    nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
+    assert _served_tokens(ckpt, tmp_path, prompts, [*extra, "--variant", "farskip-split"], nproc) == reference
+
+
+@pytest.mark.parametrize("preset", [None, "farskip-simple", "farskip-async-tp", "farskip-split-async-tp"])
+def test_replicated_experts_serve_the_forward_tokens(preset, mla_ckpt, tmp_path):
+    """``--expert-comm allreduce`` (vLLM's layout, paper §4.2) at TP = EP = 2 on 2 processes: every
+    rank holds every token and one all-reduce sums the local experts; with ``farskip-async-tp`` it
+    and the attention's and shared expert's TP reductions are all in flight behind compute. The
+    tokens equal the model's forward without a cache (standard, or FarSkip connectivity)."""
+    from megatron.training.testing import run_distributed
+    from moe_variants import registry
+
+    prompts = _prompts(mla_ckpt)[:3]
+    overrides = registry.preset_overrides("farskip") if preset else {}
+    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW, overrides, timeout_s=300)[0]
+    extra = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-comm", "allreduce"]
+    if preset:
+        extra += ["--variant", preset]
+    assert _served_tokens(mla_ckpt, tmp_path, prompts, extra, 2) == reference
 
 
 MLA_TINY = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,

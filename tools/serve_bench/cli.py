@@ -154,7 +154,8 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
         "mode": args.mode,
         "config": {
             "ranks": args.ranks, "expert_model_parallel_size": args.serve_ep,
-            "tensor_model_parallel_size": args.tensor_model_parallel_size, "variants": variants, "seed": args.seed,
+            "tensor_model_parallel_size": args.tensor_model_parallel_size, "expert_comm": args.expert_comm,
+            "variants": variants, "seed": args.seed,
             **registry.serve_bench_record(args),
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
@@ -181,7 +182,8 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
     print()
     print(f"network: {network['mode']}" + (f", {network['link']['gbit']:.4g} Gbit/s per rank link, "
           f"{network['link']['shaper']}" if network["shaped"] else " (UNSHAPED loopback)") +
-          f"; {args.ranks} ranks (EP {args.serve_ep}, TP {args.tensor_model_parallel_size}); "
+          f"; {args.ranks} ranks (EP {args.serve_ep}, TP {args.tensor_model_parallel_size}"
+          f"{', experts summed by all-reduce' if args.expert_comm == 'allreduce' else ''}); "
           f"ratios vs {variants[0]}")
     print(prefill_table(result, loaded) if args.mode == "prefill" else serve_table(result, loaded))
     if tuning is not None:

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-requests", type=positive_int, default=16, help="--mode serve: requests decoding at once "
                    "per rank")
     g.add_argument("--kv-cache-gb", type=positive_float, default=0.25, help="KV-cache buffer per rank")
+    g.add_argument("--expert-comm", choices=("alltoall", "allreduce"), default="alltoall",
+                   help="serve --expert-comm: alltoall, or allreduce (vLLM's layout, TP = EP: every rank holds every "
+                        "token and one all-reduce sums the local experts)")
     g.add_argument("--routing-stats", action=argparse.BooleanOptionalAction, default=True,
                    help="servers count local activations and expert load (serve --routing-stats: the LAR and "
                         "imbalance columns); --no-routing-stats serves as the server's default does")
@@ -151,6 +154,9 @@ def check_args(args) -> None:
     if args.ranks % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ranks {args.ranks}")
     args.serve_ep = args.expert_model_parallel_size or args.ranks // tp  # the servers' expert parallelism
+    if args.expert_comm == "allreduce" and not (tp > 1 and args.serve_ep == tp):
+        raise ValueError(f"--expert-comm allreduce needs --tensor-model-parallel-size = expert parallelism > 1, "
+                         f"got TP {tp}, EP {args.serve_ep}")
     if args.ranks % args.serve_ep:
         raise ValueError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
     netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate

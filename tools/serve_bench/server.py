@@ -58,6 +58,8 @@ class Server:
         if args.routing_stats and (args.tensor_model_parallel_size == 1
                                    or (placement is not None and placement.routing_stats_at_tp)):
             self.argv.append("--routing-stats")
+        if args.expert_comm != "alltoall":
+            self.argv += ["--expert-comm", args.expert_comm]
         if preset:
             self.argv += ["--variant", preset]
         if placement is not None:
