@@ -154,10 +154,11 @@ class FarSkipTransformerLayer(TransformerLayer):
         *start* the combine; hand A_k and the pending combine to layer k+1, whose attention it
         overlaps. The same additions in the same order as ``simple``: the same outputs.
 
-        ``split`` (the paper's training split, Fig. 9, at inference): only attention's input
-        projections run in (1), behind the combine; the rest of attention (core attention over the KV
-        cache and the output projection) runs after (3), behind the dispatch with the shared expert
-        (``attention.project_inputs``).
+        ``split`` (the paper's training schedule, Fig. 9, at inference): only attention's input
+        projections run in (1), behind the previous combine; the rest of attention (core attention
+        over the KV cache and the output projection) runs after (3), behind the dispatch
+        (``attention.project_inputs``); the shared expert runs after (5), behind this layer's
+        combine, which the next layer's input projections then also overlap.
 
         ``async_tp`` (paper §4.2, TP > 1): the attention projection's tensor-parallel reduction flies
         behind (3)-(5), and the shared expert's behind (5); both are waited only when the residual is
@@ -198,10 +199,14 @@ class FarSkipTransformerLayer(TransformerLayer):
                 log.warning("FarSkip split attention: the forward took %d of %d precomputed input projections "
                             "(%s) and recomputed the rest; the split does not save them",
                             projected.used, len(projected.outputs), type(attn).__name__)
-        with self._phase("shared expert"):  # (4)
-            shared, shared_reduction = self._shared_expert(moe_in, async_tp)
+        if projected is None:
+            with self._phase("shared expert"):  # (4)
+                shared, shared_reduction = self._shared_expert(moe_in, async_tp)
         with self._phase("experts"):  # (5)
             combined, wait_combine = self._experts_and_start_combine(dispatched, overlapped=True)
+        if projected is not None:
+            with self._phase("shared expert"):  # (6) split: behind the combine, as in training (Fig. 9)
+                shared, shared_reduction = self._shared_expert(moe_in, async_tp)
         if async_tp:
             with self._phase("finish attention reduction"):
                 attn_out = reduction.wait()

@@ -2,7 +2,7 @@
 ``--expert-comm allreduce``, ``moe_variants.common.dispatcher.ReplicatedDispatcher``.
 
 TP = EP = 2 on 2 CPU ranks, sequence parallelism off (as the server runs TP > 1):
-- a standard model's logits equal the all-to-all path's to 1e-5 (fp32; the two ranks' partial
+- a standard (and a BigMac) model's logits equal the all-to-all path's to 1e-5 (fp32; the two ranks' partial
   sums are added by the all-reduce instead of in the token's own unpermute: another summation
   order), and no dispatch bytes are sent, only the all-reduce's ``2 (n-1)/n`` of ``[T, h]``;
 - FarSkip's overlapped forward with every reduction asynchronous (``farskip-async-tp``: the
@@ -45,16 +45,19 @@ def _logits(rank, world, overrides, replicated):
     return logits, comm_totals(model), names, used
 
 
-def test_standard_model_equals_the_all_to_all_path():
-    a2a = run_distributed(_logits, 2, {}, False, timeout_s=300)
-    rep = run_distributed(_logits, 2, {}, True, timeout_s=300)
-    tokens, hidden = 2 * 16, 32
+@pytest.mark.parametrize("overrides,width", [({}, 32), ({"moe_variant": "bigmac", "bigmac_ratio": 0.5}, 16)])
+def test_standard_and_bigmac_models_equal_the_all_to_all_path(overrides, width):
+    """BigMac's layer down-projects before the dispatcher and up-projects after it, so its
+    all-reduce sums the experts' outputs at the latent width (here 16 of 32)."""
+    a2a = run_distributed(_logits, 2, overrides, False, timeout_s=300)
+    rep = run_distributed(_logits, 2, overrides, True, timeout_s=300)
+    tokens = 2 * 16
     for rank in range(2):
         torch.testing.assert_close(rep[rank][0], a2a[rank][0], rtol=0, atol=1e-5)
         totals = rep[rank][1]
         assert totals["bytes_dispatch"] == 0
-        # 2 layers x ring all-reduce of [T, h] fp32 over 2 ranks: 2 (n-1)/n = 1 tensor each
-        assert totals["bytes_combine"] == 2 * tokens * hidden * 4
+        # 2 layers x ring all-reduce of [T, width] fp32 over 2 ranks: 2 (n-1)/n = 1 tensor each
+        assert totals["bytes_combine"] == 2 * tokens * width * 4
         assert a2a[rank][1]["bytes_dispatch"] > 0
 
 
