@@ -336,6 +336,13 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
             async_op=True,
         )
 
+    return _start(clock, launch, tensor, output, counters, backward, name, timeline)
+
+
+def _start(clock, launch, tensor, output, counters, backward, name, timeline) -> PendingComm:
+    """Run ``launch()`` (an ``async_op`` collective reading ``tensor``, writing ``output``) and
+    return its PendingComm: on the host as it is; on a device on the communication stream between
+    two events."""
     if not clock.device_side:
         return PendingComm(launch(), output, counters, backward, name, timeline, clock=clock, source=tensor)
     comm = clock.communication_stream()
@@ -353,7 +360,8 @@ def _launch(group, tensor, output_splits, input_splits, counters, kind, backward
     # also kept until the compute stream has waited (PendingComm.source).
     if tensor.device.type == "cuda":  # streams of CUDA's caching allocator (not a fake clock's test streams)
         tensor.record_stream(comm)
-        output.record_stream(comm)
+        if output is not tensor:
+            output.record_stream(comm)
     return PendingComm(None, output, counters, backward, name, timeline, clock=clock, start=start, done=done,
                        source=tensor)
 
@@ -372,19 +380,8 @@ def start_all_reduce(group, tensor: torch.Tensor, counters: Optional[CommCounter
     if counters is not None:
         counters.add_bytes("combine", tensor.numel() * tensor.element_size() * 2 * (size - 1) // size)
     timeline = counters.timeline if counters is not None else None
-    if not clock.device_side:
-        work = collectives.all_reduce_async(tensor, group=group)
-        return PendingComm(work, tensor, counters, False, name, timeline, clock=clock, source=tensor)
-    comm = clock.communication_stream()
-    clock.wait_for(clock.stamp(), comm)
-    with clock.stream_context(comm):
-        start = clock.stamp(comm)
-        collectives.all_reduce_async(tensor, group=group).wait()
-        done = clock.stamp(comm)
-    if tensor.device.type == "cuda":
-        tensor.record_stream(comm)
-    return PendingComm(None, tensor, counters, False, name, timeline, clock=clock, start=start, done=done,
-                       source=tensor)
+    return _start(clock, lambda: collectives.all_reduce_async(tensor, group=group), tensor, tensor, counters,
+                  False, name, timeline)
 
 
 class _AllToAll(torch.autograd.Function):

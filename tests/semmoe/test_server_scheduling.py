@@ -22,6 +22,20 @@ MAX_NEW = 8
 NUM_PROMPTS = 8
 
 
+def _served_lar(ckpt, tmp_path, prompts, extra) -> tuple:
+    """Prefill every prompt (one token out) on a 2-rank server with ``--routing-stats``; returns the
+    served local activation rate and the server's ready info."""
+    srv = Server(ckpt, tmp_path, nproc=2, extra=[*extra, "--routing-stats"])
+    try:
+        for ids in prompts:
+            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
+            assert status == 200, body
+        metrics = get_metrics(srv.url)
+    finally:
+        srv.stop()
+    return metrics["moe_serve_local_activation_rate"], srv.info
+
+
 def _prompt_ids(tiny_model) -> list:
     from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
@@ -153,16 +167,7 @@ def test_algorithm_3_in_the_server_keeps_tokens_and_reaches_the_predicted_lar(ti
     tok = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
     with open(tiny_model.prompts) as f:
         every = [tok.tokenize(json.loads(line)["text"])[:63] for line in f]  # the profile's prompts, context 64
-    srv = Server(tiny_model.placed2, tmp_path, nproc=2,
-                 extra=[*tp, "--semmoe-tables", tiny_model.tables2, "--routing-stats"])
-    try:
-        for ids in every:
-            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
-            assert status == 200, body
-        metrics = get_metrics(srv.url)
-    finally:
-        srv.stop()
-    served = metrics["moe_serve_local_activation_rate"]
+    served, _ = _served_lar(tiny_model.placed2, tmp_path, every, [*tp, "--semmoe-tables", tiny_model.tables2])
     predicted = evaluate(load_tables(tiny_model.tables2), load_profile(tiny_model.profile_path), "tp", None, 2, 0).lar
     assert abs(served - predicted) <= 0.02, (served, predicted)
     assert served >= 1.4 * 0.5
@@ -183,18 +188,10 @@ def test_unscheduled_tables_serve_algorithm_3_layout_on_contiguous_slices(tiny_m
     tables = place("contiguous", profile, 2)
     save_tables(tables, tmp_path / "contiguous2")
     prompts = _prompt_ids(tiny_model)
-    srv = Server(tiny_model.ckpt, tmp_path, nproc=2,
-                 extra=["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                        "--semmoe-tables", str(tmp_path / "contiguous2"), "--routing-stats"])
-    try:
-        assert srv.info["token_scheduler"] == "AttentionTP"
-        for ids in prompts:
-            status, body = post(srv.url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
-            assert status == 200, body
-        metrics = get_metrics(srv.url)
-    finally:
-        srv.stop()
-    served = metrics["moe_serve_local_activation_rate"]
+    served, info = _served_lar(tiny_model.ckpt, tmp_path, prompts,
+                               ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                "--semmoe-tables", str(tmp_path / "contiguous2")])
+    assert info["token_scheduler"] == "AttentionTP"
     predicted = evaluate(tables, profile, "tp", None, 2, 0).lar
     assert abs(served - predicted) <= 0.05 and abs(served - 0.5) <= 0.1, (served, predicted)
     import argparse
