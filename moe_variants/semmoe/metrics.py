@@ -56,6 +56,7 @@ class EvalResult:
     a2a_bytes: float | None
     tp_batch_tokens: int
     lar_per_layer: list[float]
+    by_group: dict[str, dict] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,12 +137,17 @@ def evaluate(
     hidden_size: int | None = None,
     bytes_per_element: int = 2,
     tp_batch_tokens: int = 0,
+    groups: dict[str, np.ndarray] | None = None,
 ) -> EvalResult:
     """LAR, imbalance and predicted all-to-all bytes of ``tables`` on the held-out ``profile``.
 
     ``tp_batch_tokens`` sets the TP batch (see :func:`tp_batches`); the equal-slice constraint
     of Algorithm 3 binds hardest with one request per batch, since a request's tokens often
-    prefer the same device."""
+    prefer the same device.
+
+    ``groups`` (name -> request indices, e.g. one per domain) adds, per group, the LAR and
+    imbalance of its own requests when served together with all the others (the devices are
+    chosen over the whole profile, as a server that mixes domains would)."""
     mode = DeploymentMode(mode)
     _check_compatible(tables, profile)
     d, num_layers, k = tables.num_devices, profile.num_layers, profile.top_k
@@ -153,17 +159,34 @@ def evaluate(
     else:
         occ_dev = token_devices_tp(tables, profile, tp_batch_tokens)
 
+    groups = {name: np.asarray(idx, dtype=np.int64) for name, idx in (groups or {}).items()}
+    occ_group = {name: np.isin(profile.request_of_token(), idx) for name, idx in groups.items()}
     local_req = np.zeros(profile.num_requests)
     lar_layer, imbalance = [], []
+    group_imbalance = {name: [] for name in groups}
     for l in range(num_layers):
         exp_dev = tables.expert2device[l][profile.routes[l]]  # [S, K]
         local = (exp_dev == occ_dev[l][:, None]).sum(1)
         local_req += np.add.reduceat(local, starts)
         lar_layer.append(float(local.sum()) / (profile.num_tokens * k))
-        load = np.bincount(exp_dev.ravel(), minlength=d)
-        med = float(np.median(load))
-        imbalance.append(float(load.max()) / med if med > 0 else float("inf"))
+        imbalance.append(_imbalance(exp_dev, d))
+        for name, mask in occ_group.items():
+            group_imbalance[name].append(_imbalance(exp_dev[mask], d))
     lar_req = local_req / (lengths * k * num_layers)
+    by_group = None
+    if groups:
+        by_group = {}
+        for name, idx in groups.items():
+            if len(idx) == 0:
+                raise ValueError(f"group {name!r} has no requests")
+            g25, g50, g75 = np.percentile(lar_req[idx], [25, 50, 75])
+            by_group[name] = {
+                "requests": int(len(idx)), "tokens": int(lengths[idx].sum()),
+                "lar": float(local_req[idx].sum() / (lengths[idx].sum() * k * num_layers)),
+                "lar_p25": float(g25), "lar_p50": float(g50), "lar_p75": float(g75),
+                "imbalance_mean": float(np.mean(group_imbalance[name])),
+                "imbalance_max": float(np.max(group_imbalance[name])),
+            }  # fmt: skip
     total = profile.num_tokens * k * num_layers
     local_total = int(round(local_req.sum()))
     remote = total - local_total
@@ -184,4 +207,12 @@ def evaluate(
         a2a_bytes=float(remote) * hidden_size * bytes_per_element if hidden_size else None,
         tp_batch_tokens=tp_batch_tokens if mode is DeploymentMode.TP else 0,
         lar_per_layer=lar_layer,
+        by_group=by_group,
     )
+
+
+def _imbalance(exp_dev: np.ndarray, num_devices: int) -> float:
+    """max / median of the activations each device's experts compute (inf if the median is 0)."""
+    load = np.bincount(exp_dev.ravel(), minlength=num_devices)
+    med = float(np.median(load))
+    return float(load.max()) / med if med > 0 else float("inf")

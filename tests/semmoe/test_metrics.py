@@ -33,6 +33,21 @@ def test_contiguous_dp_and_tp_by_hand():
     assert tp.lar == pytest.approx(12 / 16)
 
 
+def test_groups_report_their_own_requests_served_together():
+    p = _profile()
+    t = Tables("contiguous", 2, np.array([[0, 0, 1, 1]]))
+    dp = evaluate(t, p, "dp", hidden_size=10, groups={"a": np.array([0]), "b": np.array([1])})
+    # the devices are the whole profile's (round robin): r0 on device 0 keeps 4 of 8, r1 on 1 keeps 6 of 8
+    a, b = dp.by_group["a"], dp.by_group["b"]
+    assert (a["lar"], b["lar"]) == pytest.approx((0.5, 0.75)) and a["requests"] == 1 and a["tokens"] == 4
+    # r0's activations: experts 0,1,0,2,2,3,3,1 -> devices 0: 4, 1: 4 -> 1.0; r1's: 2,3,0,1,2,3,2,3 -> 2 / 6
+    assert a["imbalance_max"] == pytest.approx(1.0)
+    assert b["imbalance_mean"] == pytest.approx(6 / 4)  # median of [2, 6] is 4
+    assert evaluate(t, p, "dp", hidden_size=10).by_group is None
+    with pytest.raises(ValueError, match="no requests"):
+        evaluate(t, p, "dp", hidden_size=10, groups={"empty": np.array([], dtype=np.int64)})
+
+
 def test_scheduled_tp_uses_token_table():
     p = _profile()
     e2d = np.array([[0, 0, 1, 1]])

@@ -66,6 +66,27 @@ def test_cli_solve_and_evaluate(tmp_path, capsys):
     assert load_tables(tmp_path / "semmoe").meta["seed"] == 3
 
 
+def test_cli_evaluate_by_domain(tmp_path, capsys):
+    prof, held = split_profile(synthetic_profile(CFG, seed=1), 0.3, seed=0)
+    save_profile(prof, tmp_path / "prof.npz")
+    assert main(["solve", "--profile", str(tmp_path / "prof.npz"), "--ep", "4", "--out", str(tmp_path / "t")]) == 0
+    save_profile(held, tmp_path / "noids.npz")
+    rc = main(["evaluate", "--tables", str(tmp_path / "t"), "--profile", str(tmp_path / "noids.npz"), "--split-ids", "1"])
+    assert rc == 2 and "records no request ids" in capsys.readouterr().err
+    n = held.num_requests
+    held.meta["request_ids"] = [f"{'code' if i % 3 == 0 else 'chat'}:{i}" for i in range(n)]
+    save_profile(held, tmp_path / "held.npz")
+    rc = main(["evaluate", "--tables", str(tmp_path / "t"), "--profile", str(tmp_path / "held.npz"),
+               "--split-ids", "1", "--out", str(tmp_path / "e.json")])  # fmt: skip
+    assert rc == 0 and "per domain" in capsys.readouterr().out
+    for r in json.loads((tmp_path / "e.json").read_text())["results"]:
+        g = r["by_group"]
+        assert set(g) == {"chat", "code"} and g["code"]["requests"] == len(range(0, n, 3))
+        # the domains partition the activations: their token-weighted LAR is the whole profile's
+        weighted = sum(d["lar"] * d["tokens"] for d in g.values()) / sum(d["tokens"] for d in g.values())
+        assert weighted == pytest.approx(r["lar"])
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     rc = main(["solve", "--profile", str(tmp_path / "nope.npz"), "--ep", "2", "--out", str(tmp_path / "t")])
     err = capsys.readouterr().err

@@ -116,11 +116,24 @@ def _configure_evaluate(p: argparse.ArgumentParser) -> None:
         default=0,
         help="TP mode: pack requests into batches of this many tokens (0: one request per batch)",
     )
+    p.add_argument("--split-ids", type=positive_int, default=None, metavar="F",
+                   help="also report each domain (the first F ':'-fields of the request ids, e.g. 1: mbpp:<n>), "
+                        "its requests served together with the others")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON path (default: evaluation_<profile>.json in the first tables dir)")
+
+
+def _domain_keys(profile, fields: int, name: str) -> list[str]:
+    """Each request's domain: the first ``fields`` ':'-separated fields of its id."""
+    ids = profile.meta.get("request_ids")
+    if ids is None:
+        raise ValueError(f"--split-ids: profile {name} records no request ids")
+    return [":".join(str(i).split(":")[:fields]) for i in ids]
 
 
 @command("evaluate", "LAR, load imbalance and all-to-all bytes of tables on a held-out profile", _configure_evaluate)
 def _evaluate(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from moe_variants.semmoe.metrics import evaluate
     from moe_variants.semmoe.profile import load_profile
     from moe_variants.semmoe.tables import load_tables
@@ -130,11 +143,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     if not hidden:
         raise ValueError("--hidden-size is required: the profile does not record the model's hidden size")
     modes = ["dp", "tp"] if args.mode == "both" else [args.mode]
+    groups = None
+    if args.split_ids:
+        keys = np.array(_domain_keys(profile, args.split_ids, args.profile))
+        groups = {d: np.flatnonzero(keys == d) for d in sorted(set(keys.tolist()))}
     rows = []
     for path in args.tables:
         tables = load_tables(path)
         for mode in modes:
-            r = evaluate(tables, profile, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens)
+            r = evaluate(tables, profile, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens, groups)
             rows.append({"tables": str(path), **r.to_dict()})
     print(
         f"{'method':<12}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}"
@@ -146,6 +163,12 @@ def _evaluate(args: argparse.Namespace) -> int:
             f"{r['lar_p50']:>8.3f}{r['lar_p75']:>8.3f}{r['imbalance_mean']:>10.3f}{r['imbalance_max']:>9.3f}"
             f"{r['a2a_bytes'] / 2**30:>10.3f}"
         )
+    if groups:
+        print(f"\nper domain, served together: LAR (imbalance max over layers); {len(groups)} domains")
+        print(f"{'method':<12}{'mode':<6}{'EP':>4}" + "".join(f"{d[:14]:>16}" for d in groups))
+        for r in rows:
+            cells = "".join(f"{g['lar']:>8.3f} ({g['imbalance_max']:>4.2f})" for g in r["by_group"].values())
+            print(f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{cells}")
     out = Path(args.out) if args.out else Path(args.tables[0]) / f"evaluation_{Path(args.profile).stem}.json"
     payload = {
         "profile": str(args.profile),
@@ -237,10 +260,7 @@ def _stats(args: argparse.Namespace) -> int:
         levels["profiles"] = [(name, name, np.arange(p.num_requests)) for name, p in profiles.items()]
     if args.split_ids:
         for name, prof in profiles.items():
-            ids = prof.meta.get("request_ids")
-            if ids is None:
-                raise ValueError(f"--split-ids: profile {name} records no request ids")
-            keys = [":".join(str(i).split(":")[: args.split_ids]) for i in ids]
+            keys = _domain_keys(prof, args.split_ids, name)
             domains = sorted(set(keys))
             if len(domains) > 1 and prof.num_requests < 10 * len(domains):
                 print(f"note: --split-ids {args.split_ids} gives profile {name} {len(domains)} domains for "
