@@ -98,12 +98,16 @@ class SpecDecode:
 
 @dataclass(frozen=True)
 class Variant:
-    """Communication variants as knobs (see the module docstring)."""
+    """Communication variants as knobs (see the module docstring). Sem-MoE's LAR is one figure
+    (``lar``, applied at every EP) or a measured curve ``lar_by_ep`` of ``(ep, lar)`` points, which
+    takes precedence: between points the off-rank factor is interpolated in log2(ep), beyond the
+    last point it is held (the bytes saved relative to uniform routing stay what was measured)."""
 
     name: str = "baseline"
     bigmac_ratio: float = 1.0
     lar: Optional[float] = None
     farskip_overlap: float = 0.0
+    lar_by_ep: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not 0 < self.bigmac_ratio <= 1:
@@ -112,16 +116,33 @@ class Variant:
             raise ValueError(f"--lar must be in [0, 1), got {self.lar}")
         if not 0 <= self.farskip_overlap <= 1:
             raise ValueError(f"--farskip-overlap must be in [0, 1], got {self.farskip_overlap}")
+        eps = [e for e, _ in self.lar_by_ep]
+        if eps != sorted(set(eps)) or any(e < 2 or not 0 <= v < 1 for e, v in self.lar_by_ep):
+            raise ValueError(f"lar_by_ep needs increasing EP sizes >= 2 with an LAR in [0, 1), got {self.lar_by_ep}")
+
+    @property
+    def has_lar(self) -> bool:
+        return self.lar is not None or bool(self.lar_by_ep)
 
     def remote_factor(self, ep: int) -> float:
         """Off-rank all-to-all bytes relative to uniform routing (Sem-MoE)."""
-        if self.lar is None or ep <= 1:
+        if ep <= 1 or not self.has_lar:
             return 1.0
-        return (1 - self.lar) / (1 - 1 / ep)
+        if not self.lar_by_ep:
+            return (1 - self.lar) / (1 - 1 / ep)
+        x = np.log2([e for e, _ in self.lar_by_ep])
+        f = [(1 - v) / (1 - 1 / e) for e, v in self.lar_by_ep]
+        return float(np.interp(np.log2(ep), x, f))
+
+    def lar_at(self, ep: int) -> Optional[float]:
+        """The LAR this variant applies at ``ep`` (None without Sem-MoE)."""
+        if not self.has_lar:
+            return None
+        return 1.0 if ep <= 1 else 1 - self.remote_factor(ep) * (1 - 1 / ep)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "bigmac_ratio": self.bigmac_ratio, "lar": self.lar,
-                "farskip_overlap": self.farskip_overlap}  # fmt: skip
+                "farskip_overlap": self.farskip_overlap, "lar_by_ep": [list(p) for p in self.lar_by_ep]}  # fmt: skip
 
 
 BASELINE = Variant()
@@ -270,7 +291,7 @@ def _comm_ops(m: ModelShape, lines: _CommLines, tp, ep, b, q, variant: Variant) 
     tok = b * q
     tok_moe = tok / tp
     ar_bytes = np.broadcast_to(tok * m.hidden * m.act_bytes, np.broadcast_shapes(tok.shape, tp.shape))
-    remote = np.vectorize(variant.remote_factor)(ep) if variant.lar is not None else 1.0
+    remote = np.vectorize(variant.remote_factor)(ep) if variant.has_lar else 1.0
     copies = tok_moe * m.top_k * m.hidden * variant.bigmac_ratio * remote
     shape = np.broadcast_shapes(ar_bytes.shape, np.shape(copies))
     return {

@@ -49,35 +49,53 @@ class KnobSource(str, Enum):
 
     MEASURED = "measured"
     """This project's measurements: FarSkip's forward overlap on the DeepSeek-V2-Lite-shaped bench
-    model at about the paper's all-to-all share (0.774; decode is forward-only; docs/farskip.md),
-    Sem-MoE's held-out attention-TP LAR at EP = 4 on the model pretrained here (0.506, docs/semmoe.md),
+    model at about the paper's all-to-all share (0.774; decode is forward-only; docs/farskip.md);
+    Sem-MoE's attention-TP LAR (Algorithm 3) as a function of EP, from the solver on the
+    DeepSeek-V2-Lite routing layout pretrained here (64 experts, top-6), solved on a mix of six
+    prompt domains and predicted on their held-out 80% (docs/semmoe.md), applied by device count;
     BigMac's r = 0.25 (a design choice, not a measurement)."""
     PAPER = "paper"
     """The papers' figures: FarSkip's 88.9% overlap, Sem-MoE's LAR 0.5, BigMac's r = 0.25."""
 
 
+# docs/figures/semmoe_dsv2/eval_ep*.json: the semmoe rows, mode tp, global LAR
+MEASURED_LAR_BY_EP = ((2, 0.7054), (4, 0.4886), (8, 0.3254), (16, 0.2046), (32, 0.1240), (64, 0.0713))
+
 KNOBS = {
-    KnobSource.MEASURED: {"bigmac_ratio": 0.25, "lar": 0.506, "farskip_overlap": 0.774},
-    KnobSource.PAPER: {"bigmac_ratio": 0.25, "lar": 0.5, "farskip_overlap": 0.889},
+    KnobSource.MEASURED: {"bigmac_ratio": 0.25, "lar": None, "farskip_overlap": 0.774,
+                          "lar_by_ep": MEASURED_LAR_BY_EP},
+    KnobSource.PAPER: {"bigmac_ratio": 0.25, "lar": 0.5, "farskip_overlap": 0.889, "lar_by_ep": ()},
 }
 
 
 def knob_values(source: KnobSource | str = KnobSource.MEASURED, **overrides) -> dict:
-    """The knobs of ``source`` with any non-None ``overrides`` (explicit flags) applied."""
+    """The knobs of ``source`` with any non-None ``overrides`` (explicit flags) applied; an explicit
+    ``lar`` replaces a measured LAR curve."""
     out = dict(KNOBS[KnobSource(source)])
+    if overrides.get("lar") is not None:
+        out["lar_by_ep"] = ()
     out.update({k: v for k, v in overrides.items() if v is not None})
     return out
 
 
-def default_variants(bigmac_ratio: float = 0.25, lar: float = 0.506, farskip_overlap: float = 0.774) -> tuple[Variant, ...]:
-    """Baseline, each knob alone, and all three combined; defaults: the measured knobs
-    (``KnobSource.MEASURED``). The LAR, measured at EP = 4, is applied at every EP, as the paper's 0.5 is."""
+def _lar_text(knob: dict) -> str:
+    curve = knob.get("lar_by_ep") or ()
+    if curve:
+        return "LAR by EP " + ", ".join(f"{e}: {v:.3f}" for e, v in curve)
+    return f"LAR = {knob['lar']:g}"
+
+
+def default_variants(bigmac_ratio: float = 0.25, lar: Optional[float] = 0.5, farskip_overlap: float = 0.889,
+                     lar_by_ep: tuple = ()) -> tuple[Variant, ...]:  # fmt: skip
+    """Baseline, each knob alone, and all three combined; ``lar`` applies at every EP unless a
+    measured ``lar_by_ep`` curve is given (defaults: the papers' figures, ``KnobSource.PAPER``)."""
+    lar_kw = {"lar": lar, "lar_by_ep": tuple(tuple(p) for p in lar_by_ep)}
     return (
         BASELINE,
         Variant("bigmac", bigmac_ratio=bigmac_ratio),
-        Variant("semmoe", lar=lar),
+        Variant("semmoe", **lar_kw),
         Variant("farskip", farskip_overlap=farskip_overlap),
-        Variant("combined", bigmac_ratio=bigmac_ratio, lar=lar, farskip_overlap=farskip_overlap),
+        Variant("combined", bigmac_ratio=bigmac_ratio, farskip_overlap=farskip_overlap, **lar_kw),
     )
 
 
@@ -94,7 +112,7 @@ class SweepConfig:
     tpots_ms: tuple[float, ...] = (15.0, 40.0, 100.0)
     contexts: tuple[int, ...] = (512, 4096)
     optimizations: tuple[Optimization, ...] = (Optimization.NOOPT, Optimization.DBO, Optimization.DBO_SD)
-    variants: tuple[Variant, ...] = field(default_factory=default_variants)
+    variants: tuple[Variant, ...] = field(default_factory=lambda: default_variants(**KNOBS[KnobSource.MEASURED]))
     variant_optimization: Optimization = Optimization.DBO_SD
     cost_factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
     generation: str = "h100"
@@ -452,7 +470,7 @@ def summary_table(result: dict) -> str:
         knobs = {v["name"]: v for v in result["config"]["variants"]}
         knob_text = "; ".join(t for t in (
             f"r = {knobs['bigmac']['bigmac_ratio']:g}" if "bigmac" in knobs else "",
-            f"LAR = {knobs['semmoe']['lar']:g}" if "semmoe" in knobs else "",
+            _lar_text(knobs["semmoe"]) if "semmoe" in knobs else "",
             f"overlap = {knobs['farskip']['farskip_overlap']:g}" if "farskip" in knobs else "") if t)
         lines.append(f"Variant gains in throughput/cost over baseline ({result['config']['variant_optimization']}, "
                      f"1x provision; {knob_text})")

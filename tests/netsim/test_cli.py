@@ -58,6 +58,19 @@ def test_sweep_quick_writes_outputs(tmp_path, capsys):
         assert (out / png).stat().st_size > 1000
 
 
+def test_sweep_knobs_measured_lar_curve():
+    from netsim.sweep import KNOBS, KnobSource, default_variants, knob_values
+
+    measured = knob_values("measured")
+    assert measured["lar_by_ep"] == KNOBS[KnobSource.MEASURED]["lar_by_ep"] and len(measured["lar_by_ep"]) >= 4
+    semmoe = {v.name: v for v in default_variants(**measured)}["semmoe"]
+    for ep, lar in measured["lar_by_ep"]:
+        assert semmoe.lar_at(ep) == pytest.approx(lar)
+    flat = {v.name: v for v in default_variants(**knob_values("measured", lar=0.3))}["combined"]
+    assert flat.lar_by_ep == () and flat.lar_at(64) == pytest.approx(0.3)  # an explicit --lar replaces the curve
+    assert knob_values("paper")["lar_by_ep"] == ()
+
+
 def test_user_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("op,ranks,bytes\n")

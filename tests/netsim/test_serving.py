@@ -101,6 +101,22 @@ def test_variant_knobs():
     cases = [Case(Network(t, 64, 150 * GB), 1, 64, 512) for t in ("scale-up", "torus3d")]
     cfg = ServingConfig()
     base = evaluate_cases(cases, cfg, BASELINE)
+    # a measured LAR curve: exact at its points, the off-rank factor interpolated in log2(ep) and held
+    curve = Variant(lar_by_ep=((8, 0.25), (32, 0.1)))
+    assert curve.lar_at(8) == pytest.approx(0.25) and curve.lar_at(32) == pytest.approx(0.1)
+    f8, f32 = 0.75 / (7 / 8), 0.9 / (31 / 32)
+    assert curve.remote_factor(16) == pytest.approx((f8 + f32) / 2)
+    assert curve.remote_factor(4) == pytest.approx(f8) and curve.remote_factor(256) == pytest.approx(f32)
+    assert curve.lar_at(256) == pytest.approx(1 - f32 * 255 / 256) and Variant().lar_at(8) is None
+    assert Variant(lar=0.9, lar_by_ep=((8, 0.25),)).remote_factor(8) == pytest.approx(f8)  # the curve wins
+    for bad in (((8, 0.2), (4, 0.3)), ((1, 0.5),), ((8, 1.0),)):
+        with pytest.raises(ValueError, match="lar_by_ep"):
+            Variant(lar_by_ep=bad)
+    # the curve reaches the byte model: at EP = 64 only its off-rank factor matters
+    ep64 = [Case(Network("scale-up", 64, 150 * GB), 1, 64, 512)]
+    same = Variant(lar=curve.lar_at(64))
+    assert np.allclose(evaluate_cases(ep64, cfg, curve).tpot[Technique.NONE],
+                       evaluate_cases(ep64, cfg, same).tpot[Technique.NONE])  # fmt: skip
     for v in (Variant("b", bigmac_ratio=0.25), Variant("s", lar=0.6), Variant("f", farskip_overlap=0.9)):
         res = evaluate_cases(cases, cfg, v)
         for t in (Technique.NONE, Technique.DBO):
