@@ -295,7 +295,7 @@ def _variant_args(p, defaults: bool = False):
     g = p.add_argument_group("variants (knobs)")
     if defaults:  # the sweep: a knob set, each flag overriding one knob of it
         g.add_argument("--knobs", choices=["measured", "paper"], default="measured",
-                       help="knob values: this project's measurements (FarSkip overlap 0.774, Sem-MoE LAR by EP, "
+                       help="knob values: this project's measurements (FarSkip overlap 0.853 served, Sem-MoE LAR by EP, "
                             "0.705 at 2 to 0.071 at 64; "
                             "docs/netsim.md) or the papers' (0.889, 0.5); r = 0.25 in both")
     g.add_argument("--bigmac-ratio", type=float, default=None if defaults else 1.0, help="BigMac r: all-to-all at r x hidden")

@@ -48,8 +48,9 @@ class KnobSource(str, Enum):
     """Where the variant knobs come from."""
 
     MEASURED = "measured"
-    """This project's measurements: FarSkip's forward overlap on the DeepSeek-V2-Lite-shaped bench
-    model at about the paper's all-to-all share (0.774; decode is forward-only; docs/farskip.md);
+    """This project's measurements: FarSkip's share of the all-to-all hidden while serving, decode
+    steps nearly all, on the DeepSeek-V2-Lite shape at its 27 layers, EP = 2, at about the paper's
+    all-to-all share (0.853; docs/farskip.md, "Decode at depth");
     Sem-MoE's attention-TP LAR (Algorithm 3) as a function of EP, from the solver on the
     DeepSeek-V2-Lite routing layout pretrained here (64 experts, top-6), solved on a mix of six
     prompt domains and predicted on their held-out 80% (docs/semmoe.md), applied by device count;
@@ -62,7 +63,7 @@ class KnobSource(str, Enum):
 MEASURED_LAR_BY_EP = ((2, 0.7054), (4, 0.4886), (8, 0.3254), (16, 0.2046), (32, 0.1240), (64, 0.0713))
 
 KNOBS = {
-    KnobSource.MEASURED: {"bigmac_ratio": 0.25, "lar": None, "farskip_overlap": 0.774,
+    KnobSource.MEASURED: {"bigmac_ratio": 0.25, "lar": None, "farskip_overlap": 0.853,
                           "lar_by_ep": MEASURED_LAR_BY_EP},
     KnobSource.PAPER: {"bigmac_ratio": 0.25, "lar": 0.5, "farskip_overlap": 0.889, "lar_by_ep": ()},
 }
