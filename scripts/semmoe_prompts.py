@@ -76,8 +76,7 @@ def mmlu_prompts(directory: str) -> list[dict]:
         subject = os.path.basename(path)[: -len("_test.csv")]
         with open(path, newline="") as f:
             for i, row in enumerate(csv.DictReader(f)):
-                choices = "\n".join(f"{letter}. {row[f'choice{j}']}" for j, letter in enumerate("ABCD"))
-                text = f"{row['question'].strip()}\n{choices}\nAnswer:"
+                text = _lettered(row["question"], [row[f"choice{j}"] for j in range(4)])
                 out.append({"id": f"mmlu:{subject}:{i}", "text": text})
     return out
 
