@@ -87,3 +87,20 @@ def test_netsim_does_not_import_torch():
             "netsim.cli.main(['cost']); assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_measured_knobs_are_the_committed_measurements():
+    """The sweep's measured knobs are copies of figures in docs/figures; they must not drift from them."""
+    import os
+
+    from netsim.sweep import KNOBS, KnobSource
+
+    figures = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "figures")
+    knobs = KNOBS[KnobSource.MEASURED]
+    for ep, lar in knobs["lar_by_ep"]:
+        with open(os.path.join(figures, "semmoe_dsv2", f"eval_ep{ep}.json")) as f:
+            row = [r for r in json.load(f)["results"] if r["method"] == "semmoe" and r["mode"] == "tp"][0]
+        assert lar == pytest.approx(row["lar"], abs=5e-5), ep
+    with open(os.path.join(figures, "bench_serve_dsv2lite_decode27.json")) as f:
+        overlap = json.load(f)["variants"]["farskip"]["overlap"]
+    assert knobs["farskip_overlap"] == pytest.approx(overlap, abs=5e-4)
