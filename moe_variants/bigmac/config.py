@@ -3,7 +3,9 @@
 Flags: ``--moe-variant bigmac`` selects the layer; ``--bigmac-ratio r`` (default 0.25, the paper's)
 or ``--moe-latent-size L`` (megatron-core's name for the same dimension) sets L = r x hidden;
 ``--bigmac-ffn-hidden-size F`` sets the reversed experts' intermediate size (default f / r, which
-keeps the expert parameters of the fine-grained baseline).
+keeps the expert parameters of the fine-grained baseline); ``--bigmac-up-init plain`` initialises the
+up-projection L -> H like the down-projection instead of with the output-layer scaling (the ablation
+of docs/bigmac.md).
 """
 
 from __future__ import annotations
@@ -12,9 +14,18 @@ import dataclasses
 import math
 from typing import Optional
 
+from moe_variants.config import Choice, coerce_enums
 from moe_variants.registry import VariantConfig
 
-__all__ = ["BigMacConfig"]
+__all__ = ["BigMacConfig", "UpProjectionInit"]
+
+
+class UpProjectionInit(Choice):
+    """The up-projection's initialisation: megatron-core's output-layer init (std / sqrt(2 x layers),
+    as every projection that writes into the residual stream), or the plain init (std)."""
+
+    output_scaled = "output_scaled"
+    plain = "plain"
 
 
 @dataclasses.dataclass
@@ -32,6 +43,13 @@ class BigMacConfig(VariantConfig):
     bigmac_ffn_hidden_size: Optional[int] = dataclasses.field(
         default=None, metadata={"help": "reversed experts' intermediate size F (default: expert FFN / r)"},
     )
+    bigmac_up_init: UpProjectionInit = dataclasses.field(
+        default=UpProjectionInit.output_scaled,
+        metadata={"help": "up-projection L -> H init: output_scaled (std / sqrt(2 x layers)) or plain (std)"},
+    )
+
+    def __post_init__(self):
+        coerce_enums(self)
 
     def latent_size(self, hidden_size: int) -> int:
         """L = r x h, or ``--moe-latent-size`` when given."""

@@ -108,7 +108,7 @@ class BigMacMoELayer(ProjectMoELayer):
     """megatron-core ``MoELayer`` with BigMac's DCCA dataflow (see the module docstring)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 latent_size: int, expert_ffn_hidden_size: int):
+                 latent_size: int, expert_ffn_hidden_size: int, up_init_scaled: bool = True):
         from megatron.core.transformer.spec_utils import ModuleSpec
 
         experts = submodules.experts
@@ -123,9 +123,8 @@ class BigMacMoELayer(ProjectMoELayer):
         super().__init__(config, submodules, layer_number, pg_collection)
         self.latent_size = latent_size
         self.fc1_latent_proj = DuplicatedLinear(config.hidden_size, latent_size, config, config.init_method)
-        self.fc2_latent_proj = DuplicatedLinear(
-            latent_size, config.hidden_size, config, config.output_layer_init_method
-        )
+        up_init = config.output_layer_init_method if up_init_scaled else config.init_method
+        self.fc2_latent_proj = DuplicatedLinear(latent_size, config.hidden_size, config, up_init)
 
     def preprocess(self, hidden_states, probs, routing_map):
         """Down-project [T, H] -> [T, L], then the dispatcher's permutation (in L)."""

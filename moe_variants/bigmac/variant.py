@@ -29,7 +29,8 @@ class BigMac(Variant):
 
         cfg = self.section(model)
         params = {**spec.params, "latent_size": cfg.latent_size(model.hidden_size),
-                  "expert_ffn_hidden_size": cfg.expert_ffn(model)}
+                  "expert_ffn_hidden_size": cfg.expert_ffn(model),
+                  "up_init_scaled": cfg.bigmac_up_init == "output_scaled"}
         return dataclasses.replace(spec, module=BigMacMoELayer, params=params)
 
     def export_refusal(self, model, target: str):

@@ -49,6 +49,28 @@ def test_accounting_matches_built_model(variant):
         assert bytes_bm / bytes_fg == pytest.approx(0.25)
 
 
+def _up_projection_std(rank, world, cfg):
+    model, _ = build_and_load(cfg, ParallelConfig())
+    ups = [m.fc2_latent_proj.weight for m in model.modules() if hasattr(m, "fc2_latent_proj")]
+    downs = [m.fc1_latent_proj.weight for m in model.modules() if hasattr(m, "fc1_latent_proj")]
+    return torch.cat([w.flatten() for w in ups]).std().item(), torch.cat([w.flatten() for w in downs]).std().item()
+
+
+def test_up_projection_init_ablation():
+    """``--bigmac-up-init``: output_scaled draws the up-projection with std / sqrt(2 x layers) (megatron-core's
+    output-layer init), plain with std itself; the down-projection is std either way."""
+    std, layers = 0.02, 8
+    kw = dict(moe_variant="bigmac", bigmac_ratio=0.25, num_layers=layers, hidden_size=64, init_method_std=std)
+    scaled_up, scaled_down = run_distributed(_up_projection_std, 1, tiny_model_config(**kw))[0]
+    plain_up, plain_down = run_distributed(_up_projection_std, 1, tiny_model_config(bigmac_up_init="plain", **kw))[0]
+    # 8 layers x 16 x 64 weights each: the sample std is within a few percent of the drawn one
+    assert plain_up == pytest.approx(std, rel=0.05) and plain_down == pytest.approx(std, rel=0.05)
+    assert scaled_up == pytest.approx(std / (2 * layers) ** 0.5, rel=0.05)
+    assert scaled_down == pytest.approx(std, rel=0.05)
+    with pytest.raises(ValueError, match="bigmac_up_init|bigmac-up-init"):
+        tiny_model_config(bigmac_up_init="zeros", **kw)
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_bigmac_ep2_equals_ep1(dispatcher):
     """Same tolerance and reasoning as tests/foundation/test_ep_equivalence.py."""
