@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Time to the baseline's final perplexity on a measured link clock, over seeds (tools/bench/reclock.py).
+
+Quality curves come from runs trained anywhere (``metrics.jsonl`` of pretrain_gpt or
+time_to_quality, one per variant and seed, found by ``--pattern``); the step clock of each variant
+from a ``scripts/time_to_quality.py`` run on the shaped link (``--clock OUT/ttq.json``, e.g. 30
+steps at ``--target-comm-fraction 0.6 --runs 3``). Per seed each variant is paired with the first
+``--variants`` entry (the baseline) of the same seed.
+
+    python scripts/ttq_reclock.py --clock runs/bigmac_paper_clock/ttq.json \\
+        --pattern 'runs/bigmac_paper_cf12/seed{seed}/{variant}/metrics.jsonl' \\
+        --seeds 1234,1235,1236 --variants standard,bigmac --json bigmac_cf12.json
+
+``--clock-of NAME=CLOCK_VARIANT`` times a variant with another's clock (an init ablation has the
+same step as the layer it ablates). Besides the medians on the median clock, the speed-up to target
+is recomputed at the clock intervals' ends (baseline slow and variant fast, and the reverse), so
+the table shows how much the clock's own uncertainty moves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools.bench.aggregate import format_rows  # noqa: E402
+from tools.bench.discipline import median_ci  # noqa: E402
+from tools.bench.reclock import clock_from_ttq, compare_pair, reclocked_points, summarize_pairs  # noqa: E402
+from tools.bench.ttq import load_curve  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clock", required=True, help="time_to_quality JSON with each variant's step time on the link")
+    ap.add_argument("--pattern", required=True, help="metrics.jsonl path with {variant} and {seed}")
+    ap.add_argument("--seeds", required=True, help="comma-separated seeds")
+    ap.add_argument("--variants", required=True, help="comma-separated; the first is the baseline")
+    ap.add_argument("--clock-of", action="append", default=[], metavar="NAME=CLOCK_VARIANT")
+    ap.add_argument("--json", help="write the per-seed figures and the summary here")
+    return ap
+
+
+def _ci(x, fmt="{:.3f}"):
+    if x is None:
+        return "-"
+    if x["n"] == 1:
+        return fmt.format(x["median"])
+    return f"{fmt.format(x['median'])} [{fmt.format(x['ci_low'])}-{fmt.format(x['ci_high'])}]"
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    variants = [v for v in args.variants.split(",") if v]
+    if len(variants) < 2:
+        ap.error("--variants needs a baseline and at least one variant")
+    if "{variant}" not in args.pattern or "{seed}" not in args.pattern:
+        ap.error("--pattern must contain {variant} and {seed}")
+    clock_of = {}
+    for item in args.clock_of:
+        name, sep, other = item.partition("=")
+        if not sep or not name or not other:
+            ap.error(f"--clock-of: expected NAME=CLOCK_VARIANT, got {item!r}")
+        clock_of[name] = other
+    try:
+        clock = clock_from_ttq(args.clock)
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"--clock {args.clock}: {e}")
+    step_s = {}
+    for v in variants:
+        src = clock_of.get(v, v)
+        if src not in clock:
+            ap.error(f"--clock {args.clock} has no step time for {src!r} (has: {', '.join(sorted(clock))})")
+        step_s[v] = clock[src]
+
+    curves = {}
+    for seed in seeds:
+        for v in variants:
+            path = args.pattern.format(variant=v, seed=seed)
+            if not os.path.exists(path):
+                ap.error(f"no metrics for {v} seed {seed}: {path}")
+            curves[v, seed] = load_curve(path)
+            if not curves[v, seed].evals:
+                ap.error(f"{path}: no validation evaluation")
+
+    base = variants[0]
+    result = {"clock": args.clock, "step_s": step_s, "pattern": args.pattern, "baseline": base, "variants": {}}
+    for v in variants[1:]:
+        per_seed, bounds = {}, {"variant_fast": [], "variant_slow": []}
+        for seed in seeds:
+            b, x = curves[base, seed], curves[v, seed]
+            per_seed[str(seed)] = compare_pair(reclocked_points(b, step_s[base]["median"]),
+                                               reclocked_points(x, step_s[v]["median"]))
+            per_seed[str(seed)]["final_step"] = {"baseline": max(b.evals), "variant": max(x.evals)}
+            for key, bs, vs in (("variant_fast", "ci_high", "ci_low"), ("variant_slow", "ci_low", "ci_high")):
+                r = compare_pair(reclocked_points(b, step_s[base][bs]), reclocked_points(x, step_s[v][vs]))
+                if r["speedup_to_target"] is not None:
+                    bounds[key].append(r["speedup_to_target"])
+        summary = summarize_pairs(per_seed)
+        summary["speedup_to_target_at_clock_bounds"] = {k: median_ci(vals) if vals else None for k, vals in bounds.items()}
+        summary["speedup_per_step"] = step_s[base]["median"] / step_s[v]["median"]
+        result["variants"][v] = {"per_seed": per_seed, "summary": summary}
+
+    header = ("variant", "final ppl / baseline", "reached", "step to target", "speed-up to target",
+             "(clock ends)", "speed-up to own final", "baseline ppl at its end", "per step")
+    rows = []
+    base_final = median_ci([curves[base, s].evals[max(curves[base, s].evals)] for s in seeds])
+    rows.append((base, f"final ppl {_ci(base_final, '{:.1f}')}", "-", "-", "1", "-", "1", "-",
+                 f"{step_s[base]['median'] * 1e3:.0f} ms"))
+    for v, r in result["variants"].items():
+        s = r["summary"]
+        ends = s["speedup_to_target_at_clock_bounds"]
+        lo, hi = ends["variant_slow"], ends["variant_fast"]
+        rows.append((v, _ci(s["final_vs_baseline"]), s["reached_target"], _ci(s["to_target_step"], "{:.0f}"),
+                     _ci(s["speedup_to_target"], "{:.2f}"),
+                     f"{lo['median']:.2f}-{hi['median']:.2f}" if lo and hi else "-",
+                     _ci(s["speedup_to_own_final"], "{:.2f}"), _ci(s["baseline_ppl_at_variant_end"], "{:.1f}"),
+                     f"{s['speedup_per_step']:.2f}x ({step_s[v]['median'] * 1e3:.0f} ms)"))
+    print(format_rows(header, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
