@@ -11,8 +11,10 @@ steps at ``--target-comm-fraction 0.6 --runs 3``). Per seed each variant is pair
         --pattern 'runs/bigmac_paper_cf12/seed{seed}/{variant}/metrics.jsonl' \\
         --seeds 1234,1235,1236 --variants standard,bigmac --json bigmac_cf12.json
 
-``--clock-of NAME=CLOCK_VARIANT`` times a variant with another's clock (an init ablation has the
-same step as the layer it ablates). Besides the medians on the median clock, the speed-up to target
+``--clock-of NAME=CLOCK_VARIANT`` times a variant with another's clock (an init ablation, or a
+longer schedule, has the same step as the layer it varies); ``--pattern-of NAME=PATTERN`` finds one
+variant's runs elsewhere (``{seed}`` only). ``--plot PNG`` draws perplexity against the clock: each
+variant's median over the seeds, the seeds' range shaded, the target dashed. Besides the medians on the median clock, the speed-up to target
 is recomputed at the clock intervals' ends (baseline slow and variant fast, and the reverse), so
 the table shows how much the clock's own uncertainty moves it.
 """
@@ -40,8 +42,49 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", required=True, help="comma-separated seeds")
     ap.add_argument("--variants", required=True, help="comma-separated; the first is the baseline")
     ap.add_argument("--clock-of", action="append", default=[], metavar="NAME=CLOCK_VARIANT")
+    ap.add_argument("--pattern-of", action="append", default=[], metavar="NAME=PATTERN")
     ap.add_argument("--json", help="write the per-seed figures and the summary here")
+    ap.add_argument("--plot", metavar="PNG", help="perplexity against the link clock")
+    ap.add_argument("--title", default="", help="the plot's title")
     return ap
+
+
+def _pairs(ap, flag: str, items) -> dict:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            ap.error(f"{flag}: expected NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def plot(curves: dict, step_s: dict, variants, seeds, target: float, path: str, title: str = "") -> None:
+    """Each variant's median perplexity over the seeds against the reclocked time (minutes), the
+    seeds' range shaded; the baseline's median final perplexity dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in variants:
+        steps = sorted(set.intersection(*(set(curves[v, s].evals) for s in seeds)))
+        ppl = np.array([[curves[v, s].evals[k] for k in steps] for s in seeds])
+        t = np.array(steps) * step_s[v]["median"] / 60.0
+        (line,) = ax.plot(t, np.median(ppl, axis=0), label=f"{v} ({step_s[v]['median'] * 1e3:.0f} ms/step)")
+        ax.fill_between(t, ppl.min(axis=0), ppl.max(axis=0), color=line.get_color(), alpha=0.2)
+    ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:.1f}")
+    ax.set_yscale("log")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 4 * target))
+    ax.set_xlabel("training time on the link clock (min)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(title or f"median of {len(seeds)} seeds, range shaded")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _ci(x, fmt="{:.3f}"):
@@ -64,12 +107,10 @@ def main(argv=None) -> int:
         ap.error("--variants needs a baseline and at least one variant")
     if "{variant}" not in args.pattern or "{seed}" not in args.pattern:
         ap.error("--pattern must contain {variant} and {seed}")
-    clock_of = {}
-    for item in args.clock_of:
-        name, sep, other = item.partition("=")
-        if not sep or not name or not other:
-            ap.error(f"--clock-of: expected NAME=CLOCK_VARIANT, got {item!r}")
-        clock_of[name] = other
+    clock_of, pattern_of = _pairs(ap, "--clock-of", args.clock_of), _pairs(ap, "--pattern-of", args.pattern_of)
+    for name, pattern in pattern_of.items():
+        if "{seed}" not in pattern:
+            ap.error(f"--pattern-of {name}: the pattern must contain {{seed}}")
     try:
         clock = clock_from_ttq(args.clock)
     except (OSError, ValueError, KeyError) as e:
@@ -84,7 +125,7 @@ def main(argv=None) -> int:
     curves = {}
     for seed in seeds:
         for v in variants:
-            path = args.pattern.format(variant=v, seed=seed)
+            path = pattern_of[v].format(seed=seed) if v in pattern_of else args.pattern.format(variant=v, seed=seed)
             if not os.path.exists(path):
                 ap.error(f"no metrics for {v} seed {seed}: {path}")
             curves[v, seed] = load_curve(path)
@@ -125,6 +166,9 @@ def main(argv=None) -> int:
                      _ci(s["speedup_to_own_final"], "{:.2f}"), _ci(s["baseline_ppl_at_variant_end"], "{:.1f}"),
                      f"{s['speedup_per_step']:.2f}x ({step_s[v]['median'] * 1e3:.0f} ms)"))
     print(format_rows(header, rows))
+    if args.plot:
+        plot(curves, step_s, variants, seeds, base_final["median"], args.plot, args.title)
+        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

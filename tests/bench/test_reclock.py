@@ -105,6 +105,18 @@ def test_cli_uses_the_link_clock_and_clock_of(tmp_path, capsys):
     assert ends["variant_slow"]["median"] == pytest.approx(360 / 180)
     assert res["variants"]["plain"]["summary"]["reached_target"] == "0/2"
     assert "2/2" in capsys.readouterr().out
+    # a variant found elsewhere (a longer schedule) on another variant's clock, and the plot
+    longer = str(tmp_path / "long" / "s{seed}.jsonl")
+    for seed in (1, 2):
+        _metrics(longer.format(seed=seed), [420, 320, 260, 230, 210, 195])  # 200 at step 566.7: 283.3 s
+    png = tmp_path / "p.png"
+    assert ttq_reclock.main(["--clock", str(clock), "--pattern", pattern, "--seeds", "1,2", "--variants", "standard,long",
+                             "--clock-of", "long=bigmac", "--pattern-of", f"long={longer}", "--json", str(out),
+                             "--plot", str(png)]) == 0
+    long = json.loads(out.read_text())["variants"]["long"]["summary"]
+    assert long["to_target_step"]["median"] == pytest.approx(500 + 100 * 10 / 15)
+    assert long["speedup_to_target"]["median"] == pytest.approx(400 / ((500 + 100 * 10 / 15) * 0.5))
+    assert png.stat().st_size > 0
 
 
 def test_cli_names_a_missing_clock_or_run(tmp_path, capsys):
