@@ -133,7 +133,10 @@ def main(argv=None) -> int:
                 ap.error(f"{path}: no validation evaluation")
 
     base = variants[0]
-    result = {"clock": args.clock, "step_s": step_s, "pattern": args.pattern, "baseline": base, "variants": {}}
+    result = {"clock": args.clock, "step_s": step_s, "pattern": args.pattern, "pattern_of": pattern_of,
+              "baseline": base, "variants": {},
+              "curves": {v: {str(s): [[k, curves[v, s].evals[k]] for k in sorted(curves[v, s].evals)] for s in seeds}
+                         for v in variants}}
     for v in variants[1:]:
         per_seed, bounds = {}, {"variant_fast": [], "variant_slow": []}
         for seed in seeds:

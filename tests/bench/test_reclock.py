@@ -104,6 +104,7 @@ def test_cli_uses_the_link_clock_and_clock_of(tmp_path, capsys):
     assert ends["variant_fast"]["median"] == pytest.approx(440 / 150)
     assert ends["variant_slow"]["median"] == pytest.approx(360 / 180)
     assert res["variants"]["plain"]["summary"]["reached_target"] == "0/2"
+    assert res["curves"]["standard"]["1"] == [[100, 400], [200, 300], [300, 250], [400, 200]]
     assert "2/2" in capsys.readouterr().out
     # a variant found elsewhere (a longer schedule) on another variant's clock, and the plot
     longer = str(tmp_path / "long" / "s{seed}.jsonl")
