@@ -80,7 +80,7 @@ def plot(curves: dict, step_s: dict, variants, seeds, target: float, path: str, 
     ax.set_ylim(top=min(ax.get_ylim()[1], 4 * target))
     ax.set_xlabel("training time on the link clock (min)")
     ax.set_ylabel("validation perplexity")
-    ax.set_title(title or f"median of {len(seeds)} seeds, range shaded")
+    ax.set_title(title or f"median of {len(seeds)} seeds, range shaded", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
