@@ -14,9 +14,9 @@ steps at ``--target-comm-fraction 0.6 --runs 3``). Per seed each variant is pair
 ``--clock-of NAME=CLOCK_VARIANT`` times a variant with another's clock (an init ablation, or a
 longer schedule, has the same step as the layer it varies); ``--pattern-of NAME=PATTERN`` finds one
 variant's runs elsewhere (``{seed}`` only). ``--plot PNG`` draws perplexity against the clock: each
-variant's median over the seeds, the seeds' range shaded, the target dashed. Besides the medians on the median clock, the speed-up to target
-is recomputed at the clock intervals' ends (baseline slow and variant fast, and the reverse), so
-the table shows how much the clock's own uncertainty moves it.
+variant's median over the seeds, the seeds' range shaded, the target dashed. Besides the medians on
+the median clock, the speed-up to target is recomputed at the clock intervals' ends (baseline slow
+and variant fast, and the reverse), so the table shows how much the clock's own uncertainty moves it.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
+        seeds = []
+    if not seeds:
         ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
     variants = [v for v in args.variants.split(",") if v]
     if len(variants) < 2:
@@ -128,7 +130,10 @@ def main(argv=None) -> int:
             path = pattern_of[v].format(seed=seed) if v in pattern_of else args.pattern.format(variant=v, seed=seed)
             if not os.path.exists(path):
                 ap.error(f"no metrics for {v} seed {seed}: {path}")
-            curves[v, seed] = load_curve(path)
+            try:
+                curves[v, seed] = load_curve(path)
+            except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+                ap.error(f"{path}: unreadable metrics ({e})")
             if not curves[v, seed].evals:
                 ap.error(f"{path}: no validation evaluation")
 

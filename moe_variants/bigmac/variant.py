@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_variants.bigmac.config import BigMacConfig
+from moe_variants.bigmac.config import BigMacConfig, UpProjectionInit
 from moe_variants.registry import Variant, register
 
 
@@ -30,7 +30,7 @@ class BigMac(Variant):
         cfg = self.section(model)
         params = {**spec.params, "latent_size": cfg.latent_size(model.hidden_size),
                   "expert_ffn_hidden_size": cfg.expert_ffn(model),
-                  "up_init_scaled": cfg.bigmac_up_init == "output_scaled"}
+                  "up_init_scaled": cfg.bigmac_up_init is UpProjectionInit.output_scaled}
         return dataclasses.replace(spec, module=BigMacMoELayer, params=params)
 
     def export_refusal(self, model, target: str):

@@ -132,3 +132,14 @@ def test_cli_names_a_missing_clock_or_run(tmp_path, capsys):
         ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
                           "--variants", "standard,bigmac"])
     assert "no metrics for standard seed 1" in capsys.readouterr().err
+    bad = tmp_path / "1standard"
+    bad.write_text("{not json\n")
+    (tmp_path / "1bigmac").write_text("")
+    with pytest.raises(SystemExit):
+        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
+                          "--variants", "standard,bigmac"])
+    assert "unreadable metrics" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", ",",
+                          "--variants", "standard,bigmac"])
+    assert "--seeds: comma-separated integers" in capsys.readouterr().err
