@@ -12,6 +12,15 @@ the paper's accuracies are higher-is-better). Rows are matched by label: a stude
 converted. A report that does not exist yet gives ``pending`` cells, so the table (and the docs
 that print it) can be made before the runs.
 
+Repeats: labels ending in ``" (seed N)"`` (``SEEDS=...`` in the script, one report per seed) make a
+seeded Table 2 instead: per row the mean +- sample sd of perplexity and KL over seeds, and the
+paired difference from the paper's default recipe, ``KL (FAR 100%)``, seed by seed (same seed: same
+data order), as a relative perplexity change with its 95% Student-t interval. A row is "outside the
+noise" when that interval excludes 0, and it agrees with the paper only when it is outside the noise
+in the direction the paper's AVG-11 moved; otherwise the table makes no claim. ``--convergence``
+adds each row's early-stopping proxy (held-out KL) at every evaluation, read from the runs'
+``metrics.jsonl``, to show whether the students had stopped improving.
+
 Fig. 3: the paper plots accuracy of the *untrained* conversion against N for the first N and the
 last N layers (no numbers in the text: it finds converting the first layers more harmful); ours
 lists the held-out perplexity and KL of ``untrained, farskip first:N`` / ``last:N`` per N.
@@ -21,15 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import statistics
 import sys
-from typing import Optional
+from typing import Optional, Sequence
+
+from scipy.stats import t as student_t
 
 from moe_variants.common.cli import positive_int, run_cli
 from moe_variants.common.files import write_text
 
-__all__ = ["PAPER_TABLE2", "PAPER_COLUMNS", "table2_markdown", "fig3_markdown", "main"]
+__all__ = ["PAPER_TABLE2", "PAPER_COLUMNS", "DEFAULT_ROW", "table2_markdown", "fig3_markdown", "split_seed", "rows_by_seed",
+           "paired_interval", "seeded_table2", "seeded_table2_markdown", "convergence_markdown", "main"]
 
 PAPER_COLUMNS = ("ARC-C", "HEval+", "GSM-8K", "MMLU", "AVG-11")
 # FarSkip-Collective, Table 2 (Qwen-3-30B MoE, 500M tokens; higher is better). "KL" and
@@ -46,6 +60,10 @@ PAPER_TABLE2 = {
     "KL 0.25x BS": (53.2, 53.7, 78.4, 60.6, 65.7),
     "KL 4x BS": (54.1, 50.6, 82.5, 62.4, 66.6),
 }
+
+
+DEFAULT_ROW = "KL (FAR 100%)"  # the paper's default recipe, every other row is compared to it
+_SEED = re.compile(r"^(.*) \(seed (\d+)\)$")
 
 
 def _load(path: Optional[str]) -> Optional[dict]:
@@ -126,22 +144,216 @@ def fig3_markdown(report: Optional[dict], num_layers: int) -> str:
     return "\n".join(lines)
 
 
+def split_seed(label: str) -> tuple[str, Optional[int]]:
+    """``"KL (FAR 75%) [last:6 of 8] (seed 1235)"`` -> ``("KL (FAR 75%) [last:6 of 8]", 1235)``; no suffix: None."""
+    m = _SEED.match(label)
+    return (m.group(1), int(m.group(2))) if m else (label, None)
+
+
+def rows_by_seed(reports: Sequence[dict]) -> dict[str, dict[Optional[int], dict]]:
+    """``{label without its seed: {seed: row}}`` over several ``distill.report`` JSONs, in first-seen
+    order. Rows without a seed (the teacher, untrained conversions) are the same in every report and
+    are kept once per report under the seeds that report's students carry, so that they pair too."""
+    out: dict[str, dict[Optional[int], dict]] = {}
+    for report in reports:
+        rows = report.get("rows", [])
+        seeds = {split_seed(r["model"])[1] for r in rows} - {None}
+        if len(seeds) > 1:
+            raise ValueError(f"a report holds students of several seeds {sorted(seeds)}; give one report per seed")
+        report_seed = next(iter(seeds), None)
+        for row in rows:
+            label, seed = split_seed(row["model"])
+            seed = report_seed if seed is None else seed
+            if seed in out.setdefault(label, {}):
+                raise ValueError(f"two rows for {label!r} at seed {seed}")
+            out[label][seed] = row
+    return out
+
+
+def paired_interval(diffs: Sequence[float], level: float = 0.95) -> dict:
+    """Mean, sample sd and the two-sided Student-t interval of paired differences (n >= 2; with one
+    difference the interval is None)."""
+    n = len(diffs)
+    if n == 0:
+        raise ValueError("no paired differences")
+    mean = statistics.fmean(diffs)
+    if n < 2:
+        return {"n": 1, "mean": mean, "sd": None, "lo": None, "hi": None}
+    sd = statistics.stdev(diffs)
+    half = student_t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
+
+
+def _mean_sd(values: Sequence[float]) -> dict:
+    return {"n": len(values), "mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def _paper_delta(key: str) -> Optional[float]:
+    """The paper's AVG-11 change from its default recipe (higher is better), None for rows it lacks."""
+    if key not in PAPER_TABLE2 or key == DEFAULT_ROW:
+        return None
+    return PAPER_TABLE2[key][-1] - PAPER_TABLE2[DEFAULT_ROW][-1]
+
+
+def _verdict(interval: Optional[dict], paper_delta: Optional[float]) -> tuple[str, str]:
+    """(noise, paper) verdicts for a relative perplexity change (lower is better) with its interval."""
+    if interval is None or interval["lo"] is None:
+        return "n < 2", "no claim"
+    if interval["lo"] > 0:
+        ours = "worse"
+    elif interval["hi"] < 0:
+        ours = "better"
+    else:
+        return "within the noise", "no claim"
+    if paper_delta is None or paper_delta == 0:
+        return f"{ours} (outside the noise)", "no paper row"
+    paper = "better" if paper_delta > 0 else "worse"
+    return f"{ours} (outside the noise)", "agrees" if ours == paper else "opposite to the paper"
+
+
+def seeded_table2(reports: Sequence[dict], num_layers: int) -> dict:
+    """Per row: seeds, per-seed figures, mean +- sd, and the paired relative perplexity (and KL)
+    change from ``DEFAULT_ROW`` with its 95% interval and verdicts (the JSON behind the table)."""
+    by_label = rows_by_seed(reports)
+    default = next((seeds for label, seeds in by_label.items() if _paper_key(label) == DEFAULT_ROW), None)
+    rows = []
+    for label, seeds in by_label.items():
+        key = _paper_key(label)
+        ordered = sorted(seeds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+        first = ordered[0][1]
+        entry = {"row": key, "label": label, "what": _what(key, {**first, "model": label}, num_layers),
+                 "seeds": [s for s, _ in ordered], "ppl": [r["ppl"] for _, r in ordered],
+                 "kl_to_teacher": [r.get("kl_to_teacher") for _, r in ordered],
+                 "ppl_gap_to_teacher": [r["ppl_gap_to_teacher"] for _, r in ordered],
+                 "checkpoints": [r.get("checkpoint") for _, r in ordered]}  # fmt: skip
+        entry["ppl_stats"] = _mean_sd(entry["ppl"])
+        entry["gap_stats"] = _mean_sd(entry["ppl_gap_to_teacher"])
+        kls = [k for k in entry["kl_to_teacher"] if k is not None]
+        entry["kl_stats"] = _mean_sd(kls) if kls else None
+        entry["paper_avg11_delta"] = _paper_delta(key)
+        common = [s for s, _ in ordered if default is not None and s in default]
+        if default is not None and key != DEFAULT_ROW and common:
+            rel = [seeds[s]["ppl"] / default[s]["ppl"] - 1.0 for s in common]
+            entry["vs_default"] = {"seeds": common, "rel_ppl": paired_interval(rel)}
+            if all(seeds[s].get("kl_to_teacher") is not None and default[s].get("kl_to_teacher") is not None
+                   for s in common):  # fmt: skip
+                entry["vs_default"]["kl"] = paired_interval(
+                    [seeds[s]["kl_to_teacher"] - default[s]["kl_to_teacher"] for s in common])
+            noise, paper = _verdict(entry["vs_default"]["rel_ppl"], entry["paper_avg11_delta"])
+            entry["vs_default"].update(noise=noise, paper=paper)
+        rows.append(entry)
+    order = {k: i for i, k in enumerate(PAPER_TABLE2)}
+    rows.sort(key=lambda e: order.get(e["row"], len(order)))
+    return {"default_row": DEFAULT_ROW, "level": 0.95, "rows": rows}
+
+
+def _pm(stats: Optional[dict], fmt: str, scale: float = 1.0) -> str:
+    if not stats:
+        return "-"
+    mean = format(scale * stats["mean"], fmt)
+    return mean if stats["sd"] is None else f"{mean} ± {format(scale * stats['sd'], fmt.lstrip('+'))}"
+
+
+def seeded_table2_markdown(table: dict) -> str:
+    """The seeded Table 2 (see ``seeded_table2``) as markdown."""
+    lines = ["| row | paper AVG-11 | paper vs KL (FAR 100%) | ours: layers converted | seeds | held-out ppl (mean ± sd) "
+             "| vs teacher | KL(teacher‖model) | ppl vs KL (FAR 100%), paired [95% CI] | outside the noise? | vs the paper |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+    for e in table["rows"]:
+        paper = PAPER_TABLE2.get(e["row"])
+        delta = e["paper_avg11_delta"]
+        vs = e.get("vs_default")
+        if vs:
+            r = vs["rel_ppl"]
+            ci = f"{100 * r['mean']:+.1f}%" + (f" [{100 * r['lo']:+.1f}, {100 * r['hi']:+.1f}]" if r["lo"] is not None else "")
+            noise, claim = vs["noise"], vs["paper"]
+        else:
+            ci, noise, claim = ("(the reference)", "", "") if e["row"] == DEFAULT_ROW else ("-", "", "")
+        lines.append(" | ".join([
+            f"| {e['row'] if paper else e['label']}", f"{paper[-1]:.1f}" if paper else "",
+            "" if delta is None else f"{delta:+.1f}", e["what"], str(len(e["seeds"])),
+            _pm(e["ppl_stats"], ".2f"), _pm(e["gap_stats"], "+.1f", 100) + "%", _pm(e["kl_stats"], ".3f"),
+            ci, noise, claim]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _proxy_curve(checkpoint: Optional[str]) -> Optional[dict[int, float]]:
+    """``{step: proxy value}`` from the run's ``metrics.jsonl`` (``.../RUN/best`` -> ``.../RUN``),
+    step 0 being the student before distillation; None when the file is missing."""
+    if not checkpoint:
+        return None
+    path = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    curve: dict[int, float] = {}
+    with open(path) as f:
+        for line in f:
+            ev = json.loads(line)
+            if ev.get("event") == "valid" and "heldout_kl" in ev:
+                curve[int(ev["step"])] = ev["heldout_kl"]
+            elif ev.get("event") == "summary" and "heldout_kl" in (ev.get("before") or {}):
+                curve[0] = ev["before"]["heldout_kl"]
+    return curve or None
+
+
+def convergence_markdown(table: dict) -> str:
+    """Each student row's held-out KL proxy at every evaluation step, mean over its seeds (the
+    steps every seed evaluated), and the last interval's relative change."""
+    curves = []
+    for e in table["rows"]:
+        per_seed = [c for c in (_proxy_curve(p) for p in e["checkpoints"]) if c]
+        if per_seed:
+            steps = sorted(set.intersection(*(set(c) for c in per_seed)))
+            curves.append((e, steps, {s: statistics.fmean(c[s] for c in per_seed) for s in steps}))
+    if not curves:
+        return "(no run metrics found)"
+    all_steps = sorted({s for _, steps, _ in curves for s in steps})
+    lines = ["| row | seeds | " + " | ".join(f"step {s}" for s in all_steps) + " | last interval |",
+             "|---|---:|" + "---:|" * (len(all_steps) + 1)]
+    for e, steps, mean in curves:
+        cells = [f"{mean[s]:.4f}" if s in mean else "" for s in all_steps]
+        last = f"{100 * (mean[steps[-1]] / mean[steps[-2]] - 1):+.1f}%" if len(steps) >= 2 and mean[steps[-2]] else ""
+        lines.append(f"| {e['row'] if e['row'] in PAPER_TABLE2 else e['label']} ({e['what']}) | {len(e['seeds'])} | "
+                     + " | ".join(cells) + f" | {last} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m distill.ablation_table", description=__doc__.split("\n\n")[0])
-    p.add_argument("--table2", help="distill.report JSON of the Table 2 students (missing: pending)")
+    p.add_argument("--table2", nargs="+", help="distill.report JSON(s) of the Table 2 students (missing: pending); "
+                   "one per seed for a seeded table")
     p.add_argument("--fig3", help="distill.report JSON of the first-N / last-N untrained conversions (missing: pending)")
     p.add_argument("--num-layers", type=positive_int, required=True, help="the teacher's depth")
     p.add_argument("--out", help="write the markdown here too")
+    p.add_argument("--json", help="seeded table: write its statistics (per-seed figures, intervals, verdicts) here")
+    p.add_argument("--convergence", action="store_true",
+                   help="seeded table: add each row's held-out KL proxy per evaluation step from the runs' metrics")
     return p
 
 
 def main(argv=None) -> int:
     def body():
         args = build_parser().parse_args(argv)
-        text = ("### Table 2: distillation settings (paper: Qwen-3-30B MoE, 48 layers; ours: "
-                f"{args.num_layers} layers)\n\n" + table2_markdown(_load(args.table2), args.num_layers)
-                + f"\n\n### Fig. 3: untrained conversion of the first N vs the last N layers (ours, {args.num_layers} layers)\n\n"
-                + fig3_markdown(_load(args.fig3), args.num_layers) + "\n")  # fmt: skip
+        reports = [r for r in (_load(p) for p in args.table2 or []) if r is not None]
+        seeded = any(split_seed(row["model"])[1] is not None for r in reports for row in r.get("rows", []))
+        head = ("### Table 2: distillation settings (paper: Qwen-3-30B MoE, 48 layers; ours: "
+                f"{args.num_layers} layers)\n\n")  # fmt: skip
+        if seeded:
+            table = seeded_table2(reports, args.num_layers)
+            text = head + seeded_table2_markdown(table)
+            if args.convergence:
+                text += ("\n\n### Convergence: held-out KL to the teacher (the early-stopping proxy) per evaluation, "
+                         "mean over seeds\n\n" + convergence_markdown(table))  # fmt: skip
+            if args.json:
+                write_text(args.json, json.dumps(table, indent=1) + "\n")
+        else:
+            if len(args.table2 or []) > 1:
+                raise ValueError("several --table2 reports need students labelled '... (seed N)', one seed per report")
+            if args.json or args.convergence:
+                raise ValueError("--json and --convergence need seeded reports (students labelled '... (seed N)')")
+            text = head + table2_markdown(reports[0] if reports else None, args.num_layers)
+        text += (f"\n\n### Fig. 3: untrained conversion of the first N vs the last N layers (ours, {args.num_layers} layers)\n\n"
+                 + fig3_markdown(_load(args.fig3), args.num_layers) + "\n")  # fmt: skip
         if args.out:
             write_text(args.out, text)
         print(text, end="")

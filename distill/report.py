@@ -114,7 +114,7 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
         if student_configs.model.seq_length != configs.model.seq_length:
             raise ValueError(f"--student {label}: seq_length {student_configs.model.seq_length} "
                              f"differs from the teacher's {configs.model.seq_length}")
-        rows.append(row(label, model, str(FarSkipConfig.of(student_configs.model).farskip)))
+        rows.append({**row(label, model, str(FarSkipConfig.of(student_configs.model).farskip)), "checkpoint": path})
         del model
     teacher_ppl = rows[0]["ppl"]
     for r in rows:

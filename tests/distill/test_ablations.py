@@ -157,3 +157,140 @@ def test_generator_command_writes_markdown_and_marks_missing_reports_pending(tmp
     text = out.read_text()
     assert text == capsys.readouterr().out
     assert "101.50" in text and "| 7 | pending | pending | pending | pending |" in text
+
+
+# ---- seeded Table 2 (SEEDS=...): per-seed reports, paired differences from KL (FAR 100%) ----------
+
+
+def _seed_report(seed, default_ppl, rows, tmp_path=None):
+    """One report per seed: the teacher (ppl 80), the default recipe and ``rows`` ({label: ppl})."""
+    out = [{"model": "teacher", "farskip": "none", "ppl": 80.0, "ppl_gap_to_teacher": 0.0, "kl_to_teacher": 0.0},
+           {"model": f"KL (FAR 100%) [all 8] (seed {seed})", "farskip": "all", "ppl": default_ppl,
+            "ppl_gap_to_teacher": default_ppl / 80 - 1, "kl_to_teacher": 0.1}]  # fmt: skip
+    for label, ppl in rows.items():
+        out.append({"model": f"{label} (seed {seed})", "farskip": "all", "ppl": ppl, "ppl_gap_to_teacher": ppl / 80 - 1,
+                    "kl_to_teacher": 0.1 + (ppl - default_ppl) / 1000})  # fmt: skip
+    return {"rows": out}
+
+
+def _seeded_reports():
+    # default 100/110/120; SFT +20% every seed; 4x BS -10%, -10%, -9.58%; FAR 50% -5%, -5%, 0%
+    per_seed = {1: (100.0, {"SFT [all]": 120.0, "KL 4x BS [all, 64 sequences per step]": 90.0,
+                            "KL (FAR 50%) [last:4 of 8]": 95.0}),
+                2: (110.0, {"SFT [all]": 132.0, "KL 4x BS [all, 64 sequences per step]": 99.0,
+                            "KL (FAR 50%) [last:4 of 8]": 104.5}),
+                3: (120.0, {"SFT [all]": 144.0, "KL 4x BS [all, 64 sequences per step]": 108.5,
+                            "KL (FAR 50%) [last:4 of 8]": 120.0})}  # fmt: skip
+    return [_seed_report(s, d, rows) for s, (d, rows) in per_seed.items()]
+
+
+def test_paired_interval_is_the_student_t_interval():
+    from distill.ablation_table import paired_interval
+
+    r = paired_interval([0.1, 0.3])  # mean 0.2, sd 0.1414, t(0.975, 1) = 12.706: half-width 1.2706
+    assert r["n"] == 2 and r["mean"] == pytest.approx(0.2) and r["sd"] == pytest.approx(0.141421, rel=1e-5)
+    assert (r["lo"], r["hi"]) == (pytest.approx(-1.07062, abs=1e-4), pytest.approx(1.47062, abs=1e-4))
+    r = paired_interval([-0.05, -0.05, 0.0])  # sd 0.028868, t(0.975, 2) = 4.3027: half-width 0.071711
+    assert (r["lo"], r["hi"]) == (pytest.approx(-0.105044, abs=1e-5), pytest.approx(0.038377, abs=1e-5))
+    assert paired_interval([0.4])["lo"] is None
+    with pytest.raises(ValueError):
+        paired_interval([])
+
+
+def test_seeded_table_pairs_by_seed_and_judges_against_the_paper():
+    from distill.ablation_table import seeded_table2, seeded_table2_markdown
+
+    table = seeded_table2(_seeded_reports(), 8)
+    rows = {e["row"]: e for e in table["rows"]}
+    assert list(rows)[:2] == ["ORIGINAL", "KL (FAR 50%)"]  # the paper's order
+    assert rows["KL (FAR 100%)"]["ppl_stats"] == {"n": 3, "mean": 110.0, "sd": 10.0}
+    assert "vs_default" not in rows["KL (FAR 100%)"]
+    sft = rows["SFT"]["vs_default"]
+    assert sft["rel_ppl"]["mean"] == pytest.approx(0.2) and sft["rel_ppl"]["lo"] == pytest.approx(0.2)
+    assert (sft["noise"], sft["paper"]) == ("worse (outside the noise)", "agrees")  # paper 58.1 < 68.2
+    four = rows["KL 4x BS"]["vs_default"]  # -0.0986 [-0.1046, -0.0926]: better, paper 66.6 < 68.2
+    assert (four["rel_ppl"]["lo"], four["rel_ppl"]["hi"]) == (pytest.approx(-0.104587, abs=1e-5),
+                                                            pytest.approx(-0.092635, abs=1e-5))  # fmt: skip
+    assert (four["noise"], four["paper"]) == ("better (outside the noise)", "opposite to the paper")
+    half = rows["KL (FAR 50%)"]["vs_default"]
+    assert (half["noise"], half["paper"]) == ("within the noise", "no claim")
+    assert half["kl"]["mean"] == pytest.approx(-0.0105 / 3)  # KL differences -0.005, -0.0055, 0
+    teacher = rows["ORIGINAL"]  # the same in every report, paired under each report's seed
+    assert teacher["seeds"] == [1, 2, 3] and teacher["vs_default"]["paper"] == "agrees"
+    md = seeded_table2_markdown(table).splitlines()
+    line = next(x for x in md if x.startswith("| SFT |"))
+    assert "| 58.1 | -10.1 | all (100.0%) | 3 | 132.00 ± 12.00 | +65.0 ± 15.0% |" in line
+    assert "| +20.0% [+20.0, +20.0] | worse (outside the noise) | agrees |" in line
+    assert "(the reference)" in next(x for x in md if x.startswith("| KL (FAR 100%) |"))
+
+
+def test_seeded_reports_refuse_mixed_seeds_and_duplicates():
+    from distill.ablation_table import rows_by_seed
+
+    mixed = _seeded_reports()[0]
+    mixed["rows"].append({**mixed["rows"][2], "model": "SFT [all] (seed 9)"})
+    with pytest.raises(ValueError, match="several seeds"):
+        rows_by_seed([mixed])
+    with pytest.raises(ValueError, match="two rows for 'teacher' at seed 1"):
+        rows_by_seed([_seeded_reports()[0], _seeded_reports()[0]])
+
+
+def test_seeded_command_writes_json_and_convergence_from_run_metrics(tmp_path, capsys):
+    reports = _seeded_reports()
+    for i, report in enumerate(reports):
+        for row in report["rows"][1:]:
+            run = tmp_path / f"run_{i}_{row['model'][:6].replace(' ', '_')}"
+            run.mkdir(exist_ok=True)
+            row["checkpoint"] = str(run / "best")
+            events = [{"event": "valid", "step": 10, "heldout_kl": 0.2 + i / 100},
+                      {"event": "valid", "step": 20, "heldout_kl": 0.1 + i / 100},
+                      {"event": "summary", "step": 20, "before": {"heldout_kl": 0.5}}]  # fmt: skip
+            (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (tmp_path / f"r{i}.json").write_text(json.dumps(report))
+    out, js = tmp_path / "t.md", tmp_path / "t.json"
+    args = ["--table2", *(str(tmp_path / f"r{i}.json") for i in range(3)), "--num-layers", "8", "--out", str(out),
+            "--json", str(js), "--convergence"]  # fmt: skip
+    assert table_main(args) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    conv = next(x for x in text.splitlines() if x.startswith("| SFT (all (100.0%)) |"))
+    # mean over seeds: step 0 0.5, step 10 0.21, step 20 0.11; last interval 0.11 / 0.21 - 1 = -47.6%
+    assert conv == "| SFT (all (100.0%)) | 3 | 0.5000 | 0.2100 | 0.1100 | -47.6% |"
+    saved = json.loads(js.read_text())
+    assert saved["default_row"] == "KL (FAR 100%)" and len(saved["rows"]) == 5
+
+
+def test_several_unseeded_reports_are_refused(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_report()))
+    assert table_main(["--table2", str(report), str(report), "--num-layers", "8"]) == 2
+    assert "one seed per report" in capsys.readouterr().err
+
+
+def test_seeded_plan_repeats_every_row_and_scores_each_seed(tmp_path):
+    proc, cmds = _plan("fcsd_ablations.sh", tmp_path, SEEDS="7 8", NPROC="1", JOBS="2", STEPS="60",
+                       TEACHER=str(tmp_path / "teacher"), STUDENT_FLAGS="--eval-interval 15")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = [c for c in cmds if "distill.fcsd" in c]
+    assert len(runs) == 20  # 10 rows x 2 seeds, seed-major
+    assert [_flag(c, "--seed") for c in runs] == ["7"] * 10 + ["8"] * 10
+    assert all(_flag(c, "--save").endswith(f"_s{_flag(c, '--seed')}") for c in runs)
+    assert all(_flag(c, "--expert-model-parallel-size") == "1" and _flag(c, "--eval-interval") == "15" for c in runs)
+    assert _flag(runs[0], "--global-batch-size") == "64"  # the longest row first
+    reports = [c for c in cmds if "distill.report" in c]
+    assert [_flag(c, "--out") for c in reports[:2]] == [str(tmp_path / f"fcsd_ablations_report_s{s}.json") for s in (7, 8)]
+    for seed, report in zip((7, 8), reports):
+        students = [report[i + 1] for i, a in enumerate(report) if a == "--student"]
+        assert len(students) == 10 and all(f"(seed {seed})=" in s and s.endswith(f"_s{seed}/best") for s in students)
+    table = cmds[-1]
+    assert table[table.index("--table2") + 1:table.index("--fig3")] == [_flag(c, "--out") for c in reports[:2]]
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"SEEDS": "1 x"}, "a seed in SEEDS must be a positive integer, got 'x'"),
+    ({"JOBS": "0"}, "JOBS must be a positive integer"),
+    ({"EP": "-1"}, "EP must be a positive integer"),
+])  # fmt: skip
+def test_bad_seed_settings_fail_fast(tmp_path, env, needle):
+    proc, cmds = _plan("fcsd_ablations.sh", tmp_path / "runs", **env)
+    assert proc.returncode == 2 and needle in proc.stderr and cmds == []
