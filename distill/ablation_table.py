@@ -318,6 +318,51 @@ def convergence_markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(table: dict, fig3: Optional[dict], num_layers: int, path: str) -> None:
+    """Left: each row's paired perplexity change from ``DEFAULT_ROW`` (mean, 95% interval as error
+    bars, each seed a dot). Right (when ``fig3`` is given): the untrained conversion of the first N
+    and the last N layers against N, the paper's Fig. 3."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [e for e in table["rows"] if e.get("vs_default") and e["row"] not in ("ORIGINAL",)
+            and not e["label"].startswith("untrained")]  # fmt: skip
+    fig, axes = plt.subplots(1, 2 if fig3 else 1, figsize=(11 if fig3 else 6.5, 4.5), squeeze=False)
+    ax = axes[0][0]
+    for i, e in enumerate(rows):
+        r = e["vs_default"]["rel_ppl"]
+        err = None if r["lo"] is None else [[100 * (r["mean"] - r["lo"])], [100 * (r["hi"] - r["mean"])]]
+        ax.errorbar(100 * r["mean"], i, xerr=err, fmt="o", color="k", capsize=3)
+        seeds = e["vs_default"]["seeds"]
+        by_seed = dict(zip(e["seeds"], e["ppl"]))
+        default = next(d for d in table["rows"] if d["row"] == DEFAULT_ROW)
+        ref = dict(zip(default["seeds"], default["ppl"]))
+        ax.plot([100 * (by_seed[s] / ref[s] - 1) for s in seeds], [i] * len(seeds), "x", color="tab:blue", alpha=0.6)
+    ax.axvline(0, color="gray", lw=1)
+    ax.set_yticks(range(len(rows)), [e["label"].replace(" [", "\n[") for e in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"held-out perplexity vs {DEFAULT_ROW}, same seed (%)")
+    ax.set_title("mean and 95% interval over seeds (x: each seed)", fontsize=9)
+    if fig3:
+        ax = axes[0][1]
+        by_spec = {r.get("farskip"): r for r in fig3.get("rows", [])}
+        teacher = next((r for r in fig3.get("rows", []) if r["model"] == "teacher"), None)
+        for side in ("first", "last"):
+            ns = [n for n in range(1, num_layers + 1) if by_spec.get("all" if n == num_layers else f"{side}:{n}")]
+            ax.plot(ns, [by_spec["all" if n == num_layers else f"{side}:{n}"]["ppl"] for n in ns], "o-", label=f"{side} N")
+        if teacher is not None:
+            ax.axhline(teacher["ppl"], color="gray", ls="--", lw=1, label="teacher")
+        ax.set_xlabel(f"N layers converted without training (of {num_layers})")
+        ax.set_ylabel("held-out perplexity")
+        ax.set_title("Fig. 3: first N vs last N", fontsize=9)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m distill.ablation_table", description=__doc__.split("\n\n")[0])
     p.add_argument("--table2", nargs="+", help="distill.report JSON(s) of the Table 2 students (missing: pending); "
@@ -326,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=positive_int, required=True, help="the teacher's depth")
     p.add_argument("--out", help="write the markdown here too")
     p.add_argument("--json", help="seeded table: write its statistics (per-seed figures, intervals, verdicts) here")
+    p.add_argument("--plot", help="seeded table: a PNG of each row's paired change with its interval, and Fig. 3")
     p.add_argument("--convergence", action="store_true",
                    help="seeded table: add each row's held-out KL proxy per evaluation step from the runs' metrics")
     return p
@@ -346,11 +392,13 @@ def main(argv=None) -> int:
                          "mean over seeds\n\n" + convergence_markdown(table))  # fmt: skip
             if args.json:
                 write_text(args.json, json.dumps(table, indent=1) + "\n")
+            if args.plot:
+                plot(table, _load(args.fig3), args.num_layers, args.plot)
         else:
             if len(args.table2 or []) > 1:
                 raise ValueError("several --table2 reports need students labelled '... (seed N)', one seed per report")
-            if args.json or args.convergence:
-                raise ValueError("--json and --convergence need seeded reports (students labelled '... (seed N)')")
+            if args.json or args.convergence or args.plot:
+                raise ValueError("--json, --plot and --convergence need seeded reports (students labelled '... (seed N)')")
             text = head + table2_markdown(reports[0] if reports else None, args.num_layers)
         text += (f"\n\n### Fig. 3: untrained conversion of the first N vs the last N layers (ours, {args.num_layers} layers)\n\n"
                  + fig3_markdown(_load(args.fig3), args.num_layers) + "\n")  # fmt: skip

@@ -249,8 +249,9 @@ def test_seeded_command_writes_json_and_convergence_from_run_metrics(tmp_path, c
         (tmp_path / f"r{i}.json").write_text(json.dumps(report))
     out, js = tmp_path / "t.md", tmp_path / "t.json"
     args = ["--table2", *(str(tmp_path / f"r{i}.json") for i in range(3)), "--num-layers", "8", "--out", str(out),
-            "--json", str(js), "--convergence"]  # fmt: skip
+            "--json", str(js), "--convergence", "--plot", str(tmp_path / "t.png")]  # fmt: skip
     assert table_main(args) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = out.read_text()
     assert text == capsys.readouterr().out
     conv = next(x for x in text.splitlines() if x.startswith("| SFT (all (100.0%)) |"))
