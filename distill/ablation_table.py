@@ -278,8 +278,8 @@ def seeded_table2_markdown(table: dict) -> str:
 
 
 def _proxy_curve(checkpoint: Optional[str]) -> Optional[dict[int, float]]:
-    """``{step: proxy value}`` from the run's ``metrics.jsonl`` (``.../RUN/best`` -> ``.../RUN``),
-    step 0 being the student before distillation; None when the file is missing."""
+    """``{step: held-out KL}`` of the run's evaluations in its ``metrics.jsonl`` (``.../RUN/best`` ->
+    ``.../RUN``); None when the file is missing."""
     if not checkpoint:
         return None
     path = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), "metrics.jsonl")
@@ -291,8 +291,6 @@ def _proxy_curve(checkpoint: Optional[str]) -> Optional[dict[int, float]]:
             ev = json.loads(line)
             if ev.get("event") == "valid" and "heldout_kl" in ev:
                 curve[int(ev["step"])] = ev["heldout_kl"]
-            elif ev.get("event") == "summary" and "heldout_kl" in (ev.get("before") or {}):
-                curve[0] = ev["before"]["heldout_kl"]
     return curve or None
 
 

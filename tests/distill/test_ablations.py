@@ -242,9 +242,9 @@ def test_seeded_command_writes_json_and_convergence_from_run_metrics(tmp_path, c
             run = tmp_path / f"run_{i}_{row['model'][:6].replace(' ', '_')}"
             run.mkdir(exist_ok=True)
             row["checkpoint"] = str(run / "best")
-            events = [{"event": "valid", "step": 10, "heldout_kl": 0.2 + i / 100},
+            events = [{"event": "valid", "step": 10, "heldout_kl": 0.2 + i / 100}, {"step": 15, "loss": 6.0},
                       {"event": "valid", "step": 20, "heldout_kl": 0.1 + i / 100},
-                      {"event": "summary", "step": 20, "before": {"heldout_kl": 0.5}}]  # fmt: skip
+                      {"event": "summary", "step": 20, "iteration": 20}]  # fmt: skip
             (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         (tmp_path / f"r{i}.json").write_text(json.dumps(report))
     out, js = tmp_path / "t.md", tmp_path / "t.json"
@@ -255,8 +255,8 @@ def test_seeded_command_writes_json_and_convergence_from_run_metrics(tmp_path, c
     text = out.read_text()
     assert text == capsys.readouterr().out
     conv = next(x for x in text.splitlines() if x.startswith("| SFT (all (100.0%)) |"))
-    # mean over seeds: step 0 0.5, step 10 0.21, step 20 0.11; last interval 0.11 / 0.21 - 1 = -47.6%
-    assert conv == "| SFT (all (100.0%)) | 3 | 0.5000 | 0.2100 | 0.1100 | -47.6% |"
+    # mean over seeds: step 10 0.21, step 20 0.11; last interval 0.11 / 0.21 - 1 = -47.6%
+    assert conv == "| SFT (all (100.0%)) | 3 | 0.2100 | 0.1100 | -47.6% |"
     saved = json.loads(js.read_text())
     assert saved["default_row"] == "KL (FAR 100%)" and len(saved["rows"]) == 5
 
