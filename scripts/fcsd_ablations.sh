@@ -158,5 +158,7 @@ fig3_report=$RUNS/fcsd_fig3.json
     --text "$TEXT" --out "$fig3_report" "${fig3[@]}" --untrained all --max-windows "$MAX_WINDOWS"
 wait_all
 
+seeded_flags=()  # with SEEDS: the statistics, the plot and the convergence of the students too
+[[ -n $SEEDS ]] && seeded_flags=(--json "$RUNS/fcsd_ablations.json" --plot "$RUNS/fcsd_ablations.png" --convergence)
 run "$PYTHON" -m distill.ablation_table --table2 "${table2_reports[@]}" --fig3 "$fig3_report" --num-layers "$LAYERS" \
-    --out "$RUNS/fcsd_ablations.md"
+    --out "$RUNS/fcsd_ablations.md" "${seeded_flags[@]}"

@@ -285,6 +285,7 @@ def test_seeded_plan_repeats_every_row_and_scores_each_seed(tmp_path):
         assert len(students) == 10 and all(f"(seed {seed})=" in s and s.endswith(f"_s{seed}/best") for s in students)
     table = cmds[-1]
     assert table[table.index("--table2") + 1:table.index("--fig3")] == [_flag(c, "--out") for c in reports[:2]]
+    assert "--convergence" in table and _flag(table, "--json") == str(tmp_path / "fcsd_ablations.json")
 
 
 @pytest.mark.parametrize("env, needle", [
