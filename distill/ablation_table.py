@@ -19,7 +19,9 @@ data order), as a relative perplexity change with its 95% Student-t interval. A 
 noise" when that interval excludes 0, and it agrees with the paper only when it is outside the noise
 in the direction the paper's AVG-11 moved; otherwise the table makes no claim. ``--convergence``
 adds each row's early-stopping proxy (held-out KL) at every evaluation, read from the runs'
-``metrics.jsonl``, to show whether the students had stopped improving.
+``metrics.jsonl``, to show whether the students had stopped improving. ``--runs DIR ...`` prints only
+that proxy for run directories that were never scored (a run cut short, or whose checkpoints are
+gone): one row per directory name without its ``_s<SEED>``, the mean over the seeds at each step.
 
 Fig. 3: the paper plots accuracy of the *untrained* conversion against N for the first N and the
 last N layers (no numbers in the text: it finds converting the first layers more harmful); ours
@@ -316,6 +318,53 @@ def convergence_markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+_RUN_SEED = re.compile(r"^(.*)_s(\d+)$")
+
+
+def _finished(run_dir: str) -> bool:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return any((ev := json.loads(line)).get("event") == "summary" and not ev.get("interrupted") for line in f)
+
+
+def runs_convergence_markdown(run_dirs: Sequence[str]) -> str:
+    """The held-out KL proxy of FCSD run directories per evaluation step, without reports: rows are
+    the directory names without ``_s<SEED>`` (first-seen order); a cell is the mean over the seeds
+    that reached that step, with their number in brackets where it is not every seed of the row;
+    "finished" counts the seeds whose run wrote its summary; the last interval is the relative change
+    of the mean over the seeds that have both of the row's last two steps."""
+    rows: dict[str, dict[str, dict[int, float]]] = {}
+    done: dict[str, int] = {}
+    for d in run_dirs:
+        m = _RUN_SEED.match(os.path.basename(os.path.normpath(d)))
+        name, seed = (m.group(1), m.group(2)) if m else (os.path.basename(os.path.normpath(d)), "")
+        curve = _proxy_curve(os.path.join(d, "best")) or {}
+        rows.setdefault(name, {})[seed] = curve
+        done[name] = done.get(name, 0) + _finished(d)
+    all_steps = sorted({s for seeds in rows.values() for c in seeds.values() for s in c})
+    if not all_steps:
+        return "(no run metrics found)"
+    lines = ["| run | seeds | finished | " + " | ".join(f"step {s}" for s in all_steps) + " | last interval |",
+             "|---|---:|---:|" + "---:|" * (len(all_steps) + 1)]
+    for name, seeds in rows.items():
+        cells = []
+        for s in all_steps:
+            vals = [c[s] for c in seeds.values() if s in c]
+            cells.append("" if not vals else f"{statistics.fmean(vals):.4f}" + ("" if len(vals) == len(seeds) else f" ({len(vals)})"))
+        reached = [sorted(c) for c in seeds.values() if len(c) >= 2]
+        last = ""
+        if reached:
+            a, b = max(r[-2] for r in reached), max(r[-1] for r in reached)
+            pair = [c for c in seeds.values() if a in c and b in c]
+            before = statistics.fmean(c[a] for c in pair) if pair else 0.0
+            if before:
+                last = f"{100 * (statistics.fmean(c[b] for c in pair) / before - 1):+.1f}%"
+        lines.append(f"| {name} | {len(seeds)} | {done[name]} | " + " | ".join(cells) + f" | {last} |")
+    return "\n".join(lines)
+
+
 def plot(table: dict, fig3: Optional[dict], num_layers: int, path: str) -> None:
     """Left: each row's paired perplexity change from ``DEFAULT_ROW`` (mean, 95% interval as error
     bars, each seed a dot). Right (when ``fig3`` is given): the untrained conversion of the first N
@@ -372,12 +421,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="seeded table: a PNG of each row's paired change with its interval, and Fig. 3")
     p.add_argument("--convergence", action="store_true",
                    help="seeded table: add each row's held-out KL proxy per evaluation step from the runs' metrics")
+    p.add_argument("--runs", nargs="+", metavar="RUN_DIR",
+                   help="print only the held-out KL proxy per evaluation of these FCSD run directories (no reports)")
     return p
 
 
 def main(argv=None) -> int:
     def body():
         args = build_parser().parse_args(argv)
+        if args.runs:
+            missing = [d for d in args.runs if not os.path.isdir(d)]
+            if missing:
+                raise ValueError(f"--runs: no such run directory {missing[0]}")
+            text = ("### Convergence: held-out KL to the teacher (the early-stopping proxy) per evaluation\n\n"
+                    + runs_convergence_markdown(args.runs) + "\n")
+            if args.out:
+                write_text(args.out, text)
+            print(text, end="")
+            return
         reports = [r for r in (_load(p) for p in args.table2 or []) if r is not None]
         seeded = any(split_seed(row["model"])[1] is not None for r in reports for row in r.get("rows", []))
         head = ("### Table 2: distillation settings (paper: Qwen-3-30B MoE, 48 layers; ours: "

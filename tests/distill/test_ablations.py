@@ -264,6 +264,28 @@ def test_seeded_command_writes_json_and_convergence_from_run_metrics(tmp_path, c
     assert saved["default_row"] == "KL (FAR 100%)" and len(saved["rows"]) == 5
 
 
+def test_runs_convergence_of_unscored_and_unfinished_runs(tmp_path, capsys):
+    def run(name, kls, finished):
+        d = tmp_path / name
+        d.mkdir()
+        events = [{"event": "valid", "step": 30 * (i + 1), "heldout_kl": kl} for i, kl in enumerate(kls)]
+        events += [{"event": "summary", "step": 30 * len(kls), "interrupted": False}] if finished else []
+        (d / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        return str(d)
+
+    dirs = [run("fcsd_abl_mix_kl_all_s1", [0.04, 0.02, 0.01], True), run("fcsd_abl_mix_kl_all_s2", [0.06, 0.04], False),
+            run("fcsd_abl_mix_sft_all_s1", [0.5, 0.6, 0.45], True)]  # fmt: skip
+    assert table_main(["--num-layers", "8", "--runs", *dirs]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| run | seeds | finished | step 30 | step 60 | step 90 | last interval |"
+    # kl_all: step 30 (0.04 + 0.06) / 2, step 60 (0.02 + 0.04) / 2, step 90 only seed 1; the last interval
+    # (60 -> 90) is taken over the seeds that have both steps: 0.01 / 0.02 - 1 = -50%
+    assert lines[4] == "| fcsd_abl_mix_kl_all | 2 | 1 | 0.0500 | 0.0300 | 0.0100 (1) | -50.0% |"
+    assert lines[5] == "| fcsd_abl_mix_sft_all | 1 | 1 | 0.5000 | 0.6000 | 0.4500 | -25.0% |"
+    assert table_main(["--num-layers", "8", "--runs", str(tmp_path / "nope")]) == 2
+    assert "--runs: no such run directory" in capsys.readouterr().err
+
+
 def test_several_unseeded_reports_are_refused(tmp_path, capsys):
     report = tmp_path / "r.json"
     report.write_text(json.dumps(_report()))
