@@ -10,7 +10,9 @@ after the first scored once):
 
 * ``teacher``: the checkpoint with its own connectivity;
 * ``untrained <spec>``: the teacher's weights loaded with ``--farskip <spec>`` and no training
-  (paper Fig. 3: the conversion alone breaks the model);
+  (paper Fig. 3: the conversion alone breaks the model); ``<spec>@<mode>`` converts only one
+  sub-block (``--farskip-mode attn-only``: only attention reads the earlier stream, ``mlp-only``:
+  only the MoE), which says which of the two costs;
 * each ``--student LABEL=CKPT``: a distilled (or SFT) checkpoint with the connectivity it was
   saved with;
 * ``unigram``: token frequencies of ``--unigram-data`` (add-one smoothed), the floor a language
@@ -78,6 +80,20 @@ def _parse_student(spec: str) -> tuple[str, str]:
 
 
 @torch.no_grad()
+def _untrained_spec(spec: str) -> tuple[str, Optional[str]]:
+    """``"last:1@mlp-only"`` -> ``("last:1", "mlp-only")``; no ``@``: the paper's full conversion (None)."""
+    from moe_variants.farskip.config import FarSkipMode, LayerSelection
+
+    layers, _, mode = spec.partition("@")
+    LayerSelection.parse(layers)  # a bad layer spec is its one-line error before any model is loaded
+    if not mode:
+        return layers, None
+    modes = [m.value for m in FarSkipMode]
+    if mode not in modes:
+        raise ValueError(f"--untrained {spec}: unknown FarSkip mode {mode!r} (one of {', '.join(modes)})")
+    return layers, mode
+
+
 def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
                max_windows: Optional[int], micro_batch_size: int,
                lm_eval_spec: Optional[LMEvalSpec] = None) -> tuple[list[dict], object]:
@@ -106,8 +122,12 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
 
     rows = [row("teacher", teacher, str(FarSkipConfig.of(configs.model).farskip))]
     for spec in untrained:
-        model, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides={"farskip": spec})
-        rows.append(row(f"untrained, farskip {spec}", model, spec))
+        layers, mode = _untrained_spec(spec)
+        overrides = {"farskip": layers} if mode is None else {"farskip": layers, "farskip_mode": mode}
+        model, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides=overrides)
+        rows.append(row(f"untrained, farskip {spec}", model, layers))
+        if mode is not None:
+            rows[-1]["farskip_mode"] = mode
         del model
     for label, path in students:
         model, student_configs, *_ = load_model(path, parallel=ParallelConfig())
@@ -148,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="held-out text file (e.g. WikiText-2 test)")
     p.add_argument("--out", required=True, help="report JSON (written atomically)")
     p.add_argument("--untrained", action="append", default=[], metavar="SPEC",
-                   help="score the teacher's weights with --farskip SPEC and no training (repeatable)")
+                   help="score the teacher's weights with --farskip SPEC and no training (repeatable); "
+                   "SPEC@MODE converts one sub-block only (attn-only, mlp-only)")
     p.add_argument("--student", action="append", default=[], metavar="LABEL=CKPT",
                    help="a distilled checkpoint to score (repeatable)")
     p.add_argument("--unigram-data", nargs="+", default=None, metavar="PREFIX",
@@ -188,6 +209,8 @@ def main(argv=None) -> int:
         if not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text}: no such file")
         students = [_parse_student(s) for s in args.student]
+        for spec in args.untrained:
+            _untrained_spec(spec)
         spec = _lm_eval_spec(args)
         with single_process_group():
             rows, (windows, tokenizer) = score_rows(

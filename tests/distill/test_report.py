@@ -52,6 +52,32 @@ def test_report_rows(teacher_ckpt, tmp_path):
     assert "| teacher |" in proc.stdout and "| untrained, farskip all | all |" in format_table(list(rows.values()))
 
 
+def test_untrained_sub_block_conversions(teacher_ckpt, tmp_path, capsys):
+    """``SPEC@MODE``: on the last layer alone, attention reads the earlier stream only after a FarSkip
+    layer, and the one before is standard, so ``last:1@attn-only`` is the teacher's function (KL 0);
+    ``last:1@mlp-only`` feeds the MoE the pre-attention residual and changes it. A bad mode or
+    layer spec is a one-line error before any model is loaded."""
+    from distill.report import main as report_main
+    from megatron.training.tokenizer import DEFAULT_CORPUS
+
+    out = tmp_path / "report.json"
+    proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", out,
+                   "--untrained", "last:1@attn-only", "--untrained", "last:1@mlp-only", "--max-windows", 6,
+                   "--micro-batch-size", 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    attn, mlp = rows["untrained, farskip last:1@attn-only"], rows["untrained, farskip last:1@mlp-only"]
+    assert attn["farskip"] == "last:1" and attn["farskip_mode"] == "attn-only"
+    assert attn["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6)
+    assert mlp["kl_to_teacher"] > 1e-6 and mlp["farskip_mode"] == "mlp-only"
+    for bad, says in (("last:1@sideways", "unknown FarSkip mode 'sideways'"), ("middle:2", "middle:2")):
+        assert report_main(["--teacher", str(teacher_ckpt / "teacher"), "--text", DEFAULT_CORPUS,
+                            "--out", str(tmp_path / "bad.json"), "--untrained", bad]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
     """``--lm-eval-tasks``: every row gets the task's scores through the adapter; the same weights
     score the same, and the table shows the main metric as a column."""
