@@ -79,7 +79,6 @@ def _parse_student(spec: str) -> tuple[str, str]:
     return label, path
 
 
-@torch.no_grad()
 def _untrained_spec(spec: str) -> tuple[str, Optional[str]]:
     """``"last:1@mlp-only"`` -> ``("last:1", "mlp-only")``; no ``@``: the paper's full conversion (None)."""
     from moe_variants.farskip.config import FarSkipMode, LayerSelection
@@ -94,6 +93,7 @@ def _untrained_spec(spec: str) -> tuple[str, Optional[str]]:
     return layers, mode
 
 
+@torch.no_grad()
 def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
                max_windows: Optional[int], micro_batch_size: int,
                lm_eval_spec: Optional[LMEvalSpec] = None) -> tuple[list[dict], object]:
