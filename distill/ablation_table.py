@@ -430,6 +430,10 @@ def main(argv=None) -> int:
     def body():
         args = build_parser().parse_args(argv)
         if args.runs:
+            mixed = [f for f, v in (("--table2", args.table2), ("--fig3", args.fig3), ("--json", args.json),
+                                    ("--plot", args.plot), ("--convergence", args.convergence)) if v]  # fmt: skip
+            if mixed:
+                raise ValueError(f"--runs prints only the runs' convergence; drop {', '.join(mixed)}")
             missing = [d for d in args.runs if not os.path.isdir(d)]
             if missing:
                 raise ValueError(f"--runs: no such run directory {missing[0]}")

@@ -284,6 +284,8 @@ def test_runs_convergence_of_unscored_and_unfinished_runs(tmp_path, capsys):
     assert lines[5] == "| fcsd_abl_mix_sft_all | 1 | 1 | 0.5000 | 0.6000 | 0.4500 | -25.0% |"
     assert table_main(["--num-layers", "8", "--runs", str(tmp_path / "nope")]) == 2
     assert "--runs: no such run directory" in capsys.readouterr().err
+    assert table_main(["--num-layers", "8", "--runs", *dirs, "--json", str(tmp_path / "t.json")]) == 2
+    assert "drop --json" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
 
 
 def test_several_unseeded_reports_are_refused(tmp_path, capsys):
