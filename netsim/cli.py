@@ -477,11 +477,16 @@ def _configure_replay(p):
                    "(default: <run>.profile.json beside it)")
     p.add_argument("--fit", metavar="JSON", default=str(DEFAULT_FIT),
                    help="netsim fit of this machine's collectives (default: examples/netsim/gloo_netns_fit.json)")
+    p.add_argument("--link-table", metavar="CSV", nargs="+", default=None,
+                   help="all-to-all calibrations at the run's link rate, one per idle gap (scripts/bench_ep.py "
+                   "--collectives --gap-ms G; each CSV with its sidecar JSON): every all-to-all then costs what "
+                   "the link measured for its size and rest (netsim.replay.LinkTable), the fit only the loop's "
+                   "control latency")
     p.add_argument("--json", metavar="OUT", help="write the result here")
 
 
 def _replay_inputs(args):
-    from .replay import load_fit
+    from .replay import LinkTable, load_fit
 
     def read(path, what):
         try:
@@ -498,7 +503,8 @@ def _replay_inputs(args):
     if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":
         raise ValueError(f"--profile {profile_path}: not a profile_serving_compute.py JSON")
     constants, burst = load_fit(args.fit)
-    return run, profile, constants, burst
+    table = LinkTable.from_calibrations(args.link_table) if args.link_table else None
+    return run, profile, constants, burst, table
 
 
 def _fmt_ms(x):
@@ -511,8 +517,8 @@ def _predict(args) -> int:
 
     from .replay import predict_run
 
-    run, profile, constants, burst = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, burst)
+    run, profile, constants, burst, table = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, burst, table)
     print(f"{'variant':<12}{'rate':>6}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'out tok/s':>11}")
     for v, rates in pred.items():
         for rate, f in rates.items():
@@ -520,7 +526,7 @@ def _predict(args) -> int:
                   f"{f['output_tokens_per_s']:>11.1f}")
     if args.json:
         write_json(args.json, {"schema": "netsim-predict/1", "bench_serve": args.bench_serve, "fit": args.fit,
-                               "predicted": pred})
+                               "link_table": args.link_table, "predicted": pred})
         print(f"wrote {args.json}")
     return 0
 
@@ -531,8 +537,8 @@ def _validate(args) -> int:
 
     from .replay import predict_run, validate_run
 
-    run, profile, constants, burst = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, burst)
+    run, profile, constants, burst, table = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, burst, table)
     res = validate_run(run, pred)
     print(f"replay model {res['model_version']} (replay.py sha256 {res['model_fingerprint']})")
     print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
@@ -557,7 +563,7 @@ def _validate(args) -> int:
         print(f"note: {v} was served with {why}")
     if args.json:
         write_json(args.json, {"schema": "netsim-validate/1", "bench_serve": args.bench_serve, "fit": args.fit,
-                               "predicted": pred, **res})
+                               "link_table": args.link_table, "predicted": pred, **res})
         print(f"wrote {args.json}")
     return 0
 

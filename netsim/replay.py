@@ -24,8 +24,13 @@ next one, on the rank the run recorded for it (the server's ``x-dp-rank`` header
 Algorithm 2) or else the rank round-robin gives it; the token a step produces reaches the client one
 control phase later. TTFT is arrival to first token; TPOT the mean gap between its later tokens.
 
+With a link table (``--link-table``, replay/4) the all-to-alls are timed from calibrations of the
+run's own link instead (``LinkTable``, ``_table_a2a_s``): the shaper's bucket and TCP make a call's
+time depend on its size, on the rest its link had and on whether the link carries traffic both ways.
+
 What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
-2 cores with the client here), the engine's memory limits (the benchmark's KV cache never fills).
+2 cores with the client here: the served steps' compute runs 15-20% above the profile's), the
+engine's memory limits (the benchmark's KV cache never fills).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import numpy as np
 
 from .collectives import AlphaBeta
 
-__all__ = ["StepProfile", "Link", "Engine", "Request", "simulate", "phase_figures", "FIGURES", "MODEL_VERSION",
+__all__ = ["StepProfile", "Link", "LinkTable", "Engine", "Request", "simulate", "phase_figures", "FIGURES", "MODEL_VERSION",
            "model_fingerprint", "offered_load_bound"]
 
 FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
@@ -47,7 +52,13 @@ FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (and say what changed in docs/netsim.md) whenever the replay's
 # arithmetic changes; ``validate`` prints it with ``model_fingerprint()`` of this file.
-MODEL_VERSION = "replay/3 (2026-11-26)"  # /3: requests go to the engine the run recorded (x-dp-rank), if it did
+MODEL_VERSION = "replay/4 (2026-11-27)"
+# /3: requests go to the engine the run recorded (x-dp-rank), if it did.
+# /4: with a link table (``LinkTable``: all-to-alls calibrated at the run's rate after rests of 0-80 ms, both ways
+#     and one way), each dispatch and combine costs what the link measured for its size, its direction mix and the
+#     rest its rank link had (each direction of each rank link rests on its own); the metadata exchange costs the
+#     link's latency; the compute lies around the calls as the profile measured (``compute_before``/``_after``);
+#     each iteration costs the real serving loop's profiled overhead (``iteration_s``) when the profile has it.
 
 # A rate whose measured request rate is at least this fraction of the offered rate is bound by
 # the offered load (the server keeps up): its throughput says nothing about the model.
@@ -65,6 +76,14 @@ class StepProfile:
     a2a_bytes_per_token: float  # off-rank bytes a rank sends per token it holds (all layers and calls)
     a2a_calls: int  # all-to-alls per step (dispatch, combine and routing metadata of every MoE layer)
     loop_s: float = 0.0  # the serving loop's own work per iteration (its object collectives on loopback)
+    iteration_s: float = 0.0  # the real serving loop's overhead per iteration outside forwards (replaces loop_s)
+    compute_before: Optional[float] = None  # share of a step's compute before its first all-to-all (None: even)
+    compute_after: Optional[float] = None  # and after its last
+
+    @property
+    def control_s(self) -> float:
+        """The loop's own seconds per iteration on loopback: the profiled whole-loop overhead when there."""
+        return self.iteration_s or self.loop_s
 
     def compute_s(self, tokens: int, requests: int) -> float:
         return self.fixed_s + self.per_token_s * tokens + self.per_request_s * requests
@@ -74,7 +93,8 @@ class StepProfile:
         try:
             return cls(*(float(d[k]) for k in ("fixed_s", "per_token_s", "per_request_s", "dummy_s",
                                                "a2a_bytes_per_token")), int(d["a2a_calls"]),
-                       float(d.get("loop_s", 0.0)))
+                       float(d.get("loop_s", 0.0)), float(d.get("iteration_s", 0.0)),
+                       *(None if d.get(k) is None else float(d[k]) for k in ("compute_before", "compute_after")))
         except KeyError as e:
             raise ValueError(f"step profile: missing key {e.args[0]!r}") from None
 
@@ -120,6 +140,95 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinkTable:
+    """All-to-all seconds measured on the run's own link: ``scripts/bench_ep.py --collectives`` at the
+    run's rate, once per idle gap before each call (``--gap-ms``), both ways (every rank sends) and,
+    optionally, one way (``--one-way``: only rank 0 sends). The shaper (``tc tbf``, its bucket at
+    least 64 KiB) and TCP make a call's time depend on its size, on how long the link rested before
+    it, and on whether the link also carries traffic the other way, in ways one line through
+    back-to-back calls misses. On the 0.0665 Gbit/s link: 64 KiB off-rank takes 8 ms back to back
+    and under 1 ms after a 10 ms rest; 256 KiB and more run at the nominal rate one way and at about
+    half of it both ways. ``gaps_s[i]`` has the curve ``curves[i]`` (both ways) of
+    (off-rank bytes a rank sends, seconds), sorted by bytes; ``one_way_gaps_s``/``one_way_curves``
+    the same for one way (empty: every call is timed as both ways)."""
+
+    ranks: int
+    gbit: float
+    gaps_s: tuple
+    curves: tuple
+    one_way_gaps_s: tuple = ()
+    one_way_curves: tuple = ()
+
+    @property
+    def smallest_bytes(self) -> float:
+        return self.curves[0][0][0]
+
+    def seconds(self, sent: float, received: float, gap_s: float) -> float:
+        """One call whose busiest link carries ``sent`` bytes one way and ``received`` the other,
+        after ``gap_s`` of rest: log-log interpolation in bytes (below the smallest size its time,
+        above the largest that size's rate), linear in the gap between measured gaps (clamped), and
+        linear between the one-way and both-ways times in ``min/max`` of the two directions."""
+        hi, lo = max(sent, received), min(sent, received)
+        if hi <= 0 or self.ranks < 2:
+            return 0.0
+        both = float(np.interp(gap_s, self.gaps_s, [self._curve(c, hi) for c in self.curves]))
+        if not self.one_way_curves:
+            return both
+        one = float(np.interp(gap_s, self.one_way_gaps_s, [self._curve(c, hi) for c in self.one_way_curves]))
+        return one + (both - one) * lo / hi
+
+    @staticmethod
+    def _curve(curve, m: float) -> float:
+        xs, ys = [b for b, _ in curve], [t for _, t in curve]
+        if m <= xs[0]:
+            return ys[0]
+        if m >= xs[-1]:
+            return ys[-1] * m / xs[-1]
+        return float(np.exp(np.interp(math.log(m), np.log(xs), np.log(ys))))
+
+    @classmethod
+    def from_calibrations(cls, paths: Sequence[str]) -> LinkTable:
+        """Read ``bench_ep.py --collectives`` CSVs (all_to_all rows of one rank count) with their
+        sidecar JSONs (link rate, gap, one way or not). One-line errors for what does not fit."""
+        import csv
+        import json
+        import os
+
+        ranks, gbit, tables = None, None, {}
+        for path in paths:
+            side = os.path.splitext(path)[0] + ".json"
+            try:
+                with open(side) as f:
+                    meta = json.load(f)
+                with open(path, newline="") as f:
+                    rows = [r for r in csv.DictReader(f) if r.get("op") == "all_to_all"]
+                g, gap, one_way = float(meta["link"]["gbit"]), float(meta.get("gap_s", 0.0)), bool(meta.get("one_way"))
+                counts = {int(r["ranks"]) for r in rows}
+                curve = tuple(sorted((int(r["bytes"]) * (int(r["ranks"]) - 1) / int(r["ranks"]), float(r["seconds"]))
+                                     for r in rows))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"--link-table {path}: not a bench_ep.py --collectives CSV with its sidecar JSON "
+                                 f"({err})") from None
+            if len(counts) != 1 or len(curve) < 2:
+                raise ValueError(f"--link-table {path}: needs all_to_all rows of one rank count at two sizes or more")
+            count = counts.pop()
+            if ranks is not None and (count != ranks or not math.isclose(g, gbit, rel_tol=1e-3)):
+                raise ValueError(f"--link-table {path}: {count} ranks at {g:g} Gbit/s; the others are "
+                                 f"{ranks} ranks at {gbit:g} Gbit/s")
+            if (one_way, gap) in tables:
+                raise ValueError(f"--link-table {path}: a second {'one-way' if one_way else 'both-ways'} table "
+                                 f"for the gap {gap * 1e3:g} ms")
+            ranks, gbit = count, g
+            tables[(one_way, gap)] = curve
+        both = sorted(gap for one_way, gap in tables if not one_way)
+        if not both:
+            raise ValueError("--link-table: no both-ways calibration (without --one-way) given")
+        one = sorted(gap for one_way, gap in tables if one_way)
+        return cls(ranks, gbit, tuple(both), tuple(tables[(False, g)] for g in both),
+                   tuple(one), tuple(tables[(True, g)] for g in one))
+
+
+@dataclasses.dataclass(frozen=True)
 class Engine:
     """The engine's sizes per rank. megatron-core's ``DynamicInferenceContext`` (without CUDA graphs)
     forwards a step's tokens padded up to a multiple of ``token_rounder`` (its ``TOKEN_ROUNDER``,
@@ -154,8 +263,10 @@ class _Live:
     last_s: float = math.nan
 
 
-def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, link: Link) -> list:
-    """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring)."""
+def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, link: Link,
+             table: Optional[LinkTable] = None) -> list:
+    """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring).
+    With ``table`` the all-to-alls cost what the link table measured (``_table_a2a_s``)."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     arrivals = collections.deque(order)
     waiting = [collections.deque() for _ in range(engine.ranks)]
@@ -163,11 +274,15 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     done: dict = {}
     turn = 0
     t = 0.0
-    ctrl = profile.loop_s + link.control_s()
+    ctrl = profile.control_s + link.control_s()
     bucket = link.burst_bytes
+    rest = [[math.inf, math.inf] for _ in range(engine.ranks)]  # seconds each rank link's directions rested
     while len(done) < len(requests):
+        _rested(rest, ctrl)
         if not any(waiting) and not any(active):
-            bucket = link.refill(bucket, max(0.0, requests[arrivals[0]].arrival_s - t))
+            idle = max(0.0, requests[arrivals[0]].arrival_s - t)
+            bucket = link.refill(bucket, idle)
+            _rested(rest, idle)
             t = max(t, requests[arrivals[0]].arrival_s)
         while arrivals and requests[arrivals[0]].arrival_s <= t:
             i = arrivals.popleft()
@@ -206,12 +321,15 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
             continue
         compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(padded, reqs))
         calls = max(1, profile.a2a_calls)
-        per_call = max(padded) * profile.a2a_bytes_per_token / calls
         t += compute
-        for _ in range(profile.a2a_calls):  # the step's compute runs between its all-to-alls
-            bucket = link.refill(bucket, compute / calls)
-            seconds, bucket = link.all_to_all_s(per_call, bucket)
-            t += seconds
+        if table is not None:
+            t += _table_a2a_s(table, profile, padded, compute, rest)
+        else:
+            per_call = max(padded) * profile.a2a_bytes_per_token / calls
+            for _ in range(profile.a2a_calls):  # the step's compute runs between its all-to-alls
+                bucket = link.refill(bucket, compute / calls)
+                seconds, bucket = link.all_to_all_s(per_call, bucket)
+                t += seconds
         seen = t + ctrl  # published by the next iteration's all-gather
         for x in produced:
             x.generated += 1
@@ -223,6 +341,69 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         for r in range(engine.ranks):
             active[r] = [x for x in active[r] if x.index not in done]
     return [done[i] for i in range(len(requests))]
+
+
+def _table_a2a_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
+                 rest: list) -> float:
+    """A step's all-to-alls from the link table. megatron-core's alltoall dispatcher makes three
+    calls per MoE layer: a metadata exchange (the split sizes, right before the dispatch: timed as
+    the table's smallest message after a long rest, the link's latency), the dispatch (rank r sends its own tokens' remote copies,
+    ``d x padded[r]``, and receives the others') and the combine (the reverse), where ``d`` is one
+    layer's off-rank bytes per token one way (the profile's ``a2a_bytes_per_token``, measured with
+    every rank equally busy, counts both ways over all layers). The step's compute lies before the
+    first dispatch (the profile's ``compute_before`` share: embedding, the first attention), after
+    the last combine (``compute_after``: output layer, sampling) and in equal parts between the
+    calls (the experts between a dispatch and its combine, attention between a combine and the next
+    dispatch); without the profiled shares, ``2 x layers + 1`` equal parts. A call lasts as long as its busiest rank link, timed with what that link carries each
+    way after the rest its busier direction had: each rank link's two directions rest on their own
+    (``rest[r] = [out, in]`` seconds, updated in place), so when one rank holds the tokens its
+    dispatches leave on a link that rested through the combine before."""
+    calls, ranks = profile.a2a_calls, len(padded)
+    if calls <= 0 or ranks < 2:
+        return 0.0
+    with_meta = calls % 3 == 0
+    layers = calls // 3 if with_meta else max(1, calls // 2)
+    d = profile.a2a_bytes_per_token / (2 * layers)
+    total = sum(padded)
+    own = [d * n for n in padded]  # dispatch: what rank r sends
+    others = [d * (total - n) / (ranks - 1) for n in padded]  # dispatch: what rank r receives
+    tiny = table.smallest_bytes
+    even = 1.0 / (2 * layers + 1)
+    first = even if profile.compute_before is None else profile.compute_before
+    last = even if profile.compute_after is None else profile.compute_after
+    first, last = min(first, 1.0), min(last, 1.0 - min(first, 1.0))
+    part = compute_s * (1.0 - first - last) / max(1, 2 * layers - 1)
+
+    meta = table.seconds(tiny, tiny, math.inf)  # a few hundred bytes: the link's latency, whatever its bucket holds
+
+    def call(flows) -> float:
+        seconds = max(table.seconds(out, inn, rest[r][0] if out >= inn else rest[r][1])
+                      for r, (out, inn) in enumerate(flows))
+        _rested(rest, seconds)
+        for r, (out, inn) in enumerate(flows):
+            if out > 0:
+                rest[r][0] = 0.0
+            if inn > 0:
+                rest[r][1] = 0.0
+        return seconds
+
+    seconds = 0.0
+    for layer in range(layers):
+        _rested(rest, compute_s * first if layer == 0 else part)
+        if with_meta:
+            _rested(rest, meta)
+            seconds += meta
+        seconds += call(list(zip(own, others)))
+        _rested(rest, part)
+        seconds += call(list(zip(others, own)))
+    _rested(rest, compute_s * last)
+    return seconds
+
+
+def _rested(rest: list, seconds: float) -> None:
+    for link in rest:
+        link[0] += seconds
+        link[1] += seconds
 
 
 def phase_figures(ttft: Sequence[float], e2e: Sequence[float], output_tokens: Sequence[int],
@@ -279,7 +460,8 @@ def rate_phases(run: dict, variant: str) -> list:
     return [p for p in run["requests"][variant] if p.startswith("rate-")]
 
 
-def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: float = 0.0) -> dict:
+def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: float = 0.0,
+                table: Optional[LinkTable] = None) -> dict:
     """Predicted ``FIGURES`` per variant and request rate of a bench_serve run (``--mode serve``,
     shaped link). ``profiles``: variant -> profile dict (``scripts/profile_serving_compute.py``).
     Off-rank bytes follow the LAR the run measured: ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
@@ -296,6 +478,9 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: fl
     server = run["config"]["server"]
     engine = Engine(ranks, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
     link = Link(ranks, float(net["link"]["gbit"]), constants, burst_bytes)
+    if table is not None and (table.ranks != ranks or not math.isclose(table.gbit, link.gbit, rel_tol=1e-3)):
+        raise ValueError(f"the link table was measured with {table.ranks} ranks at {table.gbit:g} Gbit/s; the run "
+                         f"served {ranks} ranks at {link.gbit:g} Gbit/s")
     out = {}
     for v in run["config"]["variants"]:
         if v not in profiles:
@@ -308,7 +493,7 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: fl
         out[v] = {}
         for phase in rate_phases(run, v):
             reqs = run_requests(run, v, phase)
-            got = simulate(reqs, engine, step, link)
+            got = simulate(reqs, engine, step, link, table)
             out[v][phase.split("-", 1)[1]] = phase_figures([g[0] for g in got], [g[1] for g in got],
                                                            [g[2] for g in got], [r.arrival_s for r in reqs])
     return out

@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,7 +51,7 @@ def _points(max_batch_tokens: int, max_requests: int, context: int) -> list:
     return out
 
 
-def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
+def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_dir):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -96,6 +97,8 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
         while eng.local_work():
             eng.step()
 
+    spans_path = os.path.join(spans_dir, f"spans_rank{rank}.jsonl")
+    eng.record_spans(spans_path)  # where in a step its all-to-alls fall (_compute_layout)
     calls0 = eng.comm["a2a_calls"]
     steps0 = eng.steps + eng.dummy_steps
     rows = []
@@ -118,10 +121,39 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed):
         rows.append(round_rows)
     calls = eng.comm["a2a_calls"] - calls0
     steps = eng.steps + eng.dummy_steps - steps0
+    eng.close_spans()
+    before, after = _compute_layout(spans_path)
     stats = eng.stats()
     return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
             "local": stats["local_activations"], "routed": stats["routed_activations"],
-            "loop_s": _loop_overhead(eng, world)}
+            "loop_s": _loop_overhead(eng, world), "compute_before": before, "compute_after": after,
+            "iteration_s": _iteration_overhead(eng, pgc, world, cfg.max_requests, vocab, tokenizer.eod, seed)}
+
+
+def _slowest(values):
+    """The largest of the ranks' values (None where no rank has one: one rank makes no all-to-all)."""
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _compute_layout(spans_path: str) -> tuple:
+    """Median shares of a forward's compute before its first all-to-all (embedding, the first
+    attention) and after its last (the output layer, sampling, bookkeeping), over this rank's
+    profiled steps (``RankEngine.record_spans`` lines); the rest lies between the calls."""
+    before, after = [], []
+    with open(spans_path) as f:
+        for line in f:
+            step = json.loads(line)
+            if not step.get("tokens") or not step["spans"]:
+                continue
+            spans = sorted(step["spans"], key=lambda x: x[1])
+            busy = step["end"] - step["t"]
+            in_flight = sum(e - s for _, s, e in spans)  # on loopback the calls do not overlap
+            compute = busy - in_flight
+            if compute > 0:
+                before.append((spans[0][1] - step["t"]) / compute)
+                after.append((step["end"] - max(e for _, _, e in spans)) / compute)
+    return (statistics.median(before), statistics.median(after)) if before else (None, None)
 
 
 def _loop_overhead(eng, world, iterations: int = 60) -> float:
@@ -147,6 +179,70 @@ def _loop_overhead(eng, world, iterations: int = 60) -> float:
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)
         times.append(float(row[0]))
     return statistics.median(times[10:])
+
+
+class _BurstFrontend:
+    """Rank 0's side of ``megatron.inference.loop.serve_loop`` without HTTP: hands the loop a burst
+    of requests at its first iteration and asks it to stop once all have finished."""
+
+    def __init__(self, submits: list):
+        self.submits, self.left = list(submits), len(submits)
+
+    def take_commands(self, wait_s: float):
+        from megatron.inference.frontend import Commands
+
+        submits, self.submits = self.submits, []
+        return Commands(submits=submits, stop=self.left == 0)
+
+    def assigned(self, placed: dict) -> None:
+        pass
+
+    def publish(self, updates: list, stats: list) -> None:
+        self.left -= sum(1 for u in updates if u.finished)
+
+
+def _iteration_overhead(eng, pgc, world, max_requests, vocab, eod, seed, output_tokens: int = 48) -> float:
+    """Median seconds per serving-loop iteration outside the engine's forwards: the real
+    ``serve_loop`` (its header exchange, command broadcast, token-update gather, request adds,
+    engine stats and bookkeeping) runs a burst of ``world x max_requests / 2`` requests to the
+    end, on loopback; an iteration's wall time minus its ``step``/``dummy_step`` calls; the slowest
+    rank's median. What it leaves out: the HTTP thread and the client's CPU."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from megatron.inference.frontend import Submit
+    from megatron.inference.loop import serve_loop
+    from megatron.inference.sampling import RequestSampling
+    from moe_variants.common import collectives
+
+    rng = np.random.default_rng(seed + 7)
+    submits = [Submit(10**8 + i, [int(t) if t != eod else 1 for t in rng.integers(0, vocab, 16)],
+                      output_tokens, RequestSampling(), ignore_eos=True)
+               for i in range(max(1, world * max_requests // 2))]
+    frontend = _BurstFrontend(submits) if dist.get_rank() == 0 else None
+    inside, marks = [0.0], []
+    step, dummy = eng.step, eng.dummy_step
+
+    def timed(fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t0
+        return call
+
+    eng.step, eng.dummy_step = timed(step), timed(dummy)
+    try:
+        serve_loop(eng, pgc, frontend=frontend, idle_wait_s=0.0,
+                   on_iteration=lambda busy: marks.append((time.perf_counter(), inside[0], busy)))
+    finally:
+        eng.step, eng.dummy_step = step, dummy
+    gaps = [(t1 - t0) - (in1 - in0) for (t0, in0, _), (t1, in1, busy) in zip(marks, marks[1:]) if busy]
+    row = torch.tensor([statistics.median(gaps) if gaps else 0.0], dtype=torch.float64)
+    collectives.all_reduce(row, op=dist.ReduceOp.MAX)
+    return float(row[0])
 
 
 def fit(rows: list, engine) -> dict:
@@ -219,8 +315,9 @@ def main(argv=None) -> int:
         for v in variants:
             t0 = time.monotonic()
             preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
-            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes,
-                                       args.repeats, 1234, timeout_s=1800, num_threads=threads)
+            with tempfile.TemporaryDirectory(prefix="profile-spans-") as spans_dir:
+                per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes,
+                                           args.repeats, 1234, spans_dir, timeout_s=1800, num_threads=threads)
             rows = per_rank[0]["rows"]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
             entry = fit(rows, engine)
@@ -231,6 +328,9 @@ def main(argv=None) -> int:
                 a2a_calls=round(per_rank[0]["calls_per_step"]),
                 lar=sum(r["local"] for r in per_rank) / max(1, sum(r["routed"] for r in per_rank)),
                 loop_s=per_rank[0]["loop_s"],
+                iteration_s=per_rank[0]["iteration_s"],
+                compute_before=_slowest(r["compute_before"] for r in per_rank),
+                compute_after=_slowest(r["compute_after"] for r in per_rank),
                 checkpoint=checkpoints[v], wall_s=time.monotonic() - t0,
             )
             out["variants"][v] = entry

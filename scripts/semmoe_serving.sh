@@ -12,8 +12,8 @@
 # parallelism: 1, or EP for Algorithm 3 on the same ranks; default 1), RATES (default 2,4,8),
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
 # OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
-# VARIANTS (default standard,eplb,semmoe), PY (default .venv/bin/python). Steps whose output exists
-# are skipped.
+# VARIANTS (default standard,eplb,semmoe), LINK_GBIT (a fixed link rate instead of the search for
+# FRACTION), PY (default .venv/bin/python). Steps whose output exists are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
@@ -27,6 +27,8 @@ OUTPUT_LEN=${OUTPUT_LEN:-32}
 SLO_TTFT=${SLO_TTFT:-1.0}
 SLO_TPOT=${SLO_TPOT:-0.2}
 VARIANTS=${VARIANTS:-standard,eplb,semmoe}
+LINK=(--target-comm-fraction "$FRACTION")
+[ -z "${LINK_GBIT:-}" ] || LINK=(--link-gbit "$LINK_GBIT")
 PY=${PY:-.venv/bin/python}
 PROMPTS=data/semmoe_prompts
 mkdir -p "$OUT/tables"
@@ -45,5 +47,5 @@ done
   "$OUT/tables/eplb" "$OUT/tables/semmoe" --profile "$OUT/sharegpt_eval.npz" --mode both --out "$OUT/evaluation.json"
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants "$VARIANTS" \
   --ranks "$EP" --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
-  --target-comm-fraction "$FRACTION" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
+  "${LINK[@]}" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
   --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --work-dir "$OUT/work" --json "$OUT/serve.json"

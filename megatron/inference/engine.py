@@ -442,7 +442,7 @@ class RankEngine:
         result = engine.step_modern()
         forwarded = real_tokens > 0
         self.steps += int(forwarded)
-        self._harvest(start)
+        self._harvest(start, real_tokens)
         if forwarded:
             self._count_activations(real_tokens)
         failed_now = dict(self.controller.failed)
@@ -493,7 +493,7 @@ class RankEngine:
         start = time.perf_counter()
         self.controller.dummy_forward()
         self.dummy_steps += 1
-        self._harvest(start)
+        self._harvest(start, 0)
         self._count_activations(0)
 
     def _count_activations(self, real_tokens: int) -> None:
@@ -513,27 +513,30 @@ class RankEngine:
         real[0, :min(real_tokens, rows)] = True
         self.activations.count(real)
 
-    def _harvest(self, start: float) -> None:
+    def _harvest(self, start: float, real_tokens: int) -> None:
         """Add the step's wall time and its all-to-all counters to the rank's totals and reset the
         layers' counters: their in-flight union keeps every interval, so summing the whole history
         at each ``stats()`` would cost more every step."""
         from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
-        self.busy_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy_s += end - start
         if self.counters:
             step = comm_totals([self.model])
-            self.comm["a2a_bytes"] += int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
+            sent = int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
+            self.comm["a2a_bytes"] += sent
             self.comm["a2a_calls"] += int(step["calls"])
             self.comm["a2a_time_s"] += float(step["time_fwd_s"])
             self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
             reset_comm_counters([self.model])
             if self._span_file is not None:
-                self._write_spans(start)
+                self._write_spans(start, end, real_tokens, sent)
 
     def record_spans(self, path: str) -> None:
         """Append every step's expert all-to-alls to ``path``, one JSON line per step with any:
-        ``{"t": step start, "spans": [[name, start, end], ...]}`` (``perf_counter`` seconds, launch
-        order). The serving benchmark matches them across ranks to split the all-to-all time into
+        ``{"t": step start, "end": step end, "tokens": real tokens (0: a dummy forward), "bytes":
+        off-rank all-to-all bytes sent, "spans": [[name, start, end], ...]}`` (``perf_counter``
+        seconds, launch order). The serving benchmark matches them across ranks to split the all-to-all time into
         transfer and rank-skew wait (``tools.bench.overlap.transfer_skew``)."""
         from moe_variants.common.comm import TimelineRecorder
 
@@ -547,11 +550,12 @@ class RankEngine:
             self._span_file.close()
             self._span_file = None
 
-    def _write_spans(self, start: float) -> None:
+    def _write_spans(self, start: float, end: float, real_tokens: int, sent: int) -> None:
         events, self._timeline.events = self._timeline.events, []
         spans = [[n, s, e] for n, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
         if spans:
-            self._span_file.write(json.dumps({"t": start, "spans": spans}) + "\n")
+            self._span_file.write(json.dumps({"t": start, "end": end, "tokens": real_tokens, "bytes": sent,
+                                              "spans": spans}) + "\n")
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:

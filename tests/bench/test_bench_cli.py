@@ -98,6 +98,22 @@ def test_loopback_calibration_writes_csv_and_sidecar(tmp_path):
     assert side["command"][:4] == ["python", "scripts/bench_ep.py", "--collectives", "--no-netns"]
 
 
+def test_loopback_calibration_one_way_with_gaps(tmp_path):
+    """``--one-way``: only rank 0 sends (uneven splits every rank agrees on, or gloo would fail);
+    ``--gap-ms``: the idle time before each call; both recorded in the sidecar."""
+    path = tmp_path / "one.csv"
+    proc = _run("--collectives", "--no-netns", "--csv", str(path), "--calibration-ranks", "2", "--ops", "all_to_all",
+                "--sizes", "4096,65536", "--repeats", "2", "--warmup", "1", "--gap-ms", "1", "--one-way")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["op"], r["bytes"]) for r in rows] == [("all_to_all", "4096"), ("all_to_all", "65536")]
+    side = json.loads((tmp_path / "one.json").read_text())
+    assert side["one_way"] is True and side["gap_s"] == pytest.approx(1e-3)
+    proc = _run("--collectives", "--no-netns", "--csv", str(tmp_path / "bad.csv"), "--gap-ms", "-1")
+    assert proc.returncode == 2 and "--gap-ms" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.csv").exists()
+
+
 def test_calibration_aggregation_by_hand():
     per_rank = [
         {"rows": [{"op": "all_reduce", "bytes": 64, "start": [10.0, 20.0, 30.0], "end": [13.0, 25.0, 32.0]}]},

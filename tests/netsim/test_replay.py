@@ -4,6 +4,7 @@ and ``netsim predict`` / ``validate`` on a synthetic bench_serve run."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -153,3 +154,114 @@ def test_recorded_assignment_is_replayed():
     for r in run["requests"]["standard"]["rate-2"]:
         r["dp_rank"] = 1
     assert validate_run(run, predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C))["unmodelled"] == {}
+
+
+# ------------------------------------------------------------------ replay/4: the measured link table
+
+
+def _table_csv(tmp_path, name, gbit, gap_s, rows, one_way=False, ranks=2):
+    """A bench_ep.py --collectives CSV (``rows``: (input bytes, seconds)) with its sidecar JSON."""
+    path = tmp_path / f"{name}.csv"
+    path.write_text("op,ranks,bytes,seconds\n" + "".join(f"all_to_all,{ranks},{b},{s}\n" for b, s in rows))
+    (tmp_path / f"{name}.json").write_text(json.dumps({"link": {"gbit": gbit}, "gap_s": gap_s, "one_way": one_way}))
+    return str(path)
+
+
+def _table(tmp_path, gbit=0.5):
+    from netsim.replay import LinkTable
+
+    return LinkTable.from_calibrations([
+        _table_csv(tmp_path, "both0", gbit, 0.0, [(2000, 0.001), (8000, 0.008)]),  # off-rank 1000 / 4000 B
+        _table_csv(tmp_path, "both10", gbit, 0.01, [(2000, 0.0005), (8000, 0.004)]),
+        _table_csv(tmp_path, "one0", gbit, 0.0, [(2000, 0.0008), (8000, 0.004)], one_way=True),
+    ])
+
+
+def test_link_table_interpolates_in_size_rest_and_direction(tmp_path):
+    t = _table(tmp_path)
+    assert t.ranks == 2 and t.gaps_s == (0.0, 0.01) and t.one_way_gaps_s == (0.0,)
+    assert t.seconds(1000, 1000, 0.0) == pytest.approx(0.001)
+    assert t.seconds(2000, 2000, 0.0) == pytest.approx(0.001 * 2 ** 1.5)  # log-log between 1000 B and 4000 B
+    assert t.seconds(10, 10, 0.0) == pytest.approx(0.001)  # below the smallest size: its time
+    assert t.seconds(8000, 8000, 0.0) == pytest.approx(0.016)  # above the largest: its rate
+    assert t.seconds(1000, 1000, 0.005) == pytest.approx(0.00075)  # linear in the rest
+    assert t.seconds(1000, 1000, 1.0) == pytest.approx(0.0005)  # clamped at the longest measured rest
+    assert t.seconds(4000, 0, 0.0) == pytest.approx(0.004)  # one way
+    assert t.seconds(4000, 2000, 0.0) == t.seconds(2000, 4000, 0.0) == pytest.approx(0.006)  # half-way
+    assert t.seconds(0, 0, 0.0) == 0.0
+
+
+def test_link_table_refuses_what_does_not_fit(tmp_path):
+    from netsim.replay import LinkTable
+
+    a = _table_csv(tmp_path, "a", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)])
+    with pytest.raises(ValueError, match="Gbit/s"):
+        LinkTable.from_calibrations([a, _table_csv(tmp_path, "b", 0.6, 0.01, [(2000, 0.001), (8000, 0.008)])])
+    with pytest.raises(ValueError, match="4 ranks"):
+        LinkTable.from_calibrations([a, _table_csv(tmp_path, "c", 0.5, 0.01, [(2000, 0.001), (8000, 0.008)], ranks=4)])
+    with pytest.raises(ValueError, match="second both-ways table"):
+        LinkTable.from_calibrations([a, _table_csv(tmp_path, "d", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)])])
+    with pytest.raises(ValueError, match="no both-ways"):
+        LinkTable.from_calibrations([_table_csv(tmp_path, "e", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)], one_way=True)])
+    with pytest.raises(ValueError, match="two sizes"):
+        LinkTable.from_calibrations([_table_csv(tmp_path, "f", 0.5, 0.0, [(2000, 0.001)])])
+    with pytest.raises(ValueError, match="sidecar"):
+        LinkTable.from_calibrations([str(tmp_path / "missing.csv")])
+
+
+def test_a_lone_prefill_with_the_link_table(tmp_path):
+    """One request alone on rank 0 (rank 1 runs its dummy forward), by hand. Per MoE layer: the
+    metadata exchange (the smallest size, both ways), the dispatch (rank 0's link out, one way) and
+    the combine (rank 1's link out, one way); each rank link's directions rest on their own, so the
+    second layer's dispatch follows a rest of two compute parts plus the two calls between. The
+    compute lies in five equal parts around the four data calls; the loop costs ``iteration_s``."""
+    from netsim.replay import LinkTable, _table_a2a_s
+
+    t = LinkTable.from_calibrations([
+        _table_csv(tmp_path, "both0", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)]),
+        _table_csv(tmp_path, "both10", 0.5, 0.01, [(2000, 0.0005), (8000, 0.004)]),
+        _table_csv(tmp_path, "one0", 0.5, 0.0, [(2000, 0.0008), (8000, 0.004)], one_way=True),
+        _table_csv(tmp_path, "one10", 0.5, 0.01, [(2000, 0.0002), (8000, 0.002)], one_way=True),
+    ])
+    prof = StepProfile(fixed_s=0.01, per_token_s=1e-4, per_request_s=1e-3, dummy_s=0.005, a2a_bytes_per_token=400.0,
+                       a2a_calls=6, loop_s=1e-3, iteration_s=3e-3)
+    compute = prof.compute_s(10, 1)  # 0.012 s; 10 tokens x 100 B per layer one way = 1000 B per call
+    part = compute / 5
+
+    def one_way(rest):  # 1000 B one way: 0.8 ms back to back, 0.2 ms after 10 ms or more
+        return 0.0008 + (0.0002 - 0.0008) * min(rest, 0.01) / 0.01
+
+    meta = 0.0005  # 1000 B both ways after a long rest
+    d2 = one_way(part + one_way(1.0) + part + meta)  # rank 0's link out rested since the first dispatch
+    c2 = one_way(part + meta + d2 + part)  # rank 1's link out rested since the first combine
+    expected = 2 * meta + 2 * one_way(1.0) + d2 + c2
+    rest = [[math.inf, math.inf], [math.inf, math.inf]]
+    assert _table_a2a_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
+    assert rest[0][0] == pytest.approx(part + c2 + part)  # rank 0 out: since its last dispatch
+    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t)
+    ctrl = 3e-3 + LINK.control_s()  # the profiled loop overhead replaces loop_s
+    assert ttft == pytest.approx(ctrl + compute + expected + ctrl)
+    # the profiled layout: 40% of the compute before the first call, 10% after the last
+    laid = StepProfile(**{**prof.__dict__, "compute_before": 0.4, "compute_after": 0.1})
+    rest = [[0.0, 0.0], [0.0, 0.0]]
+    _table_a2a_s(t, laid, [10, 10], compute, rest)
+    assert rest[0][0] == pytest.approx(compute * 0.1)  # both ranks busy: every link carried the last combine
+
+
+def test_validate_cli_with_a_link_table(tmp_path, capsys):
+    from netsim.cli import main
+
+    run = tmp_path / "serve.json"
+    run.write_text(json.dumps(_run()))
+    (tmp_path / "serve.profile.json").write_text(json.dumps(
+        {"schema": "serving-compute-profile/1", "variants": {"standard": dict(PROF.__dict__, lar=0.5)}}))
+    _table(tmp_path)
+    tables = [str(tmp_path / f) for f in ("both0.csv", "both10.csv", "one0.csv")]
+    assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--json", str(tmp_path / "v.json")]) == 0
+    out = json.loads((tmp_path / "v.json").read_text())
+    assert out["link_table"] == tables and out["model_version"].startswith("replay/4")
+    capsys.readouterr()
+    _table(tmp_path, gbit=0.25)  # rewritten at another rate than the run's 0.5 Gbit/s
+    assert main(["validate", "--bench-serve", str(run), "--link-table", *tables]) == 2
+    err = capsys.readouterr().err
+    assert "link table" in err and len(err.strip().splitlines()) == 1

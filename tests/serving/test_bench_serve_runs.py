@@ -148,7 +148,8 @@ def test_prefill_amdahl_uses_the_transfer_share_and_medians_over_runs():
 
 def test_the_engine_writes_one_line_per_step_with_collectives(tmp_path):
     """``serve --a2a-spans``: the rank engine attaches one timeline to its layers' counters and writes
-    each step's collectives (launch order, no waits) as a JSON line; a step without any writes none."""
+    each step's collectives (launch order, no waits) as a JSON line with the step's end, real tokens
+    and off-rank bytes; a step without any writes none."""
     from megatron.inference.engine import RankEngine
     from moe_variants.common.comm import CommCounters
 
@@ -160,8 +161,9 @@ def test_the_engine_writes_one_line_per_step_with_collectives(tmp_path):
     eng._timeline.add("combine", "comm", 2.0, 2.5)
     eng._timeline.add("dispatch", "comm", 1.0, 1.5)
     eng._timeline.add("wait dispatch", "wait", 1.2, 1.5)
-    eng._write_spans(0.5)
-    eng._write_spans(3.0)  # nothing in flight since
+    eng._write_spans(0.5, 2.7, 12, 4096)
+    eng._write_spans(3.0, 3.1, 0, 0)  # nothing in flight since
     eng.close_spans()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert lines == [{"t": 0.5, "spans": [["dispatch", 1.0, 1.5], ["combine", 2.0, 2.5]]}]
+    assert lines == [{"t": 0.5, "end": 2.7, "tokens": 12, "bytes": 4096,
+                      "spans": [["dispatch", 1.0, 1.5], ["combine", 2.0, 2.5]]}]

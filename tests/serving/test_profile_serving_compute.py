@@ -35,6 +35,7 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path):
     step = StepProfile.from_dict(v)
     assert step.a2a_calls == 3 * 2  # dispatch, combine and routing metadata of 2 MoE layers
     assert step.a2a_bytes_per_token > 0 and step.loop_s > 0 and step.dummy_s > 0
+    assert step.iteration_s > 0 and step.control_s == step.iteration_s  # the real loop's overhead, measured
     assert 0 < v["lar"] < 1
     kinds = {p["kind"] for p in v["points"]}
     assert kinds == {"prefill", "decode"}

@@ -23,6 +23,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ops", default=",".join(OPS))
     g.add_argument("--repeats", type=positive_int, default=10,
                    help="timed calls per size (x 1 MiB/size below 1 MiB, at most 10x)")
+    g.add_argument("--gap-ms", type=float, default=0.0,
+                   help="idle milliseconds on every rank before each call (the link's shaper refills, as "
+                   "between a served step's all-to-alls; default 0: back to back)")
+    g.add_argument("--one-way", action="store_true",
+                   help="all_to_all with only rank 0 sending (its bytes split evenly; the others keep theirs): "
+                   "each link carries one direction, as in a step where one rank holds all the tokens")
     g.add_argument("--cleanup-stale", action="store_true",
                    help="only remove namespaces left by crashed runs, then exit")
     return ap
@@ -405,13 +412,15 @@ def _calibrate(args, argv, work_dir, budget) -> int:
     for s in sizes:
         if s < 64 or s % 64:
             raise ValueError(f"--sizes: {s} is not a positive multiple of 64 bytes")
+    if not (args.gap_ms >= 0 and math.isfinite(args.gap_ms)):
+        raise ValueError(f"--gap-ms: {args.gap_ms} is not a finite number >= 0")
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = host_info()
     t0 = time.monotonic()
     rows, networks = run_calibration(
         args.calibration_ranks, link, sizes, warmup=args.warmup, repeats=args.repeats,
         use_netns=not args.no_netns, work_dir=work_dir, timeout_s=budget.remaining(), ops=ops,
-        num_threads=args.threads,
+        num_threads=args.threads, gap_s=args.gap_ms / 1e3, one_way=args.one_way,
     )  # fmt: skip
     write_csv(args.csv, rows)
     sidecar = os.path.splitext(args.csv)[0] + ".json"
@@ -424,8 +433,8 @@ def _calibrate(args, argv, work_dir, budget) -> int:
                     "ranks": "number of ranks, one network namespace each",
                     "bytes": "input tensor size per rank (what each rank contributes)",
                     "seconds": "median over repeats of (last rank's exit - last rank's entry) for one call"},
-        "link": link.as_dict(), "warmup": args.warmup, "repeats": args.repeats,
-        "repeats_rule": "repeats x ceil(1 MiB / bytes), clamped to [repeats, 10 x repeats]",
+        "link": link.as_dict(), "warmup": args.warmup, "repeats": args.repeats, "gap_s": args.gap_ms / 1e3,
+        "one_way": args.one_way, "repeats_rule": "repeats x ceil(1 MiB / bytes), clamped to [repeats, 10 x repeats]",
         "networks": networks, "wall_s": time.monotonic() - t0,
         "host": {"start": host_start, "end_loadavg_1_5_15": list(os.getloadavg())},
         "rows": rows,

@@ -68,23 +68,38 @@ def repeats_for(num_bytes: int, repeats: int) -> int:
 # --------------------------------------------------------------------------------- worker side
 
 
-def _time_op(op: str, num_bytes: int, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
-    """(entry times, exit times) of the timed calls, in CLOCK_MONOTONIC seconds."""
+def _time_op(op: str, num_bytes: int, warmup: int, repeats: int, gap_s: float = 0.0,
+             one_way: bool = False) -> tuple[list[float], list[float]]:
+    """(entry times, exit times) of the timed calls, in CLOCK_MONOTONIC seconds; every rank idles
+    ``gap_s`` before each call's barrier (the shaper's bucket refills, as between a step's calls).
+    ``one_way`` (all_to_all): only rank 0 sends off-rank (its ``num_bytes`` split evenly); the others
+    keep their one chunk, so every link carries traffic in one direction only."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     numel = num_bytes // 4
     if numel % world:
         raise ValueError(f"size {num_bytes} B is not divisible into {world} fp32 chunks")
-    x = torch.ones(numel, dtype=torch.float32)
-    out = torch.empty_like(x)
+    chunk = numel // world
+    splits_in = splits_out = None
+    if one_way and op == "all_to_all":
+        splits_in = [chunk] * world if rank == 0 else [chunk if r == rank else 0 for r in range(world)]
+        splits_out = [chunk if r == rank else 0 for r in range(world)] if rank == 0 else \
+            [chunk if r in (0, rank) else 0 for r in range(world)]
+        numel_in, numel_out = sum(splits_in), sum(splits_out)
+    else:
+        numel_in = numel_out = numel
+    x = torch.ones(numel_in, dtype=torch.float32)
+    out = torch.empty(numel_out, dtype=torch.float32)
     starts, ends = [], []
     for i in range(warmup + repeats):
+        if gap_s:
+            time.sleep(gap_s)
         collectives.barrier()
         t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
         if op == "all_to_all":
-            collectives.all_to_all_single(out, x)
+            collectives.all_to_all_single(out, x, output_split_sizes=splits_out, input_split_sizes=splits_in)
         elif op == "all_reduce":
             collectives.all_reduce(x)
         else:
@@ -109,7 +124,8 @@ def main(argv=None) -> int:
     rows = []
     for op in opts["ops"]:
         for num_bytes in opts["sizes"]:
-            starts, ends = _time_op(op, int(num_bytes), spec.warmup, repeats_for(int(num_bytes), spec.steps))
+            starts, ends = _time_op(op, int(num_bytes), spec.warmup, repeats_for(int(num_bytes), spec.steps),
+                                    float(opts.get("gap_s", 0.0)), bool(opts.get("one_way", False)))
             rows.append({"op": op, "bytes": int(num_bytes), "start": starts, "end": ends})
     rank, world = dist.get_rank(), dist.get_world_size()
     collectives.barrier()
@@ -165,8 +181,11 @@ def run_calibration(
     ops: Sequence[str] = OPS,
     num_threads: int = 1,
     log=print,
+    gap_s: float = 0.0,
+    one_way: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """Run the sweep for each rank count; return (rows, networks described)."""
+    """Run the sweep for each rank count; return (rows, networks described). ``gap_s``: idle time
+    before each call; ``one_way``: only rank 0 sends (``_time_op``)."""
     from .launcher import launch
     from .netns import open_network
 
@@ -179,7 +198,8 @@ def run_calibration(
             run_dir = os.path.join(work_dir, f"collectives-r{ranks}")
             spec = WorkerSpec(
                 variant="collectives", output_dir=os.path.join(run_dir, "out"), warmup=warmup,
-                steps=repeats, num_threads=num_threads, options={"ops": list(ops), "sizes": list(sizes)},
+                steps=repeats, num_threads=num_threads, options={"ops": list(ops), "sizes": list(sizes), "gap_s": gap_s,
+                                                       "one_way": one_way},
             )  # fmt: skip
             t0 = time.monotonic()
             per_rank = launch(net, WORKER_MODULE, spec, run_dir, timeout_s)
