@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Compare a served run's all-to-alls with netsim's replay, step by step.
+
+    python scripts/replay_steps.py --spans WORK/serve-standard-run0/a2a_spans --profile serve.profile.json \\
+        --variant standard --link-table TABLE/*.csv [--fit FIT.json] [--json OUT]
+
+``serve --a2a-spans`` (bench_serve records it) writes every engine step's all-to-alls per rank,
+with the step's start and end, its real tokens and the bytes the rank sent. For each step this
+takes the measured all-to-all time (per call: the last rank's exit minus the last rank's entry,
+so rank skew is left out) and what the replay charges for a step of those tokens: replay/4's link
+table (``netsim.replay._table_a2a_s``, with the step's measured compute between the calls and
+each rank link's rest carried from step to step) and, with ``--fit``, replay/3's token-bucket line
+(``Link.all_to_all_s``). Steps are grouped as prefill (a rank forwards more tokens than
+``max_requests``), decode, and those where one rank runs the dummy forward. Tokens are padded as
+the engine pads them (``Engine.padded``; a step of at most ``max_requests`` tokens counts as decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
+    from netsim.replay import _rested, _table_a2a_s
+
+    rest = [[math.inf, math.inf] for _ in spans_by_rank]
+    bucket = link.burst_bytes if link is not None else 0.0
+    prev_end = None
+    out: dict = {}
+    for steps in zip(*spans_by_rank):
+        if any(len(s["spans"]) != len(steps[0]["spans"]) for s in steps):
+            raise ValueError("the ranks recorded different collectives in one step")
+        calls = list(zip(*(s["spans"] for s in steps)))
+        measured = sum(max(c[2] for c in call) - max(c[1] for c in call) for call in calls)
+        compute = max((s["end"] - s["t"]) - sum(e - b for _, b, e in s["spans"]) for s in steps)
+        if prev_end is not None:
+            idle = max(0.0, steps[0]["t"] - prev_end)
+            _rested(rest, idle)
+            if link is not None:
+                bucket = link.refill(bucket, idle)
+        prev_end = steps[0]["end"]
+        tokens = [int(s["tokens"]) for s in steps]
+        padded = [engine.padded(n, decode_only=n <= engine.max_requests) if n else 0 for n in tokens]
+        model4 = _table_a2a_s(table, profile, padded, compute, rest)
+        model3 = None
+        if link is not None:
+            model3, per_call = 0.0, max(padded) * profile.a2a_bytes_per_token / max(1, profile.a2a_calls)
+            for _ in range(profile.a2a_calls):
+                bucket = link.refill(bucket, compute / profile.a2a_calls)
+                seconds, bucket = link.all_to_all_s(per_call, bucket)
+                model3 += seconds
+        kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
+        row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay4_s": 0.0, "replay3_s": 0.0 if link else None,
+                                    "bytes_measured": 0, "bytes_model": 0.0})
+        row["steps"] += 1
+        row["measured_s"] += measured
+        row["replay4_s"] += model4
+        if link is not None:
+            row["replay3_s"] += model3
+        row["bytes_measured"] += max(int(s["bytes"]) for s in steps)
+        d = profile.a2a_bytes_per_token / 2
+        row["bytes_model"] += max(d * (n + (sum(padded) - n) / (len(padded) - 1)) for n in padded)
+    return out
+
+
+def main(argv=None) -> int:
+    from moe_variants.common.cli import run_cli
+    from moe_variants.common.files import write_json
+
+    p = argparse.ArgumentParser(prog="replay_steps.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spans", required=True, metavar="DIR", help="a served run's a2a_spans directory")
+    p.add_argument("--profile", required=True, metavar="JSON", help="scripts/profile_serving_compute.py output")
+    p.add_argument("--variant", required=True)
+    p.add_argument("--link-table", required=True, nargs="+", metavar="CSV")
+    p.add_argument("--fit", metavar="JSON", help="a netsim fit at the run's rate: also replay/3's all-to-all time")
+    p.add_argument("--json", metavar="OUT")
+
+    def body():
+        from netsim.replay import Engine, Link, LinkTable, StepProfile, load_fit
+
+        args = p.parse_args(argv)
+        try:
+            with open(args.profile) as f:
+                prof = json.load(f)
+            profile = StepProfile.from_dict(prof["variants"][args.variant])
+            engine = Engine(int(prof["ranks"]), int(prof["engine"]["max_batch_tokens"]),
+                            int(prof["engine"]["max_requests"]) // 4 * 4)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--profile {args.profile}: no variant {args.variant!r} in a readable profile ({err})") from None
+        spans = []
+        for r in range(engine.ranks):
+            path = os.path.join(args.spans, f"a2a_spans_rank{r}.jsonl")
+            try:
+                with open(path) as f:
+                    spans.append([json.loads(line) for line in f if line.strip()])
+            except (OSError, ValueError) as err:
+                raise ValueError(f"--spans {args.spans}: {path} is not readable ({err})") from None
+        if any("end" not in s or "tokens" not in s for lines in spans for s in lines):
+            raise ValueError(f"--spans {args.spans}: lines without the step's end and tokens (recorded before replay/4)")
+        table = LinkTable.from_calibrations(args.link_table)
+        link = None
+        if args.fit:
+            constants, burst = load_fit(args.fit)
+            link = Link(engine.ranks, table.gbit, constants, burst)
+        out = compare(spans, profile, engine, table, link)
+        print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay/4 s':>12}{'replay/3 s':>12}{'MB measured':>13}{'MB model':>10}")
+        for kind, r in out.items():
+            r3 = "-" if r["replay3_s"] is None else f"{r['replay3_s']:.2f}"
+            print(f"{kind:<8}{r['steps']:>6}{r['measured_s']:>12.2f}{r['replay4_s']:>12.2f}{r3:>12}"
+                  f"{r['bytes_measured'] / 1e6:>13.1f}{r['bytes_model'] / 1e6:>10.1f}")
+        if args.json:
+            write_json(args.json, {"schema": "replay-steps/1", "spans": args.spans, "profile": args.profile,
+                                   "variant": args.variant, "link_table": args.link_table, "fit": args.fit,
+                                   "by_kind": out})
+            print(f"wrote {args.json}")
+        return 0
+
+    return run_cli("replay_steps.py", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""scripts/replay_steps.py: a served run's recorded steps against the replay's all-to-all time
+(measured side by hand; the model side is netsim.replay's own function, tested in test_replay)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _inputs(tmp_path, with_end=True):
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    steps = [  # a lone prefill of 40 tokens on rank 0, then a decode step on both ranks
+        ([{"t": 0.0, "end": 0.10, "tokens": 40, "bytes": 8000, "spans": [["dispatch", 0.02, 0.05], ["combine", 0.07, 0.08]]},
+          {"t": 0.0, "end": 0.10, "tokens": 0, "bytes": 8000, "spans": [["dispatch", 0.03, 0.05], ["combine", 0.06, 0.09]]}]),
+        ([{"t": 0.2, "end": 0.25, "tokens": 2, "bytes": 1000, "spans": [["dispatch", 0.21, 0.22], ["combine", 0.23, 0.24]]},
+          {"t": 0.2, "end": 0.25, "tokens": 1, "bytes": 1000, "spans": [["dispatch", 0.21, 0.22], ["combine", 0.23, 0.24]]}]),
+    ]
+    for r in range(2):
+        lines = [dict(step[r]) for step in steps]
+        if not with_end:
+            for line in lines:
+                del line["end"]
+        (spans / f"a2a_spans_rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    prof = {"schema": "serving-compute-profile/1", "ranks": 2, "engine": {"max_batch_tokens": 64, "max_requests": 4},
+            "variants": {"standard": {"fixed_s": 0.01, "per_token_s": 1e-4, "per_request_s": 1e-3, "dummy_s": 0.005,
+                                      "a2a_bytes_per_token": 200.0, "a2a_calls": 2}}}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    table = []
+    for way, gap, rows in (("both", 0.0, [(2000, 0.001), (8000, 0.008)]), ("one", 0.0, [(2000, 0.0008), (8000, 0.004)])):
+        path = tmp_path / f"{way}.csv"
+        path.write_text("op,ranks,bytes,seconds\n" + "".join(f"all_to_all,2,{b},{s}\n" for b, s in rows))
+        (tmp_path / f"{way}.json").write_text(json.dumps({"link": {"gbit": 0.5}, "gap_s": gap, "one_way": way == "one"}))
+        table.append(str(path))
+    return spans, tmp_path / "p.json", table
+
+
+def test_steps_are_grouped_and_measured_without_rank_skew(tmp_path):
+    spans, prof, table = _inputs(tmp_path)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "scripts/replay_steps.py", "--spans", str(spans), "--profile", str(prof),
+                           "--variant", "standard", "--link-table", *table, "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    by = json.loads(out.read_text())["by_kind"]
+    # per call: the last rank's exit minus the last rank's entry
+    assert by["dummy"]["steps"] == 1 and by["dummy"]["measured_s"] == pytest.approx((0.05 - 0.03) + (0.09 - 0.07))
+    assert by["decode"]["measured_s"] == pytest.approx(0.01 + 0.01)
+    assert by["dummy"]["bytes_measured"] == 8000 and by["decode"]["bytes_measured"] == 1000
+    # model bytes: d = 100 B per token one way; rank 0 sends d x 64 (padded) and gets back d x 64
+    assert by["dummy"]["bytes_model"] == pytest.approx(100 * 64)
+    assert by["dummy"]["replay4_s"] > 0 and by["dummy"]["replay3_s"] is None
+
+
+def test_spans_from_before_replay4_are_one_line(tmp_path):
+    spans, prof, table = _inputs(tmp_path, with_end=False)
+    proc = subprocess.run([sys.executable, "scripts/replay_steps.py", "--spans", str(spans), "--profile", str(prof),
+                           "--variant", "standard", "--link-table", *table], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--spans" in proc.stderr
+    proc = subprocess.run([sys.executable, "scripts/replay_steps.py", "--spans", str(spans), "--profile", str(prof),
+                           "--variant", "bigmac", "--link-table", *table], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "bigmac" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
