@@ -52,13 +52,15 @@ FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (and say what changed in docs/netsim.md) whenever the replay's
 # arithmetic changes; ``validate`` prints it with ``model_fingerprint()`` of this file.
-MODEL_VERSION = "replay/4 (2026-11-27)"
+MODEL_VERSION = "replay/5 (2026-11-27)"
 # /3: requests go to the engine the run recorded (x-dp-rank), if it did.
 # /4: with a link table (``LinkTable``: all-to-alls calibrated at the run's rate after rests of 0-80 ms, both ways
 #     and one way), each dispatch and combine costs what the link measured for its size, its direction mix and the
 #     rest its rank link had (each direction of each rank link rests on its own); the metadata exchange costs the
 #     link's latency; the compute lies around the calls as the profile measured (``compute_before``/``_after``);
 #     each iteration costs the real serving loop's profiled overhead (``iteration_s``) when the profile has it.
+# /5: a call spends only the rest its bytes take at the link rate (the shaper's bucket, at most ``bucket_s``),
+#     instead of every call with traffic emptying it: the light direction of a lopsided call keeps its bucket.
 
 # A rate whose measured request rate is at least this fraction of the offered rate is bound by
 # the offered load (the server keeps up): its throughput says nothing about the model.
@@ -162,6 +164,16 @@ class LinkTable:
     @property
     def smallest_bytes(self) -> float:
         return self.curves[0][0][0]
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbit * 1e9 / 8
+
+    @property
+    def bucket_s(self) -> float:
+        """Seconds of rest that fill the shaper's bucket: ``tools/bench/netns.py`` gives ``tc tbf`` a
+        burst of 64 KiB plus one frame, or 1 ms of traffic where that is more."""
+        return max(64 * 1024 + 1514, self.bytes_per_s / 1000) / self.bytes_per_s
 
     def seconds(self, sent: float, received: float, gap_s: float) -> float:
         """One call whose busiest link carries ``sent`` bytes one way and ``received`` the other,
@@ -357,7 +369,9 @@ def _table_a2a_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], 
     dispatch); without the profiled shares, ``2 x layers + 1`` equal parts. A call lasts as long as its busiest rank link, timed with what that link carries each
     way after the rest its busier direction had: each rank link's two directions rest on their own
     (``rest[r] = [out, in]`` seconds, updated in place), so when one rank holds the tokens its
-    dispatches leave on a link that rested through the combine before."""
+    dispatches leave on a link that rested through the combine before. A rest is the shaper's
+    bucket in seconds of link rate: it fills up to ``table.bucket_s``, and a call spends what its
+    bytes take at the link rate (a few KiB of a lopsided call's light direction spend little)."""
     calls, ranks = profile.a2a_calls, len(padded)
     if calls <= 0 or ranks < 2:
         return 0.0
@@ -376,15 +390,18 @@ def _table_a2a_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], 
 
     meta = table.seconds(tiny, tiny, math.inf)  # a few hundred bytes: the link's latency, whatever its bucket holds
 
+    rate, full = table.bytes_per_s, table.bucket_s
+
     def call(flows) -> float:
         seconds = max(table.seconds(out, inn, rest[r][0] if out >= inn else rest[r][1])
                       for r, (out, inn) in enumerate(flows))
-        _rested(rest, seconds)
-        for r, (out, inn) in enumerate(flows):
-            if out > 0:
-                rest[r][0] = 0.0
-            if inn > 0:
-                rest[r][1] = 0.0
+        for r, sent in enumerate(flows):
+            for way in (0, 1):  # a call spends the rest its bytes take at the link rate; a covered one rests on
+                if sent[way] <= 0:
+                    rest[r][way] += seconds
+                    continue
+                credit = min(rest[r][way], full) - sent[way] / rate
+                rest[r][way] = credit + seconds if credit >= 0 else 0.0
         return seconds
 
     seconds = 0.0

@@ -211,10 +211,11 @@ def test_link_table_refuses_what_does_not_fit(tmp_path):
 
 def test_a_lone_prefill_with_the_link_table(tmp_path):
     """One request alone on rank 0 (rank 1 runs its dummy forward), by hand. Per MoE layer: the
-    metadata exchange (the smallest size, both ways), the dispatch (rank 0's link out, one way) and
-    the combine (rank 1's link out, one way); each rank link's directions rest on their own, so the
-    second layer's dispatch follows a rest of two compute parts plus the two calls between. The
-    compute lies in five equal parts around the four data calls; the loop costs ``iteration_s``."""
+    metadata exchange (the link's latency), the dispatch (rank 0's link out, one way) and the
+    combine (rank 1's link out, one way). Each direction of each rank link rests on its own; a
+    rest is the shaper's bucket in seconds (at most 64 KiB + one frame at the link rate), and a
+    call spends what its bytes take at the link rate. The compute lies in five equal parts around
+    the four data calls; the loop costs ``iteration_s``."""
     from netsim.replay import LinkTable, _table_a2a_s
 
     t = LinkTable.from_calibrations([
@@ -227,25 +228,31 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
                        a2a_calls=6, loop_s=1e-3, iteration_s=3e-3)
     compute = prof.compute_s(10, 1)  # 0.012 s; 10 tokens x 100 B per layer one way = 1000 B per call
     part = compute / 5
+    full = (64 * 1024 + 1514) / 62.5e6  # the bucket at 0.5 Gbit/s: 1.07 ms of rest
+    spend = 1000 / 62.5e6
+    assert t.bucket_s == pytest.approx(full)
 
     def one_way(rest):  # 1000 B one way: 0.8 ms back to back, 0.2 ms after 10 ms or more
         return 0.0008 + (0.0002 - 0.0008) * min(rest, 0.01) / 0.01
 
     meta = 0.0005  # 1000 B both ways after a long rest
-    d2 = one_way(part + one_way(1.0) + part + meta)  # rank 0's link out rested since the first dispatch
-    c2 = one_way(part + meta + d2 + part)  # rank 1's link out rested since the first combine
-    expected = 2 * meta + 2 * one_way(1.0) + d2 + c2
+    first = one_way(math.inf)  # both links rested since forever
+    d2 = one_way(full - spend + first + part + first + part + meta)  # rank 0 out: since the first dispatch
+    c2 = one_way(full - spend + first + part + meta + d2 + part)  # rank 1 out: since the first combine
+    expected = 2 * meta + 2 * first + d2 + c2
     rest = [[math.inf, math.inf], [math.inf, math.inf]]
     assert _table_a2a_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
-    assert rest[0][0] == pytest.approx(part + c2 + part)  # rank 0 out: since its last dispatch
+    assert rest[0][0] == pytest.approx(full - spend + d2 + part + c2 + part)
     (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t)
     ctrl = 3e-3 + LINK.control_s()  # the profiled loop overhead replaces loop_s
     assert ttft == pytest.approx(ctrl + compute + expected + ctrl)
-    # the profiled layout: 40% of the compute before the first call, 10% after the last
-    laid = StepProfile(**{**prof.__dict__, "compute_before": 0.4, "compute_after": 0.1})
-    rest = [[0.0, 0.0], [0.0, 0.0]]
-    _table_a2a_s(t, laid, [10, 10], compute, rest)
-    assert rest[0][0] == pytest.approx(compute * 0.1)  # both ranks busy: every link carried the last combine
+    # the profiled layout: all the compute before the first call leaves the calls back to back
+    one_layer = StepProfile(**{**prof.__dict__, "a2a_calls": 3})
+    laid = StepProfile(**{**one_layer.__dict__, "compute_before": 1.0, "compute_after": 0.0})
+    zero = [[0.0, 0.0], [0.0, 0.0]]
+    rested = t.seconds(2000, 0, math.inf)  # one layer: 2000 B per call, after 12 ms of rest
+    assert _table_a2a_s(t, laid, [10, 0], compute, [r[:] for r in zero]) == pytest.approx(meta + 2 * rested)
+    assert _table_a2a_s(t, one_layer, [10, 0], compute, [r[:] for r in zero]) > meta + 2 * rested
 
 
 def test_validate_cli_with_a_link_table(tmp_path, capsys):
@@ -259,7 +266,7 @@ def test_validate_cli_with_a_link_table(tmp_path, capsys):
     tables = [str(tmp_path / f) for f in ("both0.csv", "both10.csv", "one0.csv")]
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--json", str(tmp_path / "v.json")]) == 0
     out = json.loads((tmp_path / "v.json").read_text())
-    assert out["link_table"] == tables and out["model_version"].startswith("replay/4")
+    assert out["link_table"] == tables and out["model_version"].startswith("replay/5")
     capsys.readouterr()
     _table(tmp_path, gbit=0.25)  # rewritten at another rate than the run's 0.5 Gbit/s
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables]) == 2
