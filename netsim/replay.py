@@ -25,7 +25,7 @@ Algorithm 2) or else the rank round-robin gives it; the token a step produces re
 control phase later. TTFT is arrival to first token; TPOT the mean gap between its later tokens.
 
 With a link table (``--link-table``, replay/4) the all-to-alls are timed from calibrations of the
-run's own link instead (``LinkTable``, ``_table_a2a_s``): the shaper's bucket and TCP make a call's
+run's own link instead (``LinkTable``, ``step_all_to_all_s``): the shaper's bucket and TCP make a call's
 time depend on its size, on the rest its link had and on whether the link carries traffic both ways.
 
 What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
@@ -44,7 +44,8 @@ import numpy as np
 
 from .collectives import AlphaBeta
 
-__all__ = ["StepProfile", "Link", "LinkTable", "Engine", "Request", "simulate", "phase_figures", "FIGURES", "MODEL_VERSION",
+__all__ = ["StepProfile", "Link", "LinkTable", "Engine", "Request", "simulate", "step_all_to_all_s", "rest_links",
+           "phase_figures", "FIGURES", "MODEL_VERSION",
            "model_fingerprint", "offered_load_bound"]
 
 FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
@@ -278,7 +279,7 @@ class _Live:
 def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, link: Link,
              table: Optional[LinkTable] = None) -> list:
     """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring).
-    With ``table`` the all-to-alls cost what the link table measured (``_table_a2a_s``)."""
+    With ``table`` the all-to-alls cost what the link table measured (``step_all_to_all_s``)."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     arrivals = collections.deque(order)
     waiting = [collections.deque() for _ in range(engine.ranks)]
@@ -290,11 +291,11 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     bucket = link.burst_bytes
     rest = [[math.inf, math.inf] for _ in range(engine.ranks)]  # seconds each rank link's directions rested
     while len(done) < len(requests):
-        _rested(rest, ctrl)
+        rest_links(rest, ctrl)
         if not any(waiting) and not any(active):
             idle = max(0.0, requests[arrivals[0]].arrival_s - t)
             bucket = link.refill(bucket, idle)
-            _rested(rest, idle)
+            rest_links(rest, idle)
             t = max(t, requests[arrivals[0]].arrival_s)
         while arrivals and requests[arrivals[0]].arrival_s <= t:
             i = arrivals.popleft()
@@ -335,7 +336,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         calls = max(1, profile.a2a_calls)
         t += compute
         if table is not None:
-            t += _table_a2a_s(table, profile, padded, compute, rest)
+            t += step_all_to_all_s(table, profile, padded, compute, rest)
         else:
             per_call = max(padded) * profile.a2a_bytes_per_token / calls
             for _ in range(profile.a2a_calls):  # the step's compute runs between its all-to-alls
@@ -355,7 +356,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     return [done[i] for i in range(len(requests))]
 
 
-def _table_a2a_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
+def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
                  rest: list) -> float:
     """A step's all-to-alls from the link table. megatron-core's alltoall dispatcher makes three
     calls per MoE layer: a metadata exchange (the split sizes, right before the dispatch: timed as
@@ -406,18 +407,19 @@ def _table_a2a_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], 
 
     seconds = 0.0
     for layer in range(layers):
-        _rested(rest, compute_s * first if layer == 0 else part)
+        rest_links(rest, compute_s * first if layer == 0 else part)
         if with_meta:
-            _rested(rest, meta)
+            rest_links(rest, meta)
             seconds += meta
         seconds += call(list(zip(own, others)))
-        _rested(rest, part)
+        rest_links(rest, part)
         seconds += call(list(zip(others, own)))
-    _rested(rest, compute_s * last)
+    rest_links(rest, compute_s * last)
     return seconds
 
 
-def _rested(rest: list, seconds: float) -> None:
+def rest_links(rest: list, seconds: float) -> None:
+    """Every direction of every rank link rests ``seconds`` more (``rest[r] = [out, in]``)."""
     for link in rest:
         link[0] += seconds
         link[1] += seconds

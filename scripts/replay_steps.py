@@ -7,8 +7,8 @@
 ``serve --a2a-spans`` (bench_serve records it) writes every engine step's all-to-alls per rank,
 with the step's start and end, its real tokens and the bytes the rank sent. For each step this
 takes the measured all-to-all time (per call: the last rank's exit minus the last rank's entry,
-so rank skew is left out) and what the replay charges for a step of those tokens: replay/4's link
-table (``netsim.replay._table_a2a_s``, with the step's measured compute between the calls and
+so rank skew is left out) and what the replay charges for a step of those tokens: the link
+table (``netsim.replay.step_all_to_all_s``, with the step's measured compute between the calls and
 each rank link's rest carried from step to step) and, with ``--fit``, replay/3's token-bucket line
 (``Link.all_to_all_s``). Steps are grouped as prefill (a rank forwards more tokens than
 ``max_requests``), decode, and those where one rank runs the dummy forward. Tokens are padded as
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
-    from netsim.replay import _rested, _table_a2a_s
+    from netsim.replay import rest_links, step_all_to_all_s
 
     rest = [[math.inf, math.inf] for _ in spans_by_rank]
     bucket = link.burst_bytes if link is not None else 0.0
@@ -41,13 +41,13 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         compute = max((s["end"] - s["t"]) - sum(e - b for _, b, e in s["spans"]) for s in steps)
         if prev_end is not None:
             idle = max(0.0, steps[0]["t"] - prev_end)
-            _rested(rest, idle)
+            rest_links(rest, idle)
             if link is not None:
                 bucket = link.refill(bucket, idle)
         prev_end = steps[0]["end"]
         tokens = [int(s["tokens"]) for s in steps]
         padded = [engine.padded(n, decode_only=n <= engine.max_requests) if n else 0 for n in tokens]
-        model4 = _table_a2a_s(table, profile, padded, compute, rest)
+        model4 = step_all_to_all_s(table, profile, padded, compute, rest)
         model3 = None
         if link is not None:
             model3, per_call = 0.0, max(padded) * profile.a2a_bytes_per_token / max(1, profile.a2a_calls)
@@ -56,13 +56,13 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
                 seconds, bucket = link.all_to_all_s(per_call, bucket)
                 model3 += seconds
         kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
-        row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay4_s": 0.0, "replay3_s": 0.0 if link else None,
+        row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay_s": 0.0, "fit_s": 0.0 if link else None,
                                     "bytes_measured": 0, "bytes_model": 0.0})
         row["steps"] += 1
         row["measured_s"] += measured
-        row["replay4_s"] += model4
+        row["replay_s"] += model4
         if link is not None:
-            row["replay3_s"] += model3
+            row["fit_s"] += model3
         row["bytes_measured"] += max(int(s["bytes"]) for s in steps)
         d = profile.a2a_bytes_per_token / 2
         row["bytes_model"] += max(d * (n + (sum(padded) - n) / (len(padded) - 1)) for n in padded)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="OUT")
 
     def body():
-        from netsim.replay import Engine, Link, LinkTable, StepProfile, load_fit
+        from netsim.replay import MODEL_VERSION, Engine, Link, LinkTable, StepProfile, load_fit
 
         args = p.parse_args(argv)
         try:
@@ -109,13 +109,14 @@ def main(argv=None) -> int:
             constants, burst = load_fit(args.fit)
             link = Link(engine.ranks, table.gbit, constants, burst)
         out = compare(spans, profile, engine, table, link)
-        print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay/4 s':>12}{'replay/3 s':>12}{'MB measured':>13}{'MB model':>10}")
+        print(f"{MODEL_VERSION}: all-to-all seconds per kind of step (replay: the link table; fit: replay/3's line)")
+        print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay s':>12}{'fit s':>12}{'MB measured':>13}{'MB model':>10}")
         for kind, r in out.items():
-            r3 = "-" if r["replay3_s"] is None else f"{r['replay3_s']:.2f}"
-            print(f"{kind:<8}{r['steps']:>6}{r['measured_s']:>12.2f}{r['replay4_s']:>12.2f}{r3:>12}"
+            r3 = "-" if r["fit_s"] is None else f"{r['fit_s']:.2f}"
+            print(f"{kind:<8}{r['steps']:>6}{r['measured_s']:>12.2f}{r['replay_s']:>12.2f}{r3:>12}"
                   f"{r['bytes_measured'] / 1e6:>13.1f}{r['bytes_model'] / 1e6:>10.1f}")
         if args.json:
-            write_json(args.json, {"schema": "replay-steps/1", "spans": args.spans, "profile": args.profile,
+            write_json(args.json, {"schema": "replay-steps/1", "model_version": MODEL_VERSION, "spans": args.spans, "profile": args.profile,
                                    "variant": args.variant, "link_table": args.link_table, "fit": args.fit,
                                    "by_kind": out})
             print(f"wrote {args.json}")

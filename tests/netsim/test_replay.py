@@ -216,7 +216,7 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
     rest is the shaper's bucket in seconds (at most 64 KiB + one frame at the link rate), and a
     call spends what its bytes take at the link rate. The compute lies in five equal parts around
     the four data calls; the loop costs ``iteration_s``."""
-    from netsim.replay import LinkTable, _table_a2a_s
+    from netsim.replay import LinkTable, step_all_to_all_s
 
     t = LinkTable.from_calibrations([
         _table_csv(tmp_path, "both0", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)]),
@@ -241,7 +241,7 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
     c2 = one_way(full - spend + first + part + meta + d2 + part)  # rank 1 out: since the first combine
     expected = 2 * meta + 2 * first + d2 + c2
     rest = [[math.inf, math.inf], [math.inf, math.inf]]
-    assert _table_a2a_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
+    assert step_all_to_all_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
     assert rest[0][0] == pytest.approx(full - spend + d2 + part + c2 + part)
     (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t)
     ctrl = 3e-3 + LINK.control_s()  # the profiled loop overhead replaces loop_s
@@ -251,8 +251,8 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
     laid = StepProfile(**{**one_layer.__dict__, "compute_before": 1.0, "compute_after": 0.0})
     zero = [[0.0, 0.0], [0.0, 0.0]]
     rested = t.seconds(2000, 0, math.inf)  # one layer: 2000 B per call, after 12 ms of rest
-    assert _table_a2a_s(t, laid, [10, 0], compute, [r[:] for r in zero]) == pytest.approx(meta + 2 * rested)
-    assert _table_a2a_s(t, one_layer, [10, 0], compute, [r[:] for r in zero]) > meta + 2 * rested
+    assert step_all_to_all_s(t, laid, [10, 0], compute, [r[:] for r in zero]) == pytest.approx(meta + 2 * rested)
+    assert step_all_to_all_s(t, one_layer, [10, 0], compute, [r[:] for r in zero]) > meta + 2 * rested
 
 
 def test_validate_cli_with_a_link_table(tmp_path, capsys):

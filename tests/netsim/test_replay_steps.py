@@ -55,7 +55,7 @@ def test_steps_are_grouped_and_measured_without_rank_skew(tmp_path):
     assert by["dummy"]["bytes_measured"] == 8000 and by["decode"]["bytes_measured"] == 1000
     # model bytes: d = 100 B per token one way; rank 0 sends d x 64 (padded) and gets back d x 64
     assert by["dummy"]["bytes_model"] == pytest.approx(100 * 64)
-    assert by["dummy"]["replay4_s"] > 0 and by["dummy"]["replay3_s"] is None
+    assert by["dummy"]["replay_s"] > 0 and by["dummy"]["fit_s"] is None
 
 
 def test_spans_from_before_replay4_are_one_line(tmp_path):
