@@ -45,6 +45,7 @@ import numpy as np
 from .collectives import AlphaBeta
 
 __all__ = ["StepProfile", "Link", "LinkTable", "Engine", "Request", "simulate", "step_all_to_all_s", "rest_links",
+           "fit_all_to_all_s", "dispatch_flows",
            "phase_figures", "FIGURES", "MODEL_VERSION",
            "model_fingerprint", "offered_load_bound"]
 
@@ -338,11 +339,8 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         if table is not None:
             t += step_all_to_all_s(table, profile, padded, compute, rest)
         else:
-            per_call = max(padded) * profile.a2a_bytes_per_token / calls
-            for _ in range(profile.a2a_calls):  # the step's compute runs between its all-to-alls
-                bucket = link.refill(bucket, compute / calls)
-                seconds, bucket = link.all_to_all_s(per_call, bucket)
-                t += seconds
+            seconds, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
+            t += seconds
         seen = t + ctrl  # published by the next iteration's all-gather
         for x in produced:
             x.generated += 1
@@ -354,6 +352,35 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         for r in range(engine.ranks):
             active[r] = [x for x in active[r] if x.index not in done]
     return [done[i] for i in range(len(requests))]
+
+
+def fit_all_to_all_s(link: Link, profile: StepProfile, tokens: int, compute_s: float, bucket: float) -> tuple:
+    """A step's all-to-alls on the fitted line (replay/3; no link table): ``profile.a2a_calls``
+    equal calls of the busiest rank's ``tokens x a2a_bytes_per_token``, the compute spread evenly
+    between them refilling one shared bucket. ``(seconds, bucket left)``."""
+    calls = max(1, profile.a2a_calls)
+    per_call = tokens * profile.a2a_bytes_per_token / calls
+    seconds = 0.0
+    for _ in range(profile.a2a_calls):
+        bucket = link.refill(bucket, compute_s / calls)
+        spent, bucket = link.all_to_all_s(per_call, bucket)
+        seconds += spent
+    return seconds, bucket
+
+
+def dispatch_flows(profile: StepProfile, padded: Sequence[int]) -> tuple:
+    """``(layers, own, others)`` of a step: its MoE layers (three calls each with the metadata
+    exchange, else two), and per rank the off-rank bytes one layer's dispatch sends (``own``: its
+    tokens' remote copies) and receives (``others``); the combine is the reverse. ``d``, one layer's
+    bytes per token one way, is half the profile's ``a2a_bytes_per_token`` (measured with every rank
+    equally busy: both ways over all layers) over the layers."""
+    calls, ranks = profile.a2a_calls, len(padded)
+    layers = calls // 3 if calls % 3 == 0 else max(1, calls // 2)
+    d = profile.a2a_bytes_per_token / (2 * layers)
+    total = sum(padded)
+    own = [d * n for n in padded]
+    others = [d * (total - n) / max(1, ranks - 1) for n in padded]
+    return layers, own, others
 
 
 def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
@@ -377,11 +404,7 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
     if calls <= 0 or ranks < 2:
         return 0.0
     with_meta = calls % 3 == 0
-    layers = calls // 3 if with_meta else max(1, calls // 2)
-    d = profile.a2a_bytes_per_token / (2 * layers)
-    total = sum(padded)
-    own = [d * n for n in padded]  # dispatch: what rank r sends
-    others = [d * (total - n) / (ranks - 1) for n in padded]  # dispatch: what rank r receives
+    layers, own, others = dispatch_flows(profile, padded)
     tiny = table.smallest_bytes
     even = 1.0 / (2 * layers + 1)
     first = even if profile.compute_before is None else profile.compute_before

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
-    from netsim.replay import rest_links, step_all_to_all_s
+    from netsim.replay import dispatch_flows, fit_all_to_all_s, rest_links, step_all_to_all_s
 
     rest = [[math.inf, math.inf] for _ in spans_by_rank]
     bucket = link.burst_bytes if link is not None else 0.0
@@ -50,11 +50,7 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         model4 = step_all_to_all_s(table, profile, padded, compute, rest)
         model3 = None
         if link is not None:
-            model3, per_call = 0.0, max(padded) * profile.a2a_bytes_per_token / max(1, profile.a2a_calls)
-            for _ in range(profile.a2a_calls):
-                bucket = link.refill(bucket, compute / profile.a2a_calls)
-                seconds, bucket = link.all_to_all_s(per_call, bucket)
-                model3 += seconds
+            model3, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
         kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
         row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay_s": 0.0, "fit_s": 0.0 if link else None,
                                     "bytes_measured": 0, "bytes_model": 0.0})
@@ -64,8 +60,8 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         if link is not None:
             row["fit_s"] += model3
         row["bytes_measured"] += max(int(s["bytes"]) for s in steps)
-        d = profile.a2a_bytes_per_token / 2
-        row["bytes_model"] += max(d * (n + (sum(padded) - n) / (len(padded) - 1)) for n in padded)
+        layers, own, others = dispatch_flows(profile, padded)
+        row["bytes_model"] += layers * max(o + b for o, b in zip(own, others))  # each layer: dispatch + combine
     return out
 
 

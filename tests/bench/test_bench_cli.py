@@ -109,6 +109,8 @@ def test_loopback_calibration_one_way_with_gaps(tmp_path):
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_to_all", "4096"), ("all_to_all", "65536")]
     side = json.loads((tmp_path / "one.json").read_text())
     assert side["one_way"] is True and side["gap_s"] == pytest.approx(1e-3)
+    proc = _run("--collectives", "--no-netns", "--csv", str(tmp_path / "bad.csv"), "--one-way")  # all_reduce too
+    assert proc.returncode == 2 and "--one-way" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = _run("--collectives", "--no-netns", "--csv", str(tmp_path / "bad.csv"), "--gap-ms", "-1")
     assert proc.returncode == 2 and "--gap-ms" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad.csv").exists()

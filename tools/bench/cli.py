@@ -412,6 +412,8 @@ def _calibrate(args, argv, work_dir, budget) -> int:
     for s in sizes:
         if s < 64 or s % 64:
             raise ValueError(f"--sizes: {s} is not a positive multiple of 64 bytes")
+    if args.one_way and ops != ["all_to_all"]:
+        raise ValueError("--one-way times all_to_all only: pass --ops all_to_all")
     if not (args.gap_ms >= 0 and math.isfinite(args.gap_ms)):
         raise ValueError(f"--gap-ms: {args.gap_ms} is not a finite number >= 0")
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
