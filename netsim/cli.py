@@ -481,7 +481,8 @@ def _configure_replay(p):
                    help="all-to-all calibrations at the run's link rate, one per idle gap (scripts/bench_ep.py "
                    "--collectives --gap-ms G; each CSV with its sidecar JSON): every all-to-all then costs what "
                    "the link measured for its size and rest (netsim.replay.LinkTable), the fit only the loop's "
-                   "control latency")
+                   "control latency; a tensor-parallel run also needs all_reduce calibrations "
+                   "(scripts/calibrate_link_table.sh writes both)")
     p.add_argument("--json", metavar="OUT", help="write the result here")
 
 

@@ -27,6 +27,8 @@ control phase later. TTFT is arrival to first token; TPOT the mean gap between i
 With a link table (``--link-table``, replay/4) the all-to-alls are timed from calibrations of the
 run's own link instead (``LinkTable``, ``step_all_to_all_s``): the shaper's bucket and TCP make a call's
 time depend on its size, on the rest its link had and on whether the link carries traffic both ways.
+A tensor-parallel run (TP = EP = the ranks: one engine whose ranks all hold its tokens, replay/6)
+needs the table: its attention and embedding all-reduces and logit all-gathers cross the same links.
 
 What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
 2 cores with the client here: the served steps' compute runs 15-20% above the profile's), the
@@ -54,7 +56,7 @@ FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (and say what changed in docs/netsim.md) whenever the replay's
 # arithmetic changes; ``validate`` prints it with ``model_fingerprint()`` of this file.
-MODEL_VERSION = "replay/5 (2026-11-27)"
+MODEL_VERSION = "replay/6 (2026-11-27)"
 # /3: requests go to the engine the run recorded (x-dp-rank), if it did.
 # /4: with a link table (``LinkTable``: all-to-alls calibrated at the run's rate after rests of 0-80 ms, both ways
 #     and one way), each dispatch and combine costs what the link measured for its size, its direction mix and the
@@ -63,6 +65,9 @@ MODEL_VERSION = "replay/5 (2026-11-27)"
 #     each iteration costs the real serving loop's profiled overhead (``iteration_s``) when the profile has it.
 # /5: a call spends only the rest its bytes take at the link rate (the shaper's bucket, at most ``bucket_s``),
 #     instead of every call with traffic emptying it: the light direction of a lopsided call keeps its bucket.
+# /6: tensor parallelism at TP = EP = the ranks (one engine): every TP rank dispatches the engine's tokens, and the
+#     profiled TP all-reduces and logit all-gathers cost what the link table's all-reduce (and all-to-all)
+#     calibrations measured, in their places in the step; attention-DP runs replay as in /5.
 
 # A rate whose measured request rate is at least this fraction of the offered rate is bound by
 # the offered load (the server keeps up): its throughput says nothing about the model.
@@ -83,6 +88,11 @@ class StepProfile:
     iteration_s: float = 0.0  # the real serving loop's overhead per iteration outside forwards (replaces loop_s)
     compute_before: Optional[float] = None  # share of a step's compute before its first all-to-all (None: even)
     compute_after: Optional[float] = None  # and after its last
+    tp: int = 1  # ranks per engine (tensor parallelism): each holds the engine's tokens and dispatches them all
+    tp_allreduces: int = 0  # TP all-reduces per step (the embedding's, each attention output's) ...
+    tp_allreduce_bytes_per_token: float = 0.0  # ... each of this x the step's tokens on every TP rank
+    tp_gathers: int = 0  # TP all-gathers per step (the output layer's logits) ...
+    tp_gather_bytes_per_request: float = 0.0  # ... each of this x the step's requests in from every TP rank
 
     @property
     def control_s(self) -> float:
@@ -98,7 +108,9 @@ class StepProfile:
             return cls(*(float(d[k]) for k in ("fixed_s", "per_token_s", "per_request_s", "dummy_s",
                                                "a2a_bytes_per_token")), int(d["a2a_calls"]),
                        float(d.get("loop_s", 0.0)), float(d.get("iteration_s", 0.0)),
-                       *(None if d.get(k) is None else float(d[k]) for k in ("compute_before", "compute_after")))
+                       *(None if d.get(k) is None else float(d[k]) for k in ("compute_before", "compute_after")),
+                       int(d.get("tp", 1)), int(d.get("tp_allreduces", 0)), float(d.get("tp_allreduce_bytes_per_token", 0.0)),
+                       int(d.get("tp_gathers", 0)), float(d.get("tp_gather_bytes_per_request", 0.0)))
         except KeyError as e:
             raise ValueError(f"step profile: missing key {e.args[0]!r}") from None
 
@@ -154,7 +166,8 @@ class LinkTable:
     and under 1 ms after a 10 ms rest; 256 KiB and more run at the nominal rate one way and at about
     half of it both ways. ``gaps_s[i]`` has the curve ``curves[i]`` (both ways) of
     (off-rank bytes a rank sends, seconds), sorted by bytes; ``one_way_gaps_s``/``one_way_curves``
-    the same for one way (empty: every call is timed as both ways)."""
+    the same for one way (empty: every call is timed as both ways); ``allreduce_*`` gloo
+    all-reduces of a tensor of so many bytes on every rank (a tensor-parallel run's reductions)."""
 
     ranks: int
     gbit: float
@@ -162,6 +175,8 @@ class LinkTable:
     curves: tuple
     one_way_gaps_s: tuple = ()
     one_way_curves: tuple = ()
+    allreduce_gaps_s: tuple = ()  # all-reduces (``--ops all_reduce``): (tensor bytes, seconds) per gap
+    allreduce_curves: tuple = ()
 
     @property
     def smallest_bytes(self) -> float:
@@ -191,6 +206,16 @@ class LinkTable:
         one = float(np.interp(gap_s, self.one_way_gaps_s, [self._curve(c, hi) for c in self.one_way_curves]))
         return one + (both - one) * lo / hi
 
+    def allreduce_seconds(self, tensor_bytes: float, gap_s: float) -> float:
+        """One all-reduce of ``tensor_bytes`` on every rank after ``gap_s`` of rest (interpolated as
+        ``seconds``); a one-line error when the table has no all-reduce calibration."""
+        if tensor_bytes <= 0 or self.ranks < 2:
+            return 0.0
+        if not self.allreduce_curves:
+            raise ValueError("--link-table: the run's tensor-parallel all-reduces need all_reduce calibrations "
+                             "(scripts/calibrate_link_table.sh writes ar_both_*.csv)")
+        return float(np.interp(gap_s, self.allreduce_gaps_s, [self._curve(c, tensor_bytes) for c in self.allreduce_curves]))
+
     @staticmethod
     def _curve(curve, m: float) -> float:
         xs, ys = [b for b, _ in curve], [t for _, t in curve]
@@ -215,31 +240,34 @@ class LinkTable:
                 with open(side) as f:
                     meta = json.load(f)
                 with open(path, newline="") as f:
-                    rows = [r for r in csv.DictReader(f) if r.get("op") == "all_to_all"]
+                    rows = [r for r in csv.DictReader(f) if r.get("op") in ("all_to_all", "all_reduce")]
                 g, gap, one_way = float(meta["link"]["gbit"]), float(meta.get("gap_s", 0.0)), bool(meta.get("one_way"))
-                counts = {int(r["ranks"]) for r in rows}
-                curve = tuple(sorted((int(r["bytes"]) * (int(r["ranks"]) - 1) / int(r["ranks"]), float(r["seconds"]))
-                                     for r in rows))
+                counts, ops = {int(r["ranks"]) for r in rows}, {r["op"] for r in rows}
+                kind = "all_reduce" if ops == {"all_reduce"} else "one-way" if one_way else "both-ways"
+                share = (lambda n: 1.0) if kind == "all_reduce" else (lambda n: (n - 1) / n)  # off-rank bytes
+                curve = tuple(sorted((int(r["bytes"]) * share(int(r["ranks"])), float(r["seconds"])) for r in rows))
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"--link-table {path}: not a bench_ep.py --collectives CSV with its sidecar JSON "
                                  f"({err})") from None
-            if len(counts) != 1 or len(curve) < 2:
-                raise ValueError(f"--link-table {path}: needs all_to_all rows of one rank count at two sizes or more")
+            if len(counts) != 1 or len(ops) != 1 or len(curve) < 2:
+                raise ValueError(f"--link-table {path}: needs all_to_all or all_reduce rows (not both) of one rank "
+                                 "count at two sizes or more")
             count = counts.pop()
             if ranks is not None and (count != ranks or not math.isclose(g, gbit, rel_tol=1e-3)):
                 raise ValueError(f"--link-table {path}: {count} ranks at {g:g} Gbit/s; the others are "
                                  f"{ranks} ranks at {gbit:g} Gbit/s")
-            if (one_way, gap) in tables:
-                raise ValueError(f"--link-table {path}: a second {'one-way' if one_way else 'both-ways'} table "
-                                 f"for the gap {gap * 1e3:g} ms")
+            if (kind, gap) in tables:
+                raise ValueError(f"--link-table {path}: a second {kind} table for the gap {gap * 1e3:g} ms")
             ranks, gbit = count, g
-            tables[(one_way, gap)] = curve
-        both = sorted(gap for one_way, gap in tables if not one_way)
-        if not both:
-            raise ValueError("--link-table: no both-ways calibration (without --one-way) given")
-        one = sorted(gap for one_way, gap in tables if one_way)
-        return cls(ranks, gbit, tuple(both), tuple(tables[(False, g)] for g in both),
-                   tuple(one), tuple(tables[(True, g)] for g in one))
+            tables[(kind, gap)] = curve
+
+        def gaps(kind):
+            return sorted(gap for k, gap in tables if k == kind)
+
+        if not gaps("both-ways"):
+            raise ValueError("--link-table: no both-ways all_to_all calibration (without --one-way) given")
+        return cls(ranks, gbit, *((tuple(gaps(k)), tuple(tables[(k, g)] for g in gaps(k)))[i]
+                                  for k in ("both-ways", "one-way", "all_reduce") for i in (0, 1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +318,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     t = 0.0
     ctrl = profile.control_s + link.control_s()
     bucket = link.burst_bytes
-    rest = [[math.inf, math.inf] for _ in range(engine.ranks)]  # seconds each rank link's directions rested
+    rest = [[math.inf, math.inf] for _ in range(engine.ranks * profile.tp)]  # seconds each rank link's directions rested
     while len(done) < len(requests):
         rest_links(rest, ctrl)
         if not any(waiting) and not any(active):
@@ -336,8 +364,9 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(padded, reqs))
         calls = max(1, profile.a2a_calls)
         t += compute
-        if table is not None:
-            t += step_all_to_all_s(table, profile, padded, compute, rest)
+        if table is not None:  # a TP group's ranks all hold (and dispatch) their engine's tokens
+            t += step_all_to_all_s(table, profile, [n for n in padded for _ in range(profile.tp)], compute, rest,
+                                   requests=max(reqs))
         else:
             seconds, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
             t += seconds
@@ -384,7 +413,7 @@ def dispatch_flows(profile: StepProfile, padded: Sequence[int]) -> tuple:
 
 
 def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
-                 rest: list) -> float:
+                      rest: list, requests: int = 0) -> float:
     """A step's all-to-alls from the link table. megatron-core's alltoall dispatcher makes three
     calls per MoE layer: a metadata exchange (the split sizes, right before the dispatch: timed as
     the table's smallest message after a long rest, the link's latency), the dispatch (rank r sends its own tokens' remote copies,
@@ -399,7 +428,17 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
     (``rest[r] = [out, in]`` seconds, updated in place), so when one rank holds the tokens its
     dispatches leave on a link that rested through the combine before. A rest is the shaper's
     bucket in seconds of link rate: it fills up to ``table.bucket_s``, and a call spends what its
-    bytes take at the link rate (a few KiB of a lopsided call's light direction spend little)."""
+    bytes take at the link rate (a few KiB of a lopsided call's light direction spend little).
+
+    A tensor-parallel engine (``profile.tp`` > 1, TP = EP = the ranks: ``padded`` then has the
+    engine's tokens on each of its ranks) adds its TP collectives on the same links (replay/6): the
+    embedding's all-reduce at the step's start, the first attention's before the first dispatch,
+    each later attention's before its layer's dispatch (``tp_allreduces`` in all, each of
+    ``tp_allreduce_bytes_per_token`` x tokens, timed by the table's all-reduce calibrations after
+    the links' shorter rest), and the logits' all-gathers (``tp_gathers``, ``requests x
+    tp_gather_bytes_per_request`` from each rank: an exchange timed like an all-to-all of those
+    off-rank bytes) after the last combine. Collectives of a dense or shared MLP are not placed
+    apart: a model with them counts them among the attention's."""
     calls, ranks = profile.a2a_calls, len(padded)
     if calls <= 0 or ranks < 2:
         return 0.0
@@ -419,6 +458,14 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
     def call(flows) -> float:
         seconds = max(table.seconds(out, inn, rest[r][0] if out >= inn else rest[r][1])
                       for r, (out, inn) in enumerate(flows))
+        return spend(flows, seconds)
+
+    def reduce() -> float:  # a TP all-reduce: every rank link carries 2 (n - 1) / n of the tensor each way
+        tensor = profile.tp_allreduce_bytes_per_token * padded[0]
+        seconds = table.allreduce_seconds(tensor, min(min(r) for r in rest))
+        return spend([(2 * (ranks - 1) / ranks * tensor,) * 2] * ranks, seconds)
+
+    def spend(flows, seconds: float) -> float:
         for r, sent in enumerate(flows):
             for way in (0, 1):  # a call spends the rest its bytes take at the link rate; a covered one rests on
                 if sent[way] <= 0:
@@ -428,9 +475,19 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
                 rest[r][way] = credit + seconds if credit >= 0 else 0.0
         return seconds
 
+    reductions = profile.tp_allreduces if profile.tp > 1 else 0
+    between = min(max(0, reductions - 1), layers - 1)  # one before each later layer's dispatch
     seconds = 0.0
     for layer in range(layers):
-        rest_links(rest, compute_s * first if layer == 0 else part)
+        if layer == 0:
+            ahead = reductions - between  # the embedding's, at the start, and the first attention's
+            seconds += reduce() if ahead else 0.0
+            rest_links(rest, compute_s * first)
+            for _ in range(ahead - 1):
+                seconds += reduce()
+        else:
+            rest_links(rest, part)
+            seconds += reduce() if layer <= between else 0.0
         if with_meta:
             rest_links(rest, meta)
             seconds += meta
@@ -438,6 +495,10 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
         rest_links(rest, part)
         seconds += call(list(zip(others, own)))
     rest_links(rest, compute_s * last)
+    if profile.tp > 1:
+        gathered = profile.tp_gather_bytes_per_request * requests * (ranks - 1)
+        for _ in range(profile.tp_gathers):
+            seconds += call([(gathered, gathered)] * ranks)
     return seconds
 
 
@@ -514,11 +575,15 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: fl
         raise ValueError("the run is on unshaped loopback: there is no link to model")
     ranks = int(run["config"]["ranks"])
     tp = int(run["config"].get("tensor_model_parallel_size") or 1)
-    if tp != 1:
-        raise ValueError(f"the run serves with tensor parallelism {tp}: the replay models attention data-parallel "
-                         "engines only (one engine per rank, TP = 1), not a TP group's collectives over the link")
+    ep = int(run["config"].get("expert_model_parallel_size") or ranks)
+    if tp > 1 and not (tp == ep == ranks and table is not None):
+        raise ValueError(f"the run serves TP {tp} x EP {ep} on {ranks} ranks: the replay models tensor parallelism "
+                         "only where TP = EP = the ranks (one engine), with a --link-table (its all-reduces)")
+    if run["config"].get("expert_comm", "alltoall") != "alltoall" or (run["config"].get("semmoe_tables") and tp > 1):
+        raise ValueError("the replay models all-to-all experts with every TP rank dispatching its copy; not "
+                         "--expert-comm allreduce or Sem-MoE's Algorithm 3")
     server = run["config"]["server"]
-    engine = Engine(ranks, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
+    engine = Engine(ranks // tp, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
     link = Link(ranks, float(net["link"]["gbit"]), constants, burst_bytes)
     if table is not None and (table.ranks != ranks or not math.isclose(table.gbit, link.gbit, rel_tol=1e-3)):
         raise ValueError(f"the link table was measured with {table.ranks} ranks at {table.gbit:g} Gbit/s; the run "
@@ -532,6 +597,8 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, burst_bytes: fl
         if lar_run is not None and lar_prof is not None and lar_prof < 1:
             prof["a2a_bytes_per_token"] *= (1 - lar_run) / (1 - lar_prof)
         step = StepProfile.from_dict(prof)
+        if step.tp != tp:
+            raise ValueError(f"the profile of {v!r} was taken at TP {step.tp}; the run served TP {tp}")
         out[v] = {}
         for phase in rate_phases(run, v):
             reqs = run_requests(run, v, phase)

@@ -2,7 +2,8 @@
 # The link table netsim's replay reads (`python -m netsim validate --link-table`): gloo all-to-alls
 # on the shaped network namespaces at one link rate, both ways and one way (only rank 0 sends),
 # after rests of GAPS milliseconds before each call (the shaper's bucket refills while the link
-# rests). docs/netsim.md ("replay/4").
+# rests), and gloo all-reduces (every rank sends; what a tensor-parallel run's attention and
+# embedding reductions cost, replay/6) after the same rests. docs/netsim.md ("replay/4").
 #
 #   sudo scripts/calibrate_link_table.sh 0.06654 runs/link_0.06654
 #   python -m netsim validate --bench-serve serve.json --link-table runs/link_0.06654/*.csv
@@ -21,11 +22,12 @@ REPEATS=${REPEATS:-10}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
 for gap in $GAPS; do
-  for way in both one; do
-    csv="$OUT/a2a_${way}_${RATE}_r${RANKS}_gap${gap}.csv"
+  for way in both one ar; do
+    op=all_to_all; csv="$OUT/a2a_${way}_${RATE}_r${RANKS}_gap${gap}.csv"
+    [ "$way" = ar ] && { op=all_reduce; csv="$OUT/ar_both_${RATE}_r${RANKS}_gap${gap}.csv"; }
     [ -f "$csv" ] && continue
     flag=(); [ "$way" = one ] && flag=(--one-way)
-    $PY scripts/bench_ep.py --collectives --link-gbit "$RATE" --calibration-ranks "$RANKS" --ops all_to_all \
+    $PY scripts/bench_ep.py --collectives --link-gbit "$RATE" --calibration-ranks "$RANKS" --ops "$op" \
       --sizes "$SIZES" --repeats "$REPEATS" --gap-ms "$gap" "${flag[@]}" --csv "$csv" > "$OUT/log_${way}_gap$gap.txt"
     echo "wrote $csv"
   done

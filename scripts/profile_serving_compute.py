@@ -20,7 +20,10 @@ counters), the slowest rank's per step; the median over ``--repeats`` per shape 
 squares as ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
-tokens come from the same counters. Writes
+tokens come from the same counters. A tensor-parallel run (TP = EP = the ranks: one engine) is
+profiled in its layout; its TP collectives (``megatron.compat.tp_collectives``) are counted per
+step (all-reduces and their bytes per token, logit all-gathers and their bytes per request) and
+their loopback time is not compute. Writes
 ``serving-compute-profile/1`` JSON with every measured point and the fit's relative errors.
 """
 
@@ -51,10 +54,14 @@ def _points(max_batch_tokens: int, max_requests: int, context: int) -> list:
     return out
 
 
-def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_dir):
+def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_dir, tp=1):
+    import contextlib
+
     import numpy as np
     import torch
     import torch.distributed as dist
+
+    from megatron.compat.tp_collectives import GroupCollectives
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
@@ -64,16 +71,17 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     from moe_variants.common import collectives
     from moe_variants.config import ParallelConfig
 
-    parallel = ParallelConfig(expert_model_parallel_size=world)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=world)  # TP = 1 or TP = EP
     pgc = initialize_parallel(parallel, seed=seed)
     model, configs, tokenizer, _ = load_model(ckpt, parallel=parallel, overrides=variant_load_overrides(preset),
                                               pg_collection=pgc)
     cfg = EngineConfig(max_batch_tokens=engine_sizes["max_batch_tokens"],
                        max_requests=engine_sizes["max_requests"], kv_cache_gb=engine_sizes["kv_cache_gb"], seed=seed)
     engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
-    eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep),
-                     ep_size=dist.get_world_size(pgc.ep), routing_stats=True)
-    rng = np.random.default_rng(seed + rank)
+    eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp == 1 else None,
+                     ep_size=dist.get_world_size(pgc.ep), routing_stats=tp == 1)  # TP peers route the same tokens
+    rng = np.random.default_rng(seed + dist.get_rank(pgc.dp))  # TP peers hold the same requests
+    tp_calls = GroupCollectives(pgc.tp) if tp > 1 else None
     vocab = tokenizer.vocab_size
     ids = iter(range(10**9))
 
@@ -85,13 +93,17 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
         before = dict(eng.comm, tokens=eng.tokens_forwarded, requests=context.get_active_request_count()
                       + len(engine.waiting_request_ids))
         t0 = time.perf_counter()
-        eng.step() if kind != "dummy" else eng.dummy_step()
+        with tp_calls if tp_calls is not None else contextlib.nullcontext():
+            eng.step() if kind != "dummy" else eng.dummy_step()
         wall = time.perf_counter() - t0
         exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
-        row = torch.tensor([wall - exposed], dtype=torch.float64)
+        tp_ops = tp_calls.take() if tp_calls is not None else []  # blocking on loopback: not compute either
+        row = torch.tensor([wall - exposed - sum(sec for _, _, sec in tp_ops)], dtype=torch.float64)
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
         return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
-                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"]}  # this rank's
+                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"],  # this rank's
+                **{f"tp_{op}_{what}": sum(b if what == "bytes" else 1 for o, b, _ in tp_ops if o == op)
+                   for op in ("all_reduce", "all_gather") for what in ("bytes", "calls")}}
 
     def drain():
         while eng.local_work():
@@ -134,6 +146,20 @@ def _slowest(values):
     """The largest of the ranks' values (None where no rank has one: one rank makes no all-to-all)."""
     values = [v for v in values if v is not None]
     return max(values) if values else None
+
+
+def _tp_collectives(rows: list, engine) -> dict:
+    """A TP engine's collectives per step, from the profiled prefill steps (``_profile_rank``'s rows):
+    the all-reduces per step and each one's bytes per token the engine forwards (padded), the
+    all-gathers (the logits) per step and each one's input bytes per request in the step."""
+    prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
+    reduces = statistics.median(r["tp_all_reduce_calls"] for r in prefill)
+    gathers = statistics.median(r["tp_all_gather_calls"] for r in prefill)
+    return {"tp_allreduces": round(reduces), "tp_gathers": round(gathers),
+            "tp_allreduce_bytes_per_token": sum(r["tp_all_reduce_bytes"] for r in prefill)
+            / max(1, sum(r["tp_all_reduce_calls"] * engine.padded(r["tokens"], decode_only=False) for r in prefill)),
+            "tp_gather_bytes_per_request": sum(r["tp_all_gather_bytes"] for r in prefill)
+            / max(1, sum(r["tp_all_gather_calls"] * r["requests"] for r in prefill))}
 
 
 def _compute_layout(spans_path: str) -> tuple:
@@ -288,6 +314,8 @@ def main(argv=None) -> int:
             cfg = run["config"]
             variants, checkpoints, ranks = cfg["variants"], cfg["checkpoints"], int(cfg["ranks"])
             sizes = cfg["server"]
+            tp = int(cfg.get("tensor_model_parallel_size") or 1)
+            ep = int(cfg.get("expert_model_parallel_size") or ranks // tp)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"--bench-serve {args.bench_serve}: not a readable bench_serve.py JSON ({err})") from None
         if args.variants:
@@ -300,6 +328,10 @@ def main(argv=None) -> int:
             if not os.path.isdir(checkpoints[v]):
                 raise ValueError(f"{v}'s checkpoint {checkpoints[v]} is gone (run bench_serve.py with --work-dir "
                                  "to keep it)")
+        if ep != ranks or tp not in (1, ranks) or cfg.get("expert_comm", "alltoall") != "alltoall":
+            raise ValueError(f"--bench-serve {args.bench_serve}: TP {tp} x EP {ep} on {ranks} ranks "
+                             f"({cfg.get('expert_comm', 'alltoall')}); the profile covers EP = the ranks with "
+                             "all-to-all experts, at TP = 1 or TP = EP")
         if os.path.isdir(args.out):
             raise ValueError(f"--out {args.out}: is a directory")
         from megatron import compat
@@ -310,14 +342,14 @@ def main(argv=None) -> int:
         engine = Engine(ranks, int(sizes["max_batch_tokens"]), int(sizes["max_requests"]) // 4 * 4)
         load = cfg.get("model", {}).get("load")  # one checkpoint, variants as load presets (not placed copies)
         threads = args.threads or int(cfg.get("threads", 1))
-        out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks,
+        out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks, "tp": tp,
                "threads": threads, "engine": sizes, "repeats": args.repeats, "variants": {}}
         for v in variants:
             t0 = time.monotonic()
             preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
             with tempfile.TemporaryDirectory(prefix="profile-spans-") as spans_dir:
                 per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes,
-                                           args.repeats, 1234, spans_dir, timeout_s=1800, num_threads=threads)
+                                           args.repeats, 1234, spans_dir, tp, timeout_s=1800, num_threads=threads)
             rows = per_rank[0]["rows"]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
             entry = fit(rows, engine)
@@ -326,12 +358,14 @@ def main(argv=None) -> int:
                 a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill)
                 / sum(engine.padded(r["tokens"], decode_only=False) for r in prefill),
                 a2a_calls=round(per_rank[0]["calls_per_step"]),
-                lar=sum(r["local"] for r in per_rank) / max(1, sum(r["routed"] for r in per_rank)),
+                lar=sum(r["local"] for r in per_rank) / sum(r["routed"] for r in per_rank)
+                if sum(r["routed"] for r in per_rank) else None,  # not counted at TP > 1
                 loop_s=per_rank[0]["loop_s"],
                 iteration_s=per_rank[0]["iteration_s"],
                 compute_before=_slowest(r["compute_before"] for r in per_rank),
                 compute_after=_slowest(r["compute_after"] for r in per_rank),
-                checkpoint=checkpoints[v], wall_s=time.monotonic() - t0,
+                checkpoint=checkpoints[v], wall_s=time.monotonic() - t0, tp=tp,
+                **(_tp_collectives(rows, engine) if tp > 1 else {}),
             )
             out["variants"][v] = entry
             print(f"{v}: fixed {entry['fixed_s'] * 1e3:.2f} ms + {entry['per_token_s'] * 1e6:.1f} us/token + "

@@ -116,6 +116,14 @@ SERVING_SITES = [
     ("inference/engines/dynamic_engine.py", 1030,
      "result = self.stop_word_finished_request_ids & set(active_request_ids)"),
 ]
+# tp_collectives.GroupCollectives wraps the entry points megatron-core's TP mappings reduce and gather
+# through (counting a served step's TP collectives for scripts/profile_serving_compute.py).
+TP_COLLECTIVE_SITES = [
+    ("tensor_parallel/mappings.py", 12, "dist_all_gather_func = torch.distributed.all_gather_into_tensor"),
+    ("tensor_parallel/mappings.py", 13, "dist_reduce_scatter_func = torch.distributed.reduce_scatter_tensor"),
+    ("tensor_parallel/mappings.py", 31, "torch.distributed.all_reduce(input_.contiguous(), group=group)"),
+    ("tensor_parallel/mappings.py", 92, "dist_all_gather_func(output, input_.contiguous(), group=group)"),
+]
 # CpuEvent.elapsed_time (cpu_device.py): the engines time their steps with CUDA events.
 CPU_EVENT_SITES = [
     ("inference/text_generation_controllers/text_generation_controller.py", 1361,

@@ -31,7 +31,8 @@ def test_version_is_the_checked_one():
     "path,line,text",
     sites.CPU_DEVICE_SITES + sites.TE_GENERAL_GEMM_SITES + sites.DIST_OPT_LOAD_SITES
     + sites.UPSTREAM_COUPLING_SITES + sites.INFERENCE_SITES + sites.CPU_EVENT_SITES
-    + sites.FUSION_SITES + sites.WGRAD_SITES + sites.DIST_CKPT_WRITER_SITES + sites.SERVING_SITES,
+    + sites.FUSION_SITES + sites.WGRAD_SITES + sites.DIST_CKPT_WRITER_SITES + sites.SERVING_SITES
+    + sites.TP_COLLECTIVE_SITES,
     ids=lambda v: str(v) if not isinstance(v, str) or "/" in v else None,
 )
 def test_upstream_site_unchanged(path, line, text):

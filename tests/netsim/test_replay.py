@@ -130,11 +130,23 @@ def test_validate_counts_throughput_only_above_saturation():
     assert "round-robin" in validate_run(run, pred)["unmodelled"]["standard"]
 
 
-def test_predict_refuses_a_tensor_parallel_run():
+def test_predict_refuses_tensor_parallel_layouts_it_does_not_model(tmp_path):
+    """TP needs the link table (its all-reduces) and TP = EP = the ranks; the replicated-experts
+    layout and a profile taken at another TP are refused in one line."""
     run = _run()
     run["config"]["tensor_model_parallel_size"] = 2
-    with pytest.raises(ValueError, match="tensor parallelism 2"):
-        predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C)
+    prof = {"standard": dict(PROF.__dict__, lar=0.5, tp=2)}
+    with pytest.raises(ValueError, match="TP = EP = the ranks"):
+        predict_run(run, prof, C)  # no link table
+    run["config"]["expert_model_parallel_size"] = 1
+    with pytest.raises(ValueError, match="TP 2 x EP 1"):
+        predict_run(run, prof, C, table=_table(tmp_path))
+    run["config"]["expert_model_parallel_size"] = 2
+    with pytest.raises(ValueError, match="taken at TP 1"):
+        predict_run(run, {"standard": dict(PROF.__dict__, lar=0.5)}, C, table=_table(tmp_path))
+    run["config"]["expert_comm"] = "allreduce"
+    with pytest.raises(ValueError, match="allreduce"):
+        predict_run(run, prof, C, table=_table(tmp_path))
 
 
 def test_recorded_assignment_is_replayed():
@@ -159,10 +171,10 @@ def test_recorded_assignment_is_replayed():
 # ------------------------------------------------------------------ replay/4: the measured link table
 
 
-def _table_csv(tmp_path, name, gbit, gap_s, rows, one_way=False, ranks=2):
+def _table_csv(tmp_path, name, gbit, gap_s, rows, one_way=False, ranks=2, op="all_to_all"):
     """A bench_ep.py --collectives CSV (``rows``: (input bytes, seconds)) with its sidecar JSON."""
     path = tmp_path / f"{name}.csv"
-    path.write_text("op,ranks,bytes,seconds\n" + "".join(f"all_to_all,{ranks},{b},{s}\n" for b, s in rows))
+    path.write_text("op,ranks,bytes,seconds\n" + "".join(f"{op},{ranks},{b},{s}\n" for b, s in rows))
     (tmp_path / f"{name}.json").write_text(json.dumps({"link": {"gbit": gbit}, "gap_s": gap_s, "one_way": one_way}))
     return str(path)
 
@@ -266,9 +278,87 @@ def test_validate_cli_with_a_link_table(tmp_path, capsys):
     tables = [str(tmp_path / f) for f in ("both0.csv", "both10.csv", "one0.csv")]
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--json", str(tmp_path / "v.json")]) == 0
     out = json.loads((tmp_path / "v.json").read_text())
-    assert out["link_table"] == tables and out["model_version"].startswith("replay/5")
+    assert out["link_table"] == tables and out["model_version"].startswith("replay/6")
     capsys.readouterr()
     _table(tmp_path, gbit=0.25)  # rewritten at another rate than the run's 0.5 Gbit/s
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables]) == 2
     err = capsys.readouterr().err
     assert "link table" in err and len(err.strip().splitlines()) == 1
+
+
+def test_link_table_reads_all_reduce_calibrations(tmp_path):
+    """All-reduce files (``--ops all_reduce``) are kept apart, keyed by the tensor's bytes; a run
+    that needs them and a table without them is a one-line error; a file of both ops is refused."""
+    from netsim.replay import LinkTable
+
+    both = _table_csv(tmp_path, "both0", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)])
+    t = LinkTable.from_calibrations([
+        both,
+        _table_csv(tmp_path, "ar0", 0.5, 0.0, [(1000, 0.002), (4000, 0.008)], op="all_reduce"),
+        _table_csv(tmp_path, "ar10", 0.5, 0.01, [(1000, 0.001), (4000, 0.004)], op="all_reduce"),
+    ])
+    assert t.gaps_s == (0.0,) and t.allreduce_gaps_s == (0.0, 0.01)
+    assert t.seconds(1000, 1000, 0.0) == pytest.approx(0.001)  # the all-to-all curve is unchanged
+    assert t.allreduce_seconds(1000, 0.0) == pytest.approx(0.002)
+    assert t.allreduce_seconds(2000, 0.005) == pytest.approx(0.5 * (0.002 * 2 + 0.001 * 2))  # linear in log-log
+    assert t.allreduce_seconds(0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="all_reduce calibrations"):
+        LinkTable.from_calibrations([both]).allreduce_seconds(1000, 0.0)
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text("op,ranks,bytes,seconds\nall_to_all,2,2000,0.001\nall_reduce,2,2000,0.001\n"
+                     "all_to_all,2,8000,0.004\n")
+    (tmp_path / "mixed.json").write_text(json.dumps({"link": {"gbit": 0.5}, "gap_s": 0.0}))
+    with pytest.raises(ValueError, match="not both"):
+        LinkTable.from_calibrations([both, str(mixed)])
+
+
+def test_a_tensor_parallel_step_by_hand(tmp_path):
+    """TP = EP = 2, one engine, one MoE layer, by hand. Both ranks hold the engine's 10 tokens and
+    dispatch them all (2000 B off-rank each way per call). The embedding's all-reduce comes at the
+    step's start, the attention's after the compute before the first dispatch (here all of it),
+    then the metadata exchange, dispatch and combine back to back, and the logits' all-gather of
+    3 requests x 50 B from each rank at the end. Each collective is timed after the rest its links
+    had and spends its bytes from their buckets."""
+    from netsim.replay import LinkTable, step_all_to_all_s
+
+    t = LinkTable.from_calibrations([
+        _table_csv(tmp_path, "both0", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)]),
+        _table_csv(tmp_path, "both10", 0.5, 0.01, [(2000, 0.0005), (8000, 0.004)]),
+        _table_csv(tmp_path, "ar0", 0.5, 0.0, [(1000, 0.002), (4000, 0.008)], op="all_reduce"),
+        _table_csv(tmp_path, "ar10", 0.5, 0.01, [(1000, 0.001), (4000, 0.004)], op="all_reduce"),
+    ])
+    prof = StepProfile(fixed_s=0.01, per_token_s=1e-4, per_request_s=1e-3, dummy_s=0.005, a2a_bytes_per_token=400.0,
+                       a2a_calls=3, iteration_s=3e-3, compute_before=1.0, compute_after=0.0, tp=2,
+                       tp_allreduces=2, tp_allreduce_bytes_per_token=100.0, tp_gathers=1,
+                       tp_gather_bytes_per_request=50.0)
+    compute = prof.compute_s(10, 3)  # 0.014 s
+    full = (64 * 1024 + 1514) / 62.5e6  # the bucket at 0.5 Gbit/s
+    rate = 62.5e6
+
+    def both(off_rank, rest):  # the both-ways curve: log-log in bytes, linear in the rest up to 10 ms
+        def at(c0, c1):
+            x = min(max(off_rank, 1000), 4000)
+            return c0 * (c1 / c0) ** (math.log(x / 1000) / math.log(4))
+        return at(0.001, 0.008) + (at(0.0005, 0.004) - at(0.001, 0.008)) * min(rest, 0.01) / 0.01
+
+    embed = 0.001  # 1000 B tensor after a long rest
+    rest = full - 1000 / rate + embed + compute  # every direction: the embedding spent 1000 B of its bucket
+    attn = 0.002 + (0.001 - 0.002) * min(rest, 0.01) / 0.01
+    rest = min(rest, full) - 1000 / rate + attn
+    meta = 0.0005  # the smallest message after a long rest
+    rest += meta
+    dispatch = both(2000, rest)
+    rest = max(0.0, min(rest, full) - 2000 / rate) + dispatch if min(rest, full) >= 2000 / rate else 0.0
+    combine = both(2000, rest)
+    rest = min(rest, full) - 2000 / rate + combine if min(rest, full) >= 2000 / rate else 0.0
+    gather = both(150, rest)  # 3 x 50 B in from the other rank: below the smallest size
+    links = [[math.inf, math.inf], [math.inf, math.inf]]
+    got = step_all_to_all_s(t, prof, [10, 10], compute, links, requests=3)
+    assert got == pytest.approx(embed + attn + meta + dispatch + combine + gather)
+    # simulate: one engine whose two ranks both hold the request
+    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(1, 64, 4, token_rounder=1), prof,
+                             Link(ranks=2, gbit=0.5, constants=C), t)
+    ctrl = 3e-3 + 4 * 1e-4
+    expected_step = step_all_to_all_s(t, prof, [10, 10], prof.compute_s(10, 1), [[math.inf] * 2 for _ in range(2)],
+                                      requests=1)
+    assert ttft == pytest.approx(ctrl + prof.compute_s(10, 1) + expected_step + ctrl)

@@ -15,9 +15,14 @@ from tests.serving.conftest import REPO
 
 
 @pytest.mark.slow
-def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path, tp):
+    """At TP = EP = 2 (one engine) the TP collectives are counted too: per step the embedding's and
+    each layer's attention and shared-expert all-reduces (1 + 2 x 2) of hidden 32 fp32 values per
+    token, and one gather of the logits."""
     run = {"schema": "bench_serve/1", "config": {
         "variants": ["standard"], "checkpoints": {"standard": serve_ckpts["standard"]}, "ranks": 2,
+        "tensor_model_parallel_size": tp, "expert_model_parallel_size": 2,
         "threads": 1, "model": {"load": serve_ckpts["standard"]},
         "server": {"max_batch_tokens": 128, "max_requests": 8, "kv_cache_gb": 0.02}}}
     bench = tmp_path / "serve.json"
@@ -36,12 +41,29 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path):
     assert step.a2a_calls == 3 * 2  # dispatch, combine and routing metadata of 2 MoE layers
     assert step.a2a_bytes_per_token > 0 and step.loop_s > 0 and step.dummy_s > 0
     assert step.iteration_s > 0 and step.control_s == step.iteration_s  # the real loop's overhead, measured
-    assert 0 < v["lar"] < 1
+    assert step.tp == tp
+    if tp == 1:
+        assert 0 < v["lar"] < 1 and step.tp_allreduces == 0
+    else:  # every TP rank routes the same tokens: no LAR; TP collectives counted
+        assert v["lar"] is None
+        assert (step.tp_allreduces, step.tp_allreduce_bytes_per_token, step.tp_gathers) == (5, 32 * 4, 1)
+        assert step.tp_gather_bytes_per_request > 0
     kinds = {p["kind"] for p in v["points"]}
     assert kinds == {"prefill", "decode"}
     # tokens as the engine pads them: every prefill shape up to 128 tokens rounds to 64 or 128
     assert {p["tokens"] for p in v["points"] if p["kind"] == "prefill"} <= {64, 128}
     assert {p["tokens"] for p in v["points"] if p["kind"] == "decode"} == {8}
+
+
+def test_a_layout_it_does_not_profile_is_one_line(tmp_path):
+    run = {"config": {"variants": ["standard"], "checkpoints": {"standard": str(tmp_path)}, "ranks": 2,
+                      "tensor_model_parallel_size": 2, "expert_model_parallel_size": 1, "server": {}}}
+    (tmp_path / "serve.json").write_text(json.dumps(run))
+    proc = subprocess.run([sys.executable, "scripts/profile_serving_compute.py", "--bench-serve",
+                           str(tmp_path / "serve.json"), "--out", str(tmp_path / "p.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "TP 2 x EP 1" in proc.stderr and not (tmp_path / "p.json").exists()
 
 
 def test_bad_input_is_one_line(tmp_path):
