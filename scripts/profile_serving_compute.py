@@ -98,11 +98,11 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
         wall = time.perf_counter() - t0
         exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
         tp_ops = tp_calls.take() if tp_calls is not None else []  # blocking on loopback: not compute either
-        row = torch.tensor([wall - exposed - sum(sec for _, _, sec in tp_ops)], dtype=torch.float64)
+        row = torch.tensor([wall - exposed - sum(e - s for _, _, s, e in tp_ops)], dtype=torch.float64)
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
         return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
                 "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"],  # this rank's
-                **{f"tp_{op}_{what}": sum(b if what == "bytes" else 1 for o, b, _ in tp_ops if o == op)
+                **{f"tp_{op}_{what}": sum(b if what == "bytes" else 1 for o, b, _, _ in tp_ops if o == op)
                    for op in ("all_reduce", "all_gather") for what in ("bytes", "calls")}}
 
     def drain():

@@ -10,7 +10,11 @@ takes the measured all-to-all time (per call: the last rank's exit minus the las
 so rank skew is left out) and what the replay charges for a step of those tokens: the link
 table (``netsim.replay.step_all_to_all_s``, with the step's measured compute between the calls and
 each rank link's rest carried from step to step) and, with ``--fit``, replay/3's token-bucket line
-(``Link.all_to_all_s``). Steps are grouped as prefill (a rank forwards more tokens than
+(``Link.all_to_all_s``). A tensor-parallel engine's spans also carry its TP all-reduces and
+gathers (``"tp"``): they count as measured collectives and the replay adds its own (replay/6).
+Per kind it also sums the steps' wall time (first rank's start to last rank's end) and the
+compute used, so what is left (``skew``) is the time ranks spent waiting on each other inside
+collectives, which the replay does not model. Steps are grouped as prefill (a rank forwards more tokens than
 ``max_requests``), decode, and those where one rank runs the dummy forward. Tokens are padded as
 the engine pads them (``Engine.padded``; a step of at most ``max_requests`` tokens counts as decode).
 """
@@ -37,8 +41,14 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         if any(len(s["spans"]) != len(steps[0]["spans"]) for s in steps):
             raise ValueError("the ranks recorded different collectives in one step")
         calls = list(zip(*(s["spans"] for s in steps)))
-        measured = sum(max(c[2] for c in call) - max(c[1] for c in call) for call in calls)
-        compute = max((s["end"] - s["t"]) - sum(e - b for _, b, e in s["spans"]) for s in steps)
+        tp_calls = list(zip(*(s.get("tp", []) for s in steps)))  # a TP engine's all-reduces and gathers
+        measured = sum(max(c[2] for c in call) - max(c[1] for c in call) for call in calls) \
+            + sum(max(c[3] for c in call) - max(c[2] for c in call) for call in tp_calls)
+        compute = max((s["end"] - s["t"]) - sum(e - b for _, b, e in s["spans"])
+                      - sum(c[3] - c[2] for c in s.get("tp", [])) for s in steps)
+        gathered = [c[0][1] for c in tp_calls if c[0][0] == "all_gather"]
+        requests = round(gathered[0] / profile.tp_gather_bytes_per_request) if gathered and \
+            profile.tp_gather_bytes_per_request else 0
         if prev_end is not None:
             idle = max(0.0, steps[0]["t"] - prev_end)
             rest_links(rest, idle)
@@ -47,14 +57,16 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         prev_end = steps[0]["end"]
         tokens = [int(s["tokens"]) for s in steps]
         padded = [engine.padded(n, decode_only=n <= engine.max_requests) if n else 0 for n in tokens]
-        model4 = step_all_to_all_s(table, profile, padded, compute, rest)
+        model4 = step_all_to_all_s(table, profile, padded, compute, rest, requests=requests)
         model3 = None
         if link is not None:
             model3, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
         kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
         row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay_s": 0.0, "fit_s": 0.0 if link else None,
-                                    "bytes_measured": 0, "bytes_model": 0.0})
+                                    "bytes_measured": 0, "bytes_model": 0.0, "wall_s": 0.0, "compute_s": 0.0})
         row["steps"] += 1
+        row["wall_s"] += max(s["end"] for s in steps) - min(s["t"] for s in steps)
+        row["compute_s"] += compute
         row["measured_s"] += measured
         row["replay_s"] += model4
         if link is not None:
@@ -106,11 +118,14 @@ def main(argv=None) -> int:
             link = Link(engine.ranks, table.gbit, constants, burst)
         out = compare(spans, profile, engine, table, link)
         print(f"{MODEL_VERSION}: all-to-all seconds per kind of step (replay: the link table; fit: replay/3's line)")
-        print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay s':>12}{'fit s':>12}{'MB measured':>13}{'MB model':>10}")
+        print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay s':>12}{'fit s':>12}{'MB measured':>13}{'MB model':>10}"
+              f"{'wall s':>9}{'compute s':>11}{'skew s':>8}")
         for kind, r in out.items():
             r3 = "-" if r["fit_s"] is None else f"{r['fit_s']:.2f}"
+            skew = r["wall_s"] - r["compute_s"] - r["measured_s"]
             print(f"{kind:<8}{r['steps']:>6}{r['measured_s']:>12.2f}{r['replay_s']:>12.2f}{r3:>12}"
-                  f"{r['bytes_measured'] / 1e6:>13.1f}{r['bytes_model'] / 1e6:>10.1f}")
+                  f"{r['bytes_measured'] / 1e6:>13.1f}{r['bytes_model'] / 1e6:>10.1f}{r['wall_s']:>9.2f}"
+                  f"{r['compute_s']:>11.2f}{skew:>8.2f}")
         if args.json:
             write_json(args.json, {"schema": "replay-steps/1", "model_version": MODEL_VERSION, "spans": args.spans, "profile": args.profile,
                                    "variant": args.variant, "link_table": args.link_table, "fit": args.fit,

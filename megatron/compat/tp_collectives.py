@@ -6,9 +6,10 @@ module's ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` (bound at impor
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``: the output layer's logits). No counter sees
 them (the expert all-to-alls have ``moe_variants.common.moe_layer.comm_counters``), so
 ``GroupCollectives`` wraps those three entry points for as long as it is entered and records, for
-calls on one process group, each call's op, tensor bytes and blocking seconds
+calls on one process group, each call's op, tensor bytes, start and end (``perf_counter``)
 (``scripts/profile_serving_compute.py``: what the TP collectives of a step send, and how long they
-took on loopback, to subtract from its compute). Calls on other groups pass through uncounted.
+took on loopback, to subtract from its compute; the server's step spans). Calls on other groups pass
+through uncounted.
 The lines it depends on are in ``sites.TP_COLLECTIVE_SITES``.
 """
 
@@ -22,9 +23,9 @@ __all__ = ["GroupCollectives"]
 
 
 class GroupCollectives:
-    """``with GroupCollectives(group) as c: ...``: ``c.calls`` is ``[(op, bytes, seconds)]`` for every
-    all-reduce, all-gather and reduce-scatter on ``group`` (bytes of the input tensor; an
-    asynchronous call's seconds are its launch only). ``take()`` returns and clears them."""
+    """``with GroupCollectives(group) as c: ...``: ``c.calls`` is ``[(op, bytes, start, end)]`` for
+    every all-reduce, all-gather and reduce-scatter on ``group`` (bytes of the input tensor; an
+    asynchronous call's end is its launch's). ``take()`` returns and clears them."""
 
     def __init__(self, group):
         self.group = group
@@ -45,7 +46,7 @@ class GroupCollectives:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.calls.append((op, tensor.numel() * tensor.element_size(), time.perf_counter() - t0))
+                self.calls.append((op, tensor.numel() * tensor.element_size(), t0, time.perf_counter()))
         return call
 
     def __enter__(self) -> GroupCollectives:

@@ -364,6 +364,7 @@ class RankEngine:
         self.local_rows = local_rows
         self._span_file = None  # record_spans: each step's all-to-alls, one JSON line per step
         self._timeline = None
+        self._tp_calls = None  # GroupCollectives while recording the spans of a TP engine
         layers = moe_layers(model)
         if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
@@ -532,14 +533,18 @@ class RankEngine:
             if self._span_file is not None:
                 self._write_spans(start, end, real_tokens, sent)
 
-    def record_spans(self, path: str) -> None:
+    def record_spans(self, path: str, tp_group=None) -> None:
         """Append every step's expert all-to-alls to ``path``, one JSON line per step with any:
         ``{"t": step start, "end": step end, "tokens": real tokens (0: a dummy forward), "bytes":
         off-rank all-to-all bytes sent, "spans": [[name, start, end], ...]}`` (``perf_counter``
         seconds, launch order). The serving benchmark matches them across ranks to split the all-to-all time into
-        transfer and rank-skew wait (``tools.bench.overlap.transfer_skew``)."""
+        transfer and rank-skew wait (``tools.bench.overlap.transfer_skew``). With ``tp_group`` (TP > 1)
+        a line also has ``"tp": [[op, bytes, start, end], ...]``, the step's tensor-parallel
+        all-reduces and gathers (``megatron.compat.tp_collectives``)."""
+        from megatron.compat.tp_collectives import GroupCollectives
         from moe_variants.common.comm import TimelineRecorder
 
+        self._tp_calls = GroupCollectives(tp_group).__enter__() if tp_group is not None else None
         self._timeline = TimelineRecorder()
         for counters in self.counters:
             counters.timeline = self._timeline
@@ -549,13 +554,17 @@ class RankEngine:
         if self._span_file is not None:
             self._span_file.close()
             self._span_file = None
+        if self._tp_calls is not None:
+            self._tp_calls.__exit__(None, None, None)
+            self._tp_calls = None
 
     def _write_spans(self, start: float, end: float, real_tokens: int, sent: int) -> None:
         events, self._timeline.events = self._timeline.events, []
         spans = [[n, s, e] for n, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
+        tp = {"tp": [list(c) for c in self._tp_calls.take()]} if self._tp_calls is not None else {}
         if spans:
             self._span_file.write(json.dumps({"t": start, "end": end, "tokens": real_tokens, "bytes": sent,
-                                              "spans": spans}) + "\n")
+                                              "spans": spans, **tp}) + "\n")
 
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:

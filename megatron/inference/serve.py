@@ -257,7 +257,8 @@ def serve(args) -> int:
                                  local_rows=rows)
         if args.a2a_spans:
             os.makedirs(args.a2a_spans, exist_ok=True)
-            rank_engine.record_spans(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"))
+            rank_engine.record_spans(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"),
+                                     tp_group=None if tp1 else pgc.tp)
             stack.callback(rank_engine.close_spans)
 
         stop = {"signal": None}

@@ -68,3 +68,35 @@ def test_spans_from_before_replay4_are_one_line(tmp_path):
                            "--variant", "bigmac", "--link-table", *table], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "bigmac" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_tp_engine_counts_its_tp_collectives(tmp_path):
+    """At TP = EP = 2 both ranks hold the step's tokens; the spans' TP all-reduce and gather count
+    among the measured collectives (last entry to last exit), not the compute; the gather's bytes
+    give the step's requests. Wall and compute are summed so the rank-skew wait is what is left."""
+    spans, prof, table = _inputs(tmp_path)
+    step = [{"t": 0.0, "end": 0.10, "tokens": 40, "bytes": 8000,
+             "spans": [["dispatch", 0.02, 0.05], ["combine", 0.06, 0.08]],
+             "tp": [["all_reduce", 4096, 0.01, 0.015], ["all_gather", 200, 0.085, 0.09]]},
+            {"t": 0.0, "end": 0.11, "tokens": 40, "bytes": 8000,
+             "spans": [["dispatch", 0.03, 0.05], ["combine", 0.06, 0.09]],
+             "tp": [["all_reduce", 4096, 0.012, 0.015], ["all_gather", 200, 0.095, 0.1]]}]
+    for r in range(2):
+        (spans / f"a2a_spans_rank{r}.jsonl").write_text(json.dumps(step[r]) + "\n")
+    p = json.loads(prof.read_text())
+    p["variants"]["standard"].update(tp=2, tp_allreduces=1, tp_allreduce_bytes_per_token=64.0, tp_gathers=1,
+                                     tp_gather_bytes_per_request=100.0)
+    prof.write_text(json.dumps(p))
+    ar = tmp_path / "ar.csv"
+    ar.write_text("op,ranks,bytes,seconds\nall_reduce,2,1000,0.001\nall_reduce,2,8000,0.004\n")
+    (tmp_path / "ar.json").write_text(json.dumps({"link": {"gbit": 0.5}, "gap_s": 0.0}))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "scripts/replay_steps.py", "--spans", str(spans), "--profile", str(prof),
+                           "--variant", "standard", "--link-table", *table, str(ar), "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())["by_kind"]["prefill"]
+    assert row["measured_s"] == pytest.approx((0.05 - 0.03) + (0.09 - 0.06) + (0.015 - 0.012) + (0.1 - 0.095))
+    # compute: the slower rank's step minus its own collectives
+    assert row["compute_s"] == pytest.approx(0.11 - (0.02 + 0.03) - (0.003 + 0.005))
+    assert row["wall_s"] == pytest.approx(0.11) and row["replay_s"] > 0

@@ -167,3 +167,31 @@ def test_the_engine_writes_one_line_per_step_with_collectives(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"t": 0.5, "end": 2.7, "tokens": 12, "bytes": 4096,
                       "spans": [["dispatch", 1.0, 1.5], ["combine", 2.0, 2.5]]}]
+
+
+def test_a_tp_engine_also_writes_its_tp_collectives(tmp_path):
+    """With a TP group the lines also carry the step's all-reduces on that group (op, bytes, start,
+    end), and closing the spans puts torch.distributed back."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.inference.engine import RankEngine
+    from megatron.training.parallel import single_process_group
+    from moe_variants.common.comm import CommCounters
+
+    with single_process_group():
+        group = dist.new_group([0])
+        eng = RankEngine.__new__(RankEngine)
+        eng.counters = [CommCounters()]
+        path = tmp_path / "a2a_spans_rank0.jsonl"
+        all_reduce = dist.all_reduce
+        eng.record_spans(str(path), tp_group=group)
+        dist.all_reduce(torch.ones(4, 8), group=group)  # counted: 128 bytes
+        dist.all_reduce(torch.ones(3))  # the world group: not counted
+        eng._timeline.add("dispatch", "comm", 1.0, 1.5)
+        eng._write_spans(0.5, 2.7, 12, 4096)
+        eng.close_spans()
+        assert dist.all_reduce is all_reduce
+    line, = [json.loads(x) for x in path.read_text().splitlines()]
+    (op, size, start, end), = line["tp"]
+    assert (op, size) == ("all_reduce", 128) and start <= end
