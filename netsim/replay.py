@@ -47,6 +47,7 @@ import numpy as np
 from .collectives import AlphaBeta
 
 __all__ = ["StepProfile", "Link", "LinkTable", "Engine", "Request", "simulate", "step_all_to_all_s", "rest_links",
+           "step_calls", "compute_gaps",
            "fit_all_to_all_s", "dispatch_flows",
            "phase_figures", "FIGURES", "MODEL_VERSION",
            "model_fingerprint", "offered_load_bound"]
@@ -56,7 +57,7 @@ FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (and say what changed in docs/netsim.md) whenever the replay's
 # arithmetic changes; ``validate`` prints it with ``model_fingerprint()`` of this file.
-MODEL_VERSION = "replay/6 (2026-11-27)"
+MODEL_VERSION = "replay/7 (2026-11-27)"
 # /3: requests go to the engine the run recorded (x-dp-rank), if it did.
 # /4: with a link table (``LinkTable``: all-to-alls calibrated at the run's rate after rests of 0-80 ms, both ways
 #     and one way), each dispatch and combine costs what the link measured for its size, its direction mix and the
@@ -68,6 +69,9 @@ MODEL_VERSION = "replay/6 (2026-11-27)"
 # /6: tensor parallelism at TP = EP = the ranks (one engine): every TP rank dispatches the engine's tokens, and the
 #     profiled TP all-reduces and logit all-gathers cost what the link table's all-reduce (and all-to-all)
 #     calibrations measured, in their places in the step; attention-DP runs replay as in /5.
+# /7: a call costs the calibration's mean time, not its median (a step is a sum of calls; small calls' times are
+#     skewed); the probabilities' exchange follows the dispatch (the order the spans show); where the profile
+#     measured it, the compute lies between the calls as measured per kind of step (``compute_gaps``).
 
 # A rate whose measured request rate is at least this fraction of the offered rate is bound by
 # the offered load (the server keeps up): its throughput says nothing about the model.
@@ -93,6 +97,8 @@ class StepProfile:
     tp_allreduce_bytes_per_token: float = 0.0  # ... each of this x the step's tokens on every TP rank
     tp_gathers: int = 0  # TP all-gathers per step (the output layer's logits) ...
     tp_gather_bytes_per_request: float = 0.0  # ... each of this x the step's requests in from every TP rank
+    layout_decode: Optional[tuple] = None  # shares of a decode step's compute around its calls (compute_gaps)
+    layout_prefill: Optional[tuple] = None  # and of a step with prefill tokens
 
     @property
     def control_s(self) -> float:
@@ -110,7 +116,9 @@ class StepProfile:
                        float(d.get("loop_s", 0.0)), float(d.get("iteration_s", 0.0)),
                        *(None if d.get(k) is None else float(d[k]) for k in ("compute_before", "compute_after")),
                        int(d.get("tp", 1)), int(d.get("tp_allreduces", 0)), float(d.get("tp_allreduce_bytes_per_token", 0.0)),
-                       int(d.get("tp_gathers", 0)), float(d.get("tp_gather_bytes_per_request", 0.0)))
+                       int(d.get("tp_gathers", 0)), float(d.get("tp_gather_bytes_per_request", 0.0)),
+                       *(None if d.get(k) is None else tuple(float(x) for x in d[k])
+                         for k in ("layout_decode", "layout_prefill")))
         except KeyError as e:
             raise ValueError(f"step profile: missing key {e.args[0]!r}") from None
 
@@ -227,8 +235,12 @@ class LinkTable:
 
     @classmethod
     def from_calibrations(cls, paths: Sequence[str]) -> LinkTable:
-        """Read ``bench_ep.py --collectives`` CSVs (all_to_all rows of one rank count) with their
-        sidecar JSONs (link rate, gap, one way or not). One-line errors for what does not fit."""
+        """Read ``bench_ep.py --collectives`` CSVs (all_to_all or all_reduce rows of one rank count)
+        with their sidecar JSONs (link rate, gap, one way or not). A call's time is the mean over the
+        calibration's repeats where the sidecar has it (replay/7), else the CSV's median: a step
+        costs the sum of its calls, and small calls' times are skewed (at 0.08 Gbit/s after 5 ms
+        rests, 8 KiB took 0.42 ms in the median and 1.14 ms on average). One-line errors for what
+        does not fit."""
         import csv
         import json
         import os
@@ -245,7 +257,9 @@ class LinkTable:
                 counts, ops = {int(r["ranks"]) for r in rows}, {r["op"] for r in rows}
                 kind = "all_reduce" if ops == {"all_reduce"} else "one-way" if one_way else "both-ways"
                 share = (lambda n: 1.0) if kind == "all_reduce" else (lambda n: (n - 1) / n)  # off-rank bytes
-                curve = tuple(sorted((int(r["bytes"]) * share(int(r["ranks"])), float(r["seconds"])) for r in rows))
+                means = {(m["op"], int(m["bytes"])): float(m["mean_s"]) for m in meta.get("rows", []) if "mean_s" in m}
+                curve = tuple(sorted((int(r["bytes"]) * share(int(r["ranks"])),
+                                      means.get((r["op"], int(r["bytes"])), float(r["seconds"]))) for r in rows))
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"--link-table {path}: not a bench_ep.py --collectives CSV with its sidecar JSON "
                                  f"({err})") from None
@@ -335,6 +349,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         t += ctrl
         bucket = link.refill(bucket, ctrl)
         tokens, reqs, padded, produced = [0] * engine.ranks, [0] * engine.ranks, [0] * engine.ranks, []
+        decode_only = True
         for r in range(engine.ranks):
             decoding = [x for x in active[r] if x.prefilled == x.req.prompt_tokens]
             budget = engine.max_batch_tokens - len(decoding)
@@ -359,6 +374,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
             reqs[r] = len(active[r])
             if tokens[r]:
                 padded[r] = engine.padded(tokens[r], decode_only=tokens[r] == len(decoding))
+                decode_only = decode_only and tokens[r] == len(decoding)
         if not any(tokens):
             continue
         compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(padded, reqs))
@@ -366,7 +382,7 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         t += compute
         if table is not None:  # a TP group's ranks all hold (and dispatch) their engine's tokens
             t += step_all_to_all_s(table, profile, [n for n in padded for _ in range(profile.tp)], compute, rest,
-                                   requests=max(reqs))
+                                   requests=max(reqs), decode=decode_only)
         else:
             seconds, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
             t += seconds
@@ -412,58 +428,89 @@ def dispatch_flows(profile: StepProfile, padded: Sequence[int]) -> tuple:
     return layers, own, others
 
 
-def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
-                      rest: list, requests: int = 0) -> float:
-    """A step's all-to-alls from the link table. megatron-core's alltoall dispatcher makes three
-    calls per MoE layer: a metadata exchange (the split sizes, right before the dispatch: timed as
-    the table's smallest message after a long rest, the link's latency), the dispatch (rank r sends its own tokens' remote copies,
-    ``d x padded[r]``, and receives the others') and the combine (the reverse), where ``d`` is one
-    layer's off-rank bytes per token one way (the profile's ``a2a_bytes_per_token``, measured with
-    every rank equally busy, counts both ways over all layers). The step's compute lies before the
-    first dispatch (the profile's ``compute_before`` share: embedding, the first attention), after
-    the last combine (``compute_after``: output layer, sampling) and in equal parts between the
-    calls (the experts between a dispatch and its combine, attention between a combine and the next
-    dispatch); without the profiled shares, ``2 x layers + 1`` equal parts. A call lasts as long as its busiest rank link, timed with what that link carries each
-    way after the rest its busier direction had: each rank link's two directions rest on their own
-    (``rest[r] = [out, in]`` seconds, updated in place), so when one rank holds the tokens its
-    dispatches leave on a link that rested through the combine before. A rest is the shaper's
-    bucket in seconds of link rate: it fills up to ``table.bucket_s``, and a call spends what its
-    bytes take at the link rate (a few KiB of a lopsided call's light direction spend little).
-
-    A tensor-parallel engine (``profile.tp`` > 1, TP = EP = the ranks: ``padded`` then has the
-    engine's tokens on each of its ranks) adds its TP collectives on the same links (replay/6): the
-    embedding's all-reduce at the step's start, the first attention's before the first dispatch,
-    each later attention's before its layer's dispatch (``tp_allreduces`` in all, each of
-    ``tp_allreduce_bytes_per_token`` x tokens, timed by the table's all-reduce calibrations after
-    the links' shorter rest), and the logits' all-gathers (``tp_gathers``, ``requests x
-    tp_gather_bytes_per_request`` from each rank: an exchange timed like an all-to-all of those
-    off-rank bytes) after the last combine. Collectives of a dense or shared MLP are not placed
-    apart: a model with them counts them among the attention's."""
-    calls, ranks = profile.a2a_calls, len(padded)
-    if calls <= 0 or ranks < 2:
-        return 0.0
+def step_calls(profile: StepProfile) -> list:
+    """The collectives of one engine step, in order: per MoE layer the dispatch, the probabilities'
+    exchange right after it (``"meta"``, where the profile counts three calls per layer) and the
+    combine; for a tensor-parallel engine also its all-reduces (``"reduce"``: the embedding's at
+    the start, the first attention's before the first dispatch, each later attention's before its
+    layer's dispatch; more than ``layers + 1``, e.g. a shared expert's, are placed with the first)
+    and, at the end, the logits' gathers. This is the order ``serve --a2a-spans`` records."""
+    calls = profile.a2a_calls
     with_meta = calls % 3 == 0
-    layers, own, others = dispatch_flows(profile, padded)
-    tiny = table.smallest_bytes
+    layers = calls // 3 if with_meta else max(1, calls // 2)
+    reductions = profile.tp_allreduces if profile.tp > 1 else 0
+    between = min(max(0, reductions - 1), layers - 1)  # one before each later layer's dispatch
+    ahead = reductions - between  # the embedding's, at the start, and the first attention's
+    seq = []
+    for layer in range(layers):
+        seq += ["reduce"] * (ahead if layer == 0 else int(layer <= between))
+        seq += ["dispatch"] + (["meta"] if with_meta else []) + ["combine"]
+    return seq + ["gather"] * (profile.tp_gathers if profile.tp > 1 else 0)
+
+
+def compute_gaps(profile: StepProfile, seq: Sequence[str], decode: bool) -> list:
+    """Shares of a step's compute before each call of ``seq`` and after the last (``len(seq) + 1``,
+    summing to 1). The profile's measured layout for the kind of step (``layout_decode`` /
+    ``layout_prefill``: the experts between a dispatch and its combine take less than the attention
+    between a combine and the next dispatch) where it has one of that length; else replay/6's:
+    ``compute_before`` before the first dispatch (the embedding's reduction at the start, the other
+    reductions ahead after it), ``compute_after`` after the last combine (before the gathers), and
+    equal parts before each combine and each later layer's first call (``2 x layers + 1`` equal
+    parts without the profiled shares)."""
+    layout = profile.layout_decode if decode else profile.layout_prefill
+    if layout is not None and len(layout) == len(seq) + 1:
+        return list(layout)
+    layers = seq.count("dispatch")
     even = 1.0 / (2 * layers + 1)
     first = even if profile.compute_before is None else profile.compute_before
     last = even if profile.compute_after is None else profile.compute_after
     first, last = min(first, 1.0), min(last, 1.0 - min(first, 1.0))
-    part = compute_s * (1.0 - first - last) / max(1, 2 * layers - 1)
+    part = (1.0 - first - last) / max(1, 2 * layers - 1)
+    gaps, placed_first = [], False
+    for i, kind in enumerate(seq):
+        if kind == "gather":
+            gaps.append(last if seq[i - 1] == "combine" else 0.0)
+        elif kind == "meta":
+            gaps.append(0.0)
+        elif kind == "combine":
+            gaps.append(part)
+        elif not placed_first:  # the compute before the first dispatch: after the embedding's reduction
+            placed_first = kind == "dispatch" or i > 0
+            gaps.append(first if placed_first else 0.0)
+        else:  # a later layer's first call (its attention's reduction, or its dispatch)
+            gaps.append(part if seq[i - 1] == "combine" else 0.0)
+    gaps.append(0.0 if seq[-1] == "gather" else last)
+    return gaps
 
-    meta = table.seconds(tiny, tiny, math.inf)  # a few hundred bytes: the link's latency, whatever its bucket holds
 
+def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[int], compute_s: float,
+                      rest: list, requests: int = 0, decode: bool = False) -> float:
+    """A step's collectives from the link table (``step_calls``: per MoE layer megatron-core's
+    alltoall dispatcher makes the dispatch, where rank r sends its own tokens' remote copies,
+    ``d x padded[r]``, and receives the others', the probabilities' exchange, timed as the table's
+    smallest message after a long rest (the link's latency), and the combine, the reverse; ``d`` is
+    one layer's off-rank bytes per token one way: the profile's ``a2a_bytes_per_token``, measured
+    with every rank equally busy, counts both ways over all layers). The step's compute lies
+    between the calls as ``compute_gaps`` says. A call lasts as long as its busiest rank link,
+    timed with what that link carries each way after the rest its busier direction had: each rank
+    link's two directions rest on their own (``rest[r] = [out, in]`` seconds, updated in place), so
+    when one rank holds the tokens its dispatches leave on a link that rested through the combine
+    before. A rest is the shaper's bucket in seconds of link rate: it fills up to
+    ``table.bucket_s``, and a call spends what its bytes take at the link rate (a few KiB of a
+    lopsided call's light direction spend little).
+
+    A tensor-parallel engine (``profile.tp`` > 1, TP = EP = the ranks: ``padded`` then has the
+    engine's tokens on each of its ranks) adds its TP collectives on the same links (replay/6):
+    all-reduces of ``tp_allreduce_bytes_per_token`` x tokens, timed by the table's all-reduce
+    calibrations after the links' shorter rest, and the logits' all-gathers (``requests x
+    tp_gather_bytes_per_request`` from each rank: an exchange timed like an all-to-all of those
+    off-rank bytes). ``decode``: a decode-only step (which measured layout applies)."""
+    ranks = len(padded)
+    if profile.a2a_calls <= 0 or ranks < 2:
+        return 0.0
+    layers, own, others = dispatch_flows(profile, padded)
+    meta = table.seconds(table.smallest_bytes, table.smallest_bytes, math.inf)  # the link's latency
     rate, full = table.bytes_per_s, table.bucket_s
-
-    def call(flows) -> float:
-        seconds = max(table.seconds(out, inn, rest[r][0] if out >= inn else rest[r][1])
-                      for r, (out, inn) in enumerate(flows))
-        return spend(flows, seconds)
-
-    def reduce() -> float:  # a TP all-reduce: every rank link carries 2 (n - 1) / n of the tensor each way
-        tensor = profile.tp_allreduce_bytes_per_token * padded[0]
-        seconds = table.allreduce_seconds(tensor, min(min(r) for r in rest))
-        return spend([(2 * (ranks - 1) / ranks * tensor,) * 2] * ranks, seconds)
 
     def spend(flows, seconds: float) -> float:
         for r, sent in enumerate(flows):
@@ -475,30 +522,32 @@ def step_all_to_all_s(table: LinkTable, profile: StepProfile, padded: Sequence[i
                 rest[r][way] = credit + seconds if credit >= 0 else 0.0
         return seconds
 
-    reductions = profile.tp_allreduces if profile.tp > 1 else 0
-    between = min(max(0, reductions - 1), layers - 1)  # one before each later layer's dispatch
-    seconds = 0.0
-    for layer in range(layers):
-        if layer == 0:
-            ahead = reductions - between  # the embedding's, at the start, and the first attention's
-            seconds += reduce() if ahead else 0.0
-            rest_links(rest, compute_s * first)
-            for _ in range(ahead - 1):
-                seconds += reduce()
-        else:
-            rest_links(rest, part)
-            seconds += reduce() if layer <= between else 0.0
-        if with_meta:
+    def call(flows) -> float:
+        return spend(flows, max(table.seconds(out, inn, rest[r][0] if out >= inn else rest[r][1])
+                                for r, (out, inn) in enumerate(flows)))
+
+    def one(kind: str) -> float:
+        if kind == "dispatch":
+            return call(list(zip(own, others)))
+        if kind == "combine":
+            return call(list(zip(others, own)))
+        if kind == "meta":
             rest_links(rest, meta)
-            seconds += meta
-        seconds += call(list(zip(own, others)))
-        rest_links(rest, part)
-        seconds += call(list(zip(others, own)))
-    rest_links(rest, compute_s * last)
-    if profile.tp > 1:
+            return meta
+        if kind == "reduce":  # every rank link carries 2 (n - 1) / n of the tensor each way
+            tensor = profile.tp_allreduce_bytes_per_token * padded[0]
+            seconds = table.allreduce_seconds(tensor, min(min(r) for r in rest))
+            return spend([(2 * (ranks - 1) / ranks * tensor,) * 2] * ranks, seconds)
         gathered = profile.tp_gather_bytes_per_request * requests * (ranks - 1)
-        for _ in range(profile.tp_gathers):
-            seconds += call([(gathered, gathered)] * ranks)
+        return call([(gathered, gathered)] * ranks)
+
+    seq = step_calls(profile)
+    gaps = compute_gaps(profile, seq, decode)
+    seconds = 0.0
+    for kind, gap in zip(seq, gaps):
+        rest_links(rest, compute_s * gap)
+        seconds += one(kind)
+    rest_links(rest, compute_s * gaps[-1])
     return seconds
 
 

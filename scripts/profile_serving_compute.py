@@ -110,7 +110,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
             eng.step()
 
     spans_path = os.path.join(spans_dir, f"spans_rank{rank}.jsonl")
-    eng.record_spans(spans_path)  # where in a step its all-to-alls fall (_compute_layout)
+    eng.record_spans(spans_path, tp_group=pgc.tp if tp > 1 else None)  # where a step's calls fall (_compute_layout)
     calls0 = eng.comm["a2a_calls"]
     steps0 = eng.steps + eng.dummy_steps
     rows = []
@@ -134,11 +134,12 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     calls = eng.comm["a2a_calls"] - calls0
     steps = eng.steps + eng.dummy_steps - steps0
     eng.close_spans()
-    before, after = _compute_layout(spans_path)
+    before, after, layouts = _compute_layout(spans_path, cfg.max_requests)
     stats = eng.stats()
     return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
             "local": stats["local_activations"], "routed": stats["routed_activations"],
             "loop_s": _loop_overhead(eng, world), "compute_before": before, "compute_after": after,
+            "layout_decode": layouts.get("decode"), "layout_prefill": layouts.get("prefill"),
             "iteration_s": _iteration_overhead(eng, pgc, world, cfg.max_requests, vocab, tokenizer.eod, seed)}
 
 
@@ -162,16 +163,26 @@ def _tp_collectives(rows: list, engine) -> dict:
             / max(1, sum(r["tp_all_gather_calls"] * r["requests"] for r in prefill))}
 
 
-def _compute_layout(spans_path: str) -> tuple:
-    """Median shares of a forward's compute before its first all-to-all (embedding, the first
-    attention) and after its last (the output layer, sampling, bookkeeping), over this rank's
-    profiled steps (``RankEngine.record_spans`` lines); the rest lies between the calls."""
-    before, after = [], []
+def _compute_layout(spans_path: str, max_requests: int) -> tuple:
+    """Where a forward's compute lies around its calls, over this rank's profiled steps
+    (``RankEngine.record_spans`` lines): the median shares before its first all-to-all (embedding,
+    the first attention) and after its last (the output layer, sampling, bookkeeping), and per kind
+    of step (``decode``: at most ``max_requests`` tokens, else ``prefill``) the layout
+    ``netsim.replay.compute_gaps`` reads: the median share of the compute before each collective
+    (all-to-alls and a TP engine's all-reduces and gathers, in start order) and after the last,
+    over the steps with the most common number of calls, normalised to sum to one."""
+    before, after, shares = [], [], {"decode": {}, "prefill": {}}
     with open(spans_path) as f:
         for line in f:
             step = json.loads(line)
             if not step.get("tokens") or not step["spans"]:
                 continue
+            calls = sorted([(s, e) for _, s, e in step["spans"]] + [(c[2], c[3]) for c in step.get("tp", [])])
+            gaps = [max(0.0, g) for g in [calls[0][0] - step["t"]] + [b[0] - a[1] for a, b in zip(calls, calls[1:])]
+                    + [step["end"] - calls[-1][1]]]
+            if sum(gaps) > 0:
+                kind = "decode" if step["tokens"] <= max_requests else "prefill"
+                shares[kind].setdefault(len(calls), []).append([g / sum(gaps) for g in gaps])
             spans = sorted(step["spans"], key=lambda x: x[1])
             busy = step["end"] - step["t"]
             in_flight = sum(e - s for _, s, e in spans)  # on loopback the calls do not overlap
@@ -179,7 +190,20 @@ def _compute_layout(spans_path: str) -> tuple:
             if compute > 0:
                 before.append((spans[0][1] - step["t"]) / compute)
                 after.append((step["end"] - max(e for _, _, e in spans)) / compute)
-    return (statistics.median(before), statistics.median(after)) if before else (None, None)
+    layouts = {}
+    for kind, by_count in shares.items():
+        if by_count:
+            medians = [statistics.median(col) for col in zip(*max(by_count.values(), key=len))]
+            layouts[kind] = [m / sum(medians) for m in medians]
+    return (statistics.median(before), statistics.median(after), layouts) if before else (None, None, layouts)
+
+
+def _mean_layout(layouts) -> "list | None":
+    """The ranks' layouts averaged position by position (None unless every rank has one of one length)."""
+    layouts = list(layouts)
+    if not layouts or any(x is None or len(x) != len(layouts[0]) for x in layouts):
+        return None
+    return [sum(col) / len(col) for col in zip(*layouts)]
 
 
 def _loop_overhead(eng, world, iterations: int = 60) -> float:
@@ -364,6 +388,8 @@ def main(argv=None) -> int:
                 iteration_s=per_rank[0]["iteration_s"],
                 compute_before=_slowest(r["compute_before"] for r in per_rank),
                 compute_after=_slowest(r["compute_after"] for r in per_rank),
+                layout_decode=_mean_layout(r["layout_decode"] for r in per_rank),
+                layout_prefill=_mean_layout(r["layout_prefill"] for r in per_rank),
                 checkpoint=checkpoints[v], wall_s=time.monotonic() - t0, tp=tp,
                 **(_tp_collectives(rows, engine) if tp > 1 else {}),
             )

@@ -57,11 +57,11 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
         prev_end = steps[0]["end"]
         tokens = [int(s["tokens"]) for s in steps]
         padded = [engine.padded(n, decode_only=n <= engine.max_requests) if n else 0 for n in tokens]
-        model4 = step_all_to_all_s(table, profile, padded, compute, rest, requests=requests)
+        kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
+        model4 = step_all_to_all_s(table, profile, padded, compute, rest, requests=requests, decode=kind == "decode")
         model3 = None
         if link is not None:
             model3, bucket = fit_all_to_all_s(link, profile, max(padded), compute, bucket)
-        kind = "dummy" if 0 in tokens else ("prefill" if max(tokens) > engine.max_requests else "decode")
         row = out.setdefault(kind, {"steps": 0, "measured_s": 0.0, "replay_s": 0.0, "fit_s": 0.0 if link else None,
                                     "bytes_measured": 0, "bytes_model": 0.0, "wall_s": 0.0, "compute_s": 0.0})
         row["steps"] += 1

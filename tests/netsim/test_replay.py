@@ -223,7 +223,7 @@ def test_link_table_refuses_what_does_not_fit(tmp_path):
 
 def test_a_lone_prefill_with_the_link_table(tmp_path):
     """One request alone on rank 0 (rank 1 runs its dummy forward), by hand. Per MoE layer: the
-    metadata exchange (the link's latency), the dispatch (rank 0's link out, one way) and the
+    dispatch (rank 0's link out, one way), the probabilities' exchange (the link's latency) and the
     combine (rank 1's link out, one way). Each direction of each rank link rests on its own; a
     rest is the shaper's bucket in seconds (at most 64 KiB + one frame at the link rate), and a
     call spends what its bytes take at the link rate. The compute lies in five equal parts around
@@ -254,7 +254,7 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
     expected = 2 * meta + 2 * first + d2 + c2
     rest = [[math.inf, math.inf], [math.inf, math.inf]]
     assert step_all_to_all_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
-    assert rest[0][0] == pytest.approx(full - spend + d2 + part + c2 + part)
+    assert rest[0][0] == pytest.approx(full - spend + d2 + meta + part + c2 + part)  # the probabilities follow the dispatch
     (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t)
     ctrl = 3e-3 + LINK.control_s()  # the profiled loop overhead replaces loop_s
     assert ttft == pytest.approx(ctrl + compute + expected + ctrl)
@@ -278,7 +278,7 @@ def test_validate_cli_with_a_link_table(tmp_path, capsys):
     tables = [str(tmp_path / f) for f in ("both0.csv", "both10.csv", "one0.csv")]
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--json", str(tmp_path / "v.json")]) == 0
     out = json.loads((tmp_path / "v.json").read_text())
-    assert out["link_table"] == tables and out["model_version"].startswith("replay/6")
+    assert out["link_table"] == tables and out["model_version"].startswith("replay/7")
     capsys.readouterr()
     _table(tmp_path, gbit=0.25)  # rewritten at another rate than the run's 0.5 Gbit/s
     assert main(["validate", "--bench-serve", str(run), "--link-table", *tables]) == 2
@@ -316,8 +316,9 @@ def test_a_tensor_parallel_step_by_hand(tmp_path):
     """TP = EP = 2, one engine, one MoE layer, by hand. Both ranks hold the engine's 10 tokens and
     dispatch them all (2000 B off-rank each way per call). The embedding's all-reduce comes at the
     step's start, the attention's after the compute before the first dispatch (here all of it),
-    then the metadata exchange, dispatch and combine back to back, and the logits' all-gather of
-    3 requests x 50 B from each rank at the end. Each collective is timed after the rest its links
+    then the dispatch, the probabilities' exchange and the combine back to back, and the logits' all-gather of
+    3 requests x 50 B from each rank at the end (replay/7: the probabilities' exchange follows the
+    dispatch). Each collective is timed after the rest its links
     had and spends its bytes from their buckets."""
     from netsim.replay import LinkTable, step_all_to_all_s
 
@@ -345,10 +346,10 @@ def test_a_tensor_parallel_step_by_hand(tmp_path):
     rest = full - 1000 / rate + embed + compute  # every direction: the embedding spent 1000 B of its bucket
     attn = 0.002 + (0.001 - 0.002) * min(rest, 0.01) / 0.01
     rest = min(rest, full) - 1000 / rate + attn
-    meta = 0.0005  # the smallest message after a long rest
-    rest += meta
+    meta = 0.0005  # the smallest message after a long rest, right after the dispatch
     dispatch = both(2000, rest)
     rest = max(0.0, min(rest, full) - 2000 / rate) + dispatch if min(rest, full) >= 2000 / rate else 0.0
+    rest += meta
     combine = both(2000, rest)
     rest = min(rest, full) - 2000 / rate + combine if min(rest, full) >= 2000 / rate else 0.0
     gather = both(150, rest)  # 3 x 50 B in from the other rank: below the smallest size
@@ -362,3 +363,69 @@ def test_a_tensor_parallel_step_by_hand(tmp_path):
     expected_step = step_all_to_all_s(t, prof, [10, 10], prof.compute_s(10, 1), [[math.inf] * 2 for _ in range(2)],
                                       requests=1)
     assert ttft == pytest.approx(ctrl + prof.compute_s(10, 1) + expected_step + ctrl)
+
+
+def test_step_calls_and_compute_gaps():
+    """The order ``serve --a2a-spans`` records, and where the compute goes: the profile's measured
+    layout for the kind of step when it has one of the sequence's length, else replay/6's
+    (``compute_before``, even parts, ``compute_after``); shares sum to one."""
+    from netsim.replay import compute_gaps, step_calls
+
+    dp = StepProfile(**{**PROF.__dict__, "a2a_calls": 6, "compute_before": 0.3, "compute_after": 0.1})
+    assert step_calls(dp) == ["dispatch", "meta", "combine"] * 2
+    assert compute_gaps(dp, step_calls(dp), decode=True) == pytest.approx([0.3, 0.0, 0.2, 0.2, 0.0, 0.2, 0.1])
+    tp = StepProfile(**{**dp.__dict__, "tp": 2, "tp_allreduces": 3, "tp_gathers": 1})
+    seq = step_calls(tp)
+    assert seq == ["reduce", "reduce", "dispatch", "meta", "combine", "reduce", "dispatch", "meta", "combine", "gather"]
+    assert compute_gaps(tp, seq, decode=False) == pytest.approx([0, 0.3, 0, 0, 0.2, 0.2, 0, 0, 0.2, 0.1, 0])
+    measured = tuple([0.05] * 10 + [0.5])
+    laid = StepProfile(**{**tp.__dict__, "layout_decode": measured})
+    assert compute_gaps(laid, seq, decode=True) == list(measured)
+    assert compute_gaps(laid, seq, decode=False) == compute_gaps(tp, seq, decode=False)  # no prefill layout
+    short = StepProfile(**{**tp.__dict__, "layout_decode": (0.5, 0.5)})  # another model's sequence: not used
+    assert compute_gaps(short, seq, decode=True) == compute_gaps(tp, seq, decode=True)
+    for p in (dp, tp):
+        assert sum(compute_gaps(p, step_calls(p), decode=True)) == pytest.approx(1.0)
+
+
+def test_a_measured_layout_moves_the_rests(tmp_path):
+    """Where the compute lies decides the rests: with all of it before the first call the calls run
+    back to back; the same compute between the dispatch and the combine gives the combine's link
+    that rest instead. StepProfile.from_dict reads the layouts."""
+    from netsim.replay import step_all_to_all_s
+
+    t = _table(tmp_path)
+    base = dict(PROF.__dict__, a2a_calls=3, a2a_bytes_per_token=400.0)
+    ahead = StepProfile.from_dict(dict(base, layout_decode=[1.0, 0.0, 0.0, 0.0]))
+    inside = StepProfile.from_dict(dict(base, layout_decode=[0.0, 0.0, 1.0, 0.0]))
+    assert ahead.layout_decode == (1.0, 0.0, 0.0, 0.0)
+    zero = [[0.0, 0.0], [0.0, 0.0]]
+    fast = step_all_to_all_s(t, ahead, [10, 10], 0.012, [r[:] for r in zero], decode=True)
+    rested = step_all_to_all_s(t, inside, [10, 10], 0.012, [r[:] for r in zero], decode=True)
+    meta = t.seconds(t.smallest_bytes, t.smallest_bytes, math.inf)
+
+    def both(rest):  # 2000 B each way per call (200 B per token one way)
+        return t.seconds(2000, 2000, rest)
+
+    full, spend = t.bucket_s, 2000 / t.bytes_per_s
+    first = both(0.012)  # the dispatch after 12 ms of rest; the combine right after it and the probabilities
+    assert fast == pytest.approx(first + meta + both(full - spend + first + meta))
+    assert rested == pytest.approx(both(0.0) + meta + both(meta + 0.012))  # the dispatch found an empty bucket
+    assert rested > fast
+
+
+def test_link_table_takes_the_mean_of_the_repeats_where_the_sidecar_has_it(tmp_path):
+    """A step costs the sum of its calls, so a call costs the calibration's mean (the sidecar's
+    ``rows[].mean_s``), not the CSV's median; without it, the median."""
+    from netsim.replay import LinkTable
+
+    path = _table_csv(tmp_path, "both0", 0.5, 0.0, [(2000, 0.001), (8000, 0.008)])
+    plain = LinkTable.from_calibrations([path])
+    side = tmp_path / "both0.json"
+    meta = json.loads(side.read_text())
+    meta["rows"] = [{"op": "all_to_all", "bytes": 2000, "seconds": 0.001, "mean_s": 0.003}]  # 8000 B: no mean
+    side.write_text(json.dumps(meta))
+    mean = LinkTable.from_calibrations([path])
+    assert plain.seconds(1000, 1000, 0.0) == pytest.approx(0.001)
+    assert mean.seconds(1000, 1000, 0.0) == pytest.approx(0.003)
+    assert mean.seconds(4000, 4000, 0.0) == pytest.approx(0.008)
