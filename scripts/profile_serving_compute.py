@@ -55,13 +55,9 @@ def _points(max_batch_tokens: int, max_requests: int, context: int) -> list:
 
 
 def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_dir, tp=1):
-    import contextlib
-
     import numpy as np
     import torch
     import torch.distributed as dist
-
-    from megatron.compat.tp_collectives import GroupCollectives
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
@@ -81,7 +77,6 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp == 1 else None,
                      ep_size=dist.get_world_size(pgc.ep), routing_stats=tp == 1)  # TP peers route the same tokens
     rng = np.random.default_rng(seed + dist.get_rank(pgc.dp))  # TP peers hold the same requests
-    tp_calls = GroupCollectives(pgc.tp) if tp > 1 else None
     vocab = tokenizer.vocab_size
     ids = iter(range(10**9))
 
@@ -93,11 +88,10 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
         before = dict(eng.comm, tokens=eng.tokens_forwarded, requests=context.get_active_request_count()
                       + len(engine.waiting_request_ids))
         t0 = time.perf_counter()
-        with tp_calls if tp_calls is not None else contextlib.nullcontext():
-            eng.step() if kind != "dummy" else eng.dummy_step()
+        eng.step() if kind != "dummy" else eng.dummy_step()
         wall = time.perf_counter() - t0
         exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
-        tp_ops = tp_calls.take() if tp_calls is not None else []  # blocking on loopback: not compute either
+        tp_ops = eng.last_tp_calls  # the step's TP collectives (record_spans): blocking on loopback, not compute
         row = torch.tensor([wall - exposed - sum(e - s for _, _, s, e in tp_ops)], dtype=torch.float64)
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
         return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],

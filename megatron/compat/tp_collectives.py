@@ -6,11 +6,10 @@ module's ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` (bound at impor
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``: the output layer's logits). No counter sees
 them (the expert all-to-alls have ``moe_variants.common.moe_layer.comm_counters``), so
 ``GroupCollectives`` wraps those three entry points for as long as it is entered and records, for
-calls on one process group, each call's op, tensor bytes, start and end (``perf_counter``)
-(``scripts/profile_serving_compute.py``: what the TP collectives of a step send, and how long they
-took on loopback, to subtract from its compute; the server's step spans). Calls on other groups pass
-through uncounted.
-The lines it depends on are in ``sites.TP_COLLECTIVE_SITES``.
+calls on one process group, each call's op, tensor bytes, start and end (``perf_counter``): a TP
+engine's step spans (``RankEngine.record_spans``), from which ``scripts/profile_serving_compute.py``
+takes what a step's TP collectives send and how long they took on loopback (not compute). Calls on
+other groups pass through uncounted. The lines it depends on are in ``sites.TP_COLLECTIVE_SITES``.
 """
 
 from __future__ import annotations

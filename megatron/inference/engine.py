@@ -365,6 +365,7 @@ class RankEngine:
         self._span_file = None  # record_spans: each step's all-to-alls, one JSON line per step
         self._timeline = None
         self._tp_calls = None  # GroupCollectives while recording the spans of a TP engine
+        self.last_tp_calls: list = []  # the last step's TP collectives [(op, bytes, start, end)] (record_spans)
         layers = moe_layers(model)
         if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
@@ -561,7 +562,8 @@ class RankEngine:
     def _write_spans(self, start: float, end: float, real_tokens: int, sent: int) -> None:
         events, self._timeline.events = self._timeline.events, []
         spans = [[n, s, e] for n, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
-        tp = {"tp": [list(c) for c in self._tp_calls.take()]} if self._tp_calls is not None else {}
+        self.last_tp_calls = self._tp_calls.take() if self._tp_calls is not None else []
+        tp = {"tp": [list(c) for c in self.last_tp_calls]} if self._tp_calls is not None else {}
         if spans:
             self._span_file.write(json.dumps({"t": start, "end": end, "tokens": real_tokens, "bytes": sent,
                                               "spans": spans, **tp}) + "\n")
