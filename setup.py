@@ -32,7 +32,7 @@ setup(
     "(BigMac, FarSkip-Collective, Sem-MoE) and a network-topology cost model",
     python_requires=">=3.10",
     packages=find_namespace_packages(
-        include=["megatron.training*", "megatron.compat*", "megatron.inference*", "moe_variants*", "distill*", "netsim*", "tools*"]
+        include=["megatron.training*", "megatron.compat*", "megatron.common*", "megatron.inference*", "moe_variants*", "distill*", "netsim*", "tools*"]
     ),
     include_package_data=True,
     package_data={"megatron.training": ["assets/*"]},

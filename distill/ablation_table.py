@@ -41,8 +41,8 @@ from typing import Optional, Sequence
 
 from scipy.stats import t as student_t
 
-from moe_variants.common.cli import positive_int, run_cli
-from moe_variants.common.files import write_text
+from megatron.common.cli import positive_int, run_cli
+from megatron.common.files import write_text
 
 __all__ = ["PAPER_TABLE2", "PAPER_COLUMNS", "DEFAULT_ROW", "table2_markdown", "fig3_markdown", "split_seed", "rows_by_seed",
            "paired_interval", "seeded_table2", "seeded_table2_markdown", "convergence_markdown", "main"]

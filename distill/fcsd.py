@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron import compat
 from distill.losses import student_ce
 from megatron.training.parallel import destroy_parallel
-from moe_variants.common.cli import UserError, run_cli, user_input
+from megatron.common.cli import UserError, run_cli, user_input
 from distill.scoring import heldout_kl, lm_eval_scores, make_lm_eval_spec
 from moe_variants.farskip.config import FarSkipConfig
 

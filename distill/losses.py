@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["vocab_parallel_log_softmax", "kl_divergence", "hidden_state_l2", "masked_token_mean"]
 

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from megatron.training.parallel import single_process_group
-from moe_variants.common.cli import run_cli
-from moe_variants.common.files import write_json
+from megatron.common.cli import run_cli
+from megatron.common.files import write_json
 from distill.scoring import LMEvalSpec, heldout_kl, lm_eval_scores, main_metric, make_lm_eval_spec
 from moe_variants.farskip.config import FarSkipConfig
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distill.losses import kl_divergence, student_ce
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["heldout_kl", "MAIN_METRICS", "main_metric", "LMEvalSpec", "lm_eval_scores", "make_lm_eval_spec"]
 

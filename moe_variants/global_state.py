@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = [
     "gather_global_state_dict",

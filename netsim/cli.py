@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from moe_variants.common.cli import Subcommands, float_list, int_list, positive_float, positive_int
+from megatron.common.cli import Subcommands, float_list, int_list, positive_float, positive_int
 
 __all__ = ["main", "COMMANDS"]
 
@@ -151,7 +151,7 @@ def _parse_algorithm(s: str) -> dict:
 
 @command("fit", "fit alpha-beta constants to measured collectives", _configure_fit)
 def _fit(args) -> int:
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
     from .fit import check_rows, fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
 
     if not args.csv and not args.nccl:
@@ -240,7 +240,7 @@ def _configure_synth(p):
 
 @command("synth-collectives", "write synthetic measurements from known constants", _configure_synth)
 def _synth(args) -> int:
-    from moe_variants.common.files import write_text
+    from megatron.common.files import write_text
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA
     from .fit import synthetic_measurements
 
@@ -424,7 +424,7 @@ def _configure_sweep(p):
 
 @command("sweep", "full design-space sweep: JSON, PNG plots, summary table", _configure_sweep)
 def _sweep(args) -> int:
-    from moe_variants.common.files import write_json, write_text
+    from megatron.common.files import write_json, write_text
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA, Topology
     from .cost import CostConfig
     from .sweep import SweepConfig, default_variants, knob_values, run_sweep, summary_table
@@ -514,7 +514,7 @@ def _fmt_ms(x):
 
 @command("predict", "TTFT/TPOT/throughput of a bench_serve run's workload from the model", _configure_replay)
 def _predict(args) -> int:
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
 
     from .replay import predict_run
 
@@ -534,7 +534,7 @@ def _predict(args) -> int:
 
 @command("validate", "predict a bench_serve run and compare with what it measured", _configure_replay)
 def _validate(args) -> int:
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
 
     from .replay import predict_run, validate_run
 

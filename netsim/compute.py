@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import numpy as np
 from scipy.interpolate import RegularGridInterpolator
 
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 from .model import DEEPSEEK_V3, KIND_AXES, LayerKind, ModelShape, Roof, kernel_work
 
 __all__ = [

@@ -26,7 +26,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from moe_variants.common.cli import float_list  # noqa: E402
+from megatron.common.cli import float_list  # noqa: E402
 
 
 def _floats(text: str) -> list[float]:
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                "stage1_batch_tokens": stage1, "stage2_lr": stage2,
                "choice": {"batch_tokens": best["batch_tokens"], "global_batch_size": best["global_batch_size"],
                           "lr": best["lr"]}}
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
 
     write_json(os.path.join(args.root, "sweep.json"), payload)
     print(json.dumps(payload["choice"]))

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         for name in ("standard", "bigmac"):
             print(f"  {name} sum {sum(r['us'] for k, r in gemms.items() if k.startswith(name)):.1f} us")
     if args.json:
-        from moe_variants.common.files import write_json
+        from megatron.common.files import write_json
 
         write_json(args.json, {"command": sys.argv, "config": args.config, "repeats": args.repeats,
                                       "results": res, "ratios_bigmac_over_standard": ratios,

@@ -64,7 +64,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     from megatron.inference.serve import variant_load_overrides
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
-    from moe_variants.common import collectives
+    from megatron.common import collectives
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=world)  # TP = 1 or TP = EP
@@ -209,7 +209,7 @@ def _loop_overhead(eng, world, iterations: int = 60) -> float:
 
     from megatron.inference.engine import STAT_FIELDS
     from megatron.inference.loop import HEADER_FIELDS
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     times = []
     for _ in range(iterations):
@@ -258,7 +258,7 @@ def _iteration_overhead(eng, pgc, world, max_requests, vocab, eod, seed, output_
     from megatron.inference.frontend import Submit
     from megatron.inference.loop import serve_loop
     from megatron.inference.sampling import RequestSampling
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     rng = np.random.default_rng(seed + 7)
     submits = [Submit(10**8 + i, [int(t) if t != eod else 1 for t in rng.integers(0, vocab, 16)],
@@ -313,8 +313,8 @@ def fit(rows: list, engine) -> dict:
 
 
 def main(argv=None) -> int:
-    from moe_variants.common.cli import positive_int, run_cli
-    from moe_variants.common.files import write_json
+    from megatron.common.cli import positive_int, run_cli
+    from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="profile_serving_compute.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py run's JSON (variants, "

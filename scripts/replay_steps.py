@@ -78,8 +78,8 @@ def compare(spans_by_rank: list, profile, engine, table, link=None) -> dict:
 
 
 def main(argv=None) -> int:
-    from moe_variants.common.cli import run_cli
-    from moe_variants.common.files import write_json
+    from megatron.common.cli import run_cli
+    from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="replay_steps.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--spans", required=True, metavar="DIR", help="a served run's a2a_spans directory")

@@ -41,7 +41,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_variants.common.files import write_json, write_text  # noqa: E402
+from megatron.common.files import write_json, write_text  # noqa: E402
 
 SHAREGPT_FILES = ("sg_90k_part1_html_cleaned_lang_first_sampled.json", "ShareGPT_V3_filtered_500.json")
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from moe_variants.common.files import atomic_write
+from megatron.common.files import atomic_write
 from moe_variants.semmoe.profile import save_profile
 from moe_variants.semmoe.synthetic import SyntheticConfig, synthetic_profile
 

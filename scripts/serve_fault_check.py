@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from moe_variants.common.cli import positive_float, positive_int, run_cli
-    from moe_variants.common.files import write_json
+    from megatron.common.cli import positive_float, positive_int, run_cli
+    from megatron.common.files import write_json
     from tools.serve_bench.faults import FAULTS, inject
 
     def body():

@@ -64,8 +64,8 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
 
 def main(argv=None) -> int:
     from megatron.training.testing import run_distributed
-    from moe_variants.common.cli import positive_int, run_cli
-    from moe_variants.common.files import write_json
+    from megatron.common.cli import positive_int, run_cli
+    from megatron.common.files import write_json
 
     def body():
         p = argparse.ArgumentParser(prog="serve_overlap_windows.py", description=__doc__.split("\n\n")[0])

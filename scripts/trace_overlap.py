@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import compat  # noqa: E402,F401  (first: quiets megatron-core's import-time notices)
-from moe_variants.common.files import write_json  # noqa: E402
+from megatron.common.files import write_json  # noqa: E402
 from tools.bench.overlap import summarize  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_variants.common.files import write_text  # noqa: E402
+from megatron.common.files import write_text  # noqa: E402
 
 EOD_TOKEN = "<|endoftext|>"  # same as megatron.training.tokenizer.EOD_TOKEN (kept import-free)
 

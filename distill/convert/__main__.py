@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from distill.convert.hf_mcore import export_hf, import_hf
     from megatron.training.checkpointing import CheckpointError
-    from moe_variants.common.cli import run_cli
+    from megatron.common.cli import run_cli
 
     def body():
         if args.source == "hf":

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.inference.engine import STAT_FIELDS, TokenUpdate
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["serve_loop", "round_robin", "HEADER_FIELDS"]
 

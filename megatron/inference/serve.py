@@ -296,7 +296,7 @@ def serve(args) -> int:
                     "request_scheduler": scheduler.name if scheduler is not None else "round-robin",
                     "token_scheduler": type(changed).__name__ if changed is not None else None}
             if args.ready_file:
-                from moe_variants.common.files import write_json
+                from megatron.common.files import write_json
 
                 write_json(args.ready_file, info)
             print(f"serving {name} on {url} ({world} ranks, EP {args.expert_model_parallel_size}, "
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
 
     from megatron import compat
     from megatron.training.checkpointing import CheckpointError
-    from moe_variants.common.cli import run_cli
+    from megatron.common.cli import run_cli
 
     compat.quiet_warnings()
 

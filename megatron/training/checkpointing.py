@@ -76,8 +76,8 @@ import torch.distributed as dist
 
 from megatron import compat
 from megatron.training.config import VerifyCheckpoint
-from moe_variants.common import collectives
-from moe_variants.common.files import write_json, write_text
+from megatron.common import collectives
+from megatron.common.files import write_json, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -858,7 +858,7 @@ def from_rank0(fn, *, user_errors: bool = False):
     ``OSError``) there is the same one-line ``CheckpointError`` on all ranks, and with
     ``user_errors`` a ``ValueError`` there is the same ``UserError`` on all ranks, so a refusal
     never leaves the other ranks waiting in a collective (collective)."""
-    from moe_variants.common.cli import UserError
+    from megatron.common.cli import UserError
 
     out = None
     if dist.get_rank() == 0:

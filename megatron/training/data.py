@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = [
     "DOCUMENT_BOUNDARIES",

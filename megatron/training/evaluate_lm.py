@@ -33,9 +33,9 @@ from typing import Optional
 
 from moe_variants import registry
 from megatron.training.checkpointing import CheckpointError
-from moe_variants.common.cli import run_cli
-from moe_variants.common.files import refuse_existing, write_json
-from moe_variants.common import collectives
+from megatron.common.cli import run_cli
+from megatron.common.files import refuse_existing, write_json
+from megatron.common import collectives
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 
 __all__ = ["build_parser", "main", "check_inputs", "load_tasks", "write_json_atomic"]

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = [
     "CheckpointLM",

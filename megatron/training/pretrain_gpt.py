@@ -46,7 +46,7 @@ from megatron.training.trainer import (  # the entry points' shared helpers live
     resolve_tokenizer,
     tokenizer_files_of,
 )
-from moe_variants.common.cli import UserError, run_cli, user_input
+from megatron.common.cli import UserError, run_cli, user_input
 
 logger = logging.getLogger("megatron.training")
 

@@ -34,7 +34,7 @@ import shutil
 import socket
 from typing import Optional
 
-from moe_variants.common.files import pid_alive
+from megatron.common.process import pid_alive
 
 from megatron.training.checkpointing import (
     CheckpointError,

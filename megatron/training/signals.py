@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["PREEMPTED_EXIT_CODE", "StopFlag", "stop_with_launcher"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import Configs, configs_to_dict
-from moe_variants.common import collectives
-from moe_variants.common.cli import UserError, one_line, user_input
+from megatron.common import collectives
+from megatron.common.cli import UserError, one_line, user_input
 
 __all__ = ["Trainer", "TrainerHooks", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of", "build_data",
            "config_yaml"]
@@ -376,7 +376,7 @@ class Trainer:
 
     def _open_metrics(self) -> None:
         from megatron.training.metrics import MetricsWriter
-        from moe_variants.common.files import write_text
+        from megatron.common.files import write_text
 
         c, ck = self.c, self.c.checkpoint
         self.writer = MetricsWriter(

@@ -20,7 +20,8 @@ from moe_variants.config import ModelConfig, ParallelConfig
 from megatron.training.config import TrainingConfig
 from moe_variants.builder import build_model, causal_attention_mask
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
-from moe_variants.common import collectives, timing
+from megatron.common import collectives
+from moe_variants.common import timing
 
 logger = logging.getLogger("megatron.training")
 

@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.transformer.moe.shared_experts import set_tensor_grad_fn_sequence_sr
 
-from moe_variants.common import collectives, timing, wgrad
+from megatron.common import collectives
+from moe_variants.common import timing, wgrad
 
 __all__ = [
     "CommCounters",

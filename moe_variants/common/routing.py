@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_variants.common.moe_layer import moe_layers
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["RouteRecorder", "LocalActivationCounter", "DropCounter"]
 

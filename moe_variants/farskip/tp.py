@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["unreduced", "PendingReduction"]
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_variants.common import collectives
+from megatron.common import collectives
 from moe_variants.registry import BenchRuntime
 
 __all__ = ["SemMoEBench", "VARIANT", "DEFAULT_PROFILE_SAMPLES", "from_context"]

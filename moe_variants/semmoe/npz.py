@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from moe_variants.common.files import atomic_write
+from megatron.common.files import atomic_write
 
 __all__ = ["save_npz", "load_npz"]
 

@@ -195,7 +195,7 @@ def gather_embedding(model, pg_collection, vocab_size: int) -> np.ndarray:
     profile's vocabulary extension reads (collective over TP)."""
     import torch.distributed as dist
 
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     weight = model.embedding.word_embeddings.weight.detach().float()
     tp = pg_collection.tp

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 from .tables import Tables
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_variants.common.files import atomic_write
+from megatron.common.files import atomic_write
 from moe_variants.semmoe.npz import load_npz, save_npz
 
 __all__ = ["Tables", "save_tables", "load_tables", "TABLES_FILE", "EXPERT_MAP_FILE"]

@@ -105,7 +105,7 @@ class SemMoE(Variant):
 
     # -- the benchmark tools ----------------------------------------------------------------------
     def add_bench_arguments(self, group) -> None:
-        from moe_variants.common.cli import positive_int
+        from megatron.common.cli import positive_int
         from moe_variants.semmoe.bench import DEFAULT_PROFILE_SAMPLES
 
         group.add_argument("--semmoe-profile-samples", type=positive_int, default=DEFAULT_PROFILE_SAMPLES,

@@ -1,4 +1,4 @@
-"""Every torch.distributed collective of the project goes through ``moe_variants.common.collectives``.
+"""Every torch.distributed collective of the project goes through ``megatron.common.collectives``.
 
 A collective on a host tensor over the NCCL default group raises on a GPU cluster; the helper puts
 tensors on the group's device. The AST check below finds any other use (a call, a reference such as
@@ -18,9 +18,9 @@ import torch
 from megatron.training.testing import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ["moe_variants", "megatron/training", "megatron/inference", "megatron/compat", "distill", "tools",
+PACKAGES = ["megatron/common", "moe_variants", "megatron/training", "megatron/inference", "megatron/compat", "distill", "tools",
             "netsim", "scripts"]
-HELPER = ROOT / "moe_variants" / "common" / "collectives.py"
+HELPER = ROOT / "megatron" / "common" / "collectives.py"
 
 COLLECTIVES = {
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_object", "all_gather_into_tensor",
@@ -89,7 +89,7 @@ def test_checker_finds_direct_collectives(source):
 
 @pytest.mark.parametrize("source", [
     "import torch.distributed as dist\ndist.get_rank(); dist.get_world_size(g); dist.ReduceOp.MAX",
-    "from moe_variants.common import collectives\ncollectives.all_reduce(t)",
+    "from megatron.common import collectives\ncollectives.all_reduce(t)",
     "import torch\ntorch.cuda.synchronize(); x.all_reduce()",
 ])
 def test_checker_allows_the_rest(source):
@@ -105,13 +105,13 @@ def test_project_calls_collectives_only_through_the_helper():
             continue
         for line, what in direct_collectives(path.read_text()):
             offenders.append(f"{path.relative_to(ROOT)}:{line}: {what}")
-    assert not offenders, "use moe_variants.common.collectives instead:\n" + "\n".join(offenders)
+    assert not offenders, "use megatron.common.collectives instead:\n" + "\n".join(offenders)
 
 
 def _helpers(rank, world):
     import torch.distributed as dist
 
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     out = {"device": str(collectives.group_device())}
     t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
@@ -169,7 +169,7 @@ def test_helpers_on_two_gloo_ranks():
 def test_group_device_follows_the_backend(monkeypatch):
     import torch.distributed as dist
 
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     for backend, want in [("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
@@ -183,7 +183,7 @@ def test_async_refuses_a_copy(monkeypatch):
     group's device is an error, not a silent wrong answer."""
     import torch.distributed as dist
 
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     monkeypatch.setattr(collectives, "group_device", lambda group=None: torch.device("meta"))
     monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: pytest.fail("must not launch"))

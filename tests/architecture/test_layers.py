@@ -18,19 +18,20 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("megatron/compat", "megatron/training", "megatron/inference", "moe_variants", "tools", "distill",
+PACKAGES = ("megatron/common", "megatron/compat", "megatron/training", "megatron/inference", "moe_variants", "tools", "distill",
             "netsim", "scripts")
 # layer of a project module, by prefix (longest first); a module may import its own layer or lower
 LAYERS = [
-    ("megatron.compat", 0),
-    ("moe_variants", 1),
-    ("megatron.training", 2),
-    ("megatron.inference", 2),
-    ("tools", 3),
-    ("distill", 3),
-    ("scripts", 3),
+    ("megatron.common", 0),
+    ("megatron.compat", 1),
+    ("moe_variants", 2),
+    ("megatron.training", 3),
+    ("megatron.inference", 3),
+    ("tools", 4),
+    ("distill", 4),
+    ("scripts", 4),
 ]
-PROJECT_ROOTS = ("megatron.compat", "megatron.training", "megatron.inference", "moe_variants", "tools", "distill",
+PROJECT_ROOTS = ("megatron.common", "megatron.compat", "megatron.training", "megatron.inference", "moe_variants", "tools", "distill",
                  "netsim", "scripts")
 
 
@@ -174,7 +175,7 @@ def test_inference_imports_no_variant_module():
 def test_netsim_imports_only_the_standard_library_helpers():
     def rule(module, target, names):
         if module.startswith("netsim") and _is_project(target) and not target.startswith("netsim"):
-            if target not in ("moe_variants.common.files", "moe_variants.common.cli"):
+            if target not in ("megatron.common.files", "megatron.common.cli", "megatron.common.process"):
                 return f"netsim imports {target}"
         return None
 
@@ -205,8 +206,8 @@ def test_no_private_names_across_modules():
     assert _violations(rule) == []
 
 
-@pytest.mark.parametrize("module", ["moe_variants.config", "moe_variants.registry", "moe_variants.common.files",
-                                    "moe_variants.common.cli"])
+@pytest.mark.parametrize("module", ["moe_variants.config", "moe_variants.registry", "megatron.common.files",
+                                    "megatron.common.cli"])
 def test_light_modules_stay_light(module):
     """Configs, the registry and the stdlib helpers import without megatron-core (configs are
     parsed, validated and printed by tools that never build a model)."""

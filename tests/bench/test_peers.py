@@ -131,7 +131,7 @@ def test_torch_level_counter_books_off_rank_rows_by_kind(monkeypatch):
 def _observed(rank, world):
     import torch.distributed as dist
 
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     seen = []
     remove = collectives.observe_all_to_all_single(lambda t, splits, group: seen.append((tuple(t.shape), splits)))

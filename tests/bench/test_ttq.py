@@ -157,7 +157,7 @@ def test_launch_records_survive_a_later_report(tmp_path):
     """Each launch writes ``launches/l<n>/record.json``; a report made by a later invocation (which
     only skipped finished variants) lists those launches with their load marks, not just its own."""
     from tools.bench.ttq import _report, build_parser, launch_records, run_dir
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
 
     _metrics(tmp_path / "standard" / "metrics.jsonl", 1.0, {2: 9.0, 4: 8.0})
     _metrics(tmp_path / "bigmac" / "metrics.jsonl", 0.5, {2: 9.5, 4: 7.0})

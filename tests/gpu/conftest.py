@@ -69,7 +69,7 @@ def table(rows: list[dict]) -> str:
 def pytest_terminal_summary(terminalreporter):
     if not ROWS:
         return
-    from moe_variants.common.files import write_json
+    from megatron.common.files import write_json
 
     env = environment()
     path = os.environ.get("GPU_CHECK_JSON", os.path.join("runs", "gpu_check.json"))

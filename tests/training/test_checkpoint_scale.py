@@ -45,7 +45,7 @@ def _verify_rank(rank, world, save_dir, mode, target, how):
     """Save with ``mode``, rank 0 damages ``target``, load with ``mode``; returns the files this rank
     hashed at save and at load, the manifest and the load's outcome."""
     import megatron.training.checkpointing as ck
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     model, layout = _rank_model(world)
     tokenizer = os.path.join(save_dir, f"tokenizer-{rank}.json")
@@ -353,7 +353,7 @@ def _tracker_rank(rank, world, save_dir):
     from megatron.core.tensor_parallel import random as tp_random
 
     import megatron.training.checkpointing as ck
-    from moe_variants.common import collectives
+    from megatron.common import collectives
 
     model, layout = _rank_model(world)
     default_tracker = type(tp_random.get_cuda_rng_tracker()).__name__

@@ -456,7 +456,7 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch, capsys):
 
     seen = {}
 
-    from moe_variants.common.cli import UserError
+    from megatron.common.cli import UserError
 
     def fake(parallel_cfg, **kwargs):
         seen.update(kwargs)

@@ -16,7 +16,7 @@ import pytest
 
 from megatron.training import faults
 from megatron.training.watchdog import EXIT_WATCHDOG, RankWatchdog, WatchdogConfig
-from moe_variants.common.cli import UserError, run_cli, user_input
+from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 
 

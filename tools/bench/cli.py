@@ -40,8 +40,8 @@ from .collectives import OPS, default_sizes, run_calibration, write_csv
 from .discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 from .launcher import LaunchError, launch
 from .schema import RankResult, SyntheticOptions, WorkerSpec
-from moe_variants.common.cli import int_list, nonneg_int, positive_int
-from moe_variants.common.files import write_json
+from megatron.common.cli import int_list, nonneg_int, positive_int
+from megatron.common.files import write_json
 from .tune import find_rate
 from .variant_worker import variant_overrides
 from moe_variants import registry

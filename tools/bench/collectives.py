@@ -37,8 +37,8 @@ import time
 from typing import Sequence
 
 from .schema import WorkerSpec
-from moe_variants.common.files import write_json, write_text
-from moe_variants.common import collectives
+from megatron.common.files import write_json, write_text
+from megatron.common import collectives
 
 __all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 

@@ -206,7 +206,7 @@ class LoadGate:
 
 def add_discipline_arguments(group, *, default_runs: int = DEFAULT_RUNS, runs_help: str = "") -> None:
     """``--runs``, ``--load-threshold`` and ``--strict`` (the same meaning in every harness)."""
-    from moe_variants.common.cli import positive_int
+    from megatron.common.cli import positive_int
 
     group.add_argument("--runs", type=positive_int, default=default_runs, metavar="N",
                        help=f"repeat the whole comparison N times, the variant order rotated by one each run; "

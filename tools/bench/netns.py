@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence
 
-from moe_variants.common.files import pid_alive
+from megatron.common.process import pid_alive
 
 __all__ = [
     "PREFIX",

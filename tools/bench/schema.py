@@ -33,7 +33,7 @@ import math
 import os
 from typing import Optional
 
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 
 __all__ = [
     "SCHEMA_VERSION",

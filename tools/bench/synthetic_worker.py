@@ -21,7 +21,7 @@ import time
 
 from .schema import RankResult, SyntheticOptions, peak_rss_mb
 from .worker_env import init_gloo_from_env, read_spec_from_argv
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["even_splits", "main"]
 

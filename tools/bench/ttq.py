@@ -48,8 +48,8 @@ import time
 from typing import Optional, Sequence
 
 from moe_variants import registry
-from moe_variants.common.cli import nonneg_int, positive_int, run_cli
-from moe_variants.common.files import write_json
+from megatron.common.cli import nonneg_int, positive_int, run_cli
+from megatron.common.files import write_json
 from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 
 __all__ = [

@@ -21,7 +21,7 @@ import sys
 
 from megatron import compat
 
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 
 from .schema import WorkerSpec
 from .variant_worker import worker_configs

@@ -34,9 +34,9 @@ from moe_variants import registry
 from . import peers
 from .overlap import comm_spans, direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 from .worker_env import init_from_env, rank_and_world, read_spec_from_argv
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "worker_configs", "main"]
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from megatron.training.checkpointing import CheckpointError
-from moe_variants.common.cli import positive_int
-from moe_variants.common.files import write_json
+from megatron.common.cli import positive_int
+from megatron.common.files import write_json
 
 from . import model_commands  # noqa: F401  (registers profile, apply, lar)
 from .commands import COMMANDS, command
@@ -62,7 +62,7 @@ def _solve(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.methods import place
     from moe_variants.semmoe.profile import load_profile
     from moe_variants.semmoe.solver import SolverConfig, solve
-    from moe_variants.common.files import refuse_existing
+    from megatron.common.files import refuse_existing
     from moe_variants.semmoe.tables import save_tables
 
     refuse_existing(args.out, "--out", args.overwrite)

@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from moe_variants.common.cli import positive_int
-from moe_variants.common.files import atomic_write
+from megatron.common.cli import positive_int
+from megatron.common.files import atomic_write
 
 from .commands import command
-from moe_variants.common import collectives
+from megatron.common import collectives
 
 __all__: list[str] = []
 

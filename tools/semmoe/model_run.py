@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from moe_variants.common.routing import LocalActivationCounter, RouteRecorder
-from moe_variants.common import collectives
+from megatron.common import collectives
 from moe_variants.semmoe.placement import gather_embedding
 
 __all__ = [

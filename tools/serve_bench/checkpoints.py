@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 from tools.bench import netns
 from tools.bench.cli import model_overrides
 from tools.bench.launcher import LaunchError, start_ranks

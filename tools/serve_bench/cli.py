@@ -52,7 +52,7 @@ import time
 from typing import Optional
 
 from moe_variants import registry
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 from tools.bench import netns
 from tools.bench.cli import Budget, host_info, model_overrides, run_harness, script_path
 from tools.bench.discipline import LoadGate, rotations

@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from typing import Optional
 
-from moe_variants.common.files import write_json
+from megatron.common.files import write_json
 
 __all__ = ["ClientSpec", "stream_completion", "scrape_metrics", "run", "main"]
 

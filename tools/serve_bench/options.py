@@ -7,7 +7,7 @@ import math
 import os
 
 from moe_variants import registry
-from moe_variants.common.cli import float_list, nonneg_int, positive_float, positive_int
+from megatron.common.cli import float_list, nonneg_int, positive_float, positive_int
 from tools.bench import netns
 from tools.bench.cli import add_model_options, model_overrides
 from tools.bench.discipline import add_discipline_arguments

@@ -22,7 +22,7 @@ micro-batches per step (one runs alone; the overlap is between the others).
 Counting: the all-to-alls are upstream's (``tensor_parallel.mappings.all_to_all`` ->
 ``torch.distributed.all_to_all_single``), not our counted dispatcher's, so for these peers the
 worker observes ``torch.distributed.all_to_all_single`` in its process
-(``moe_variants.common.collectives.observe_all_to_all_single``, :class:`TorchAllToAllCounter`) and
+(``megatron.common.collectives.observe_all_to_all_single``, :class:`TorchAllToAllCounter`) and
 counts the off-rank bytes from the split sizes: 2-D hidden-state tensors in forward alternate
 dispatch, combine; calls made with grad mode off (autograd's backward) are backward; 1-D tensors are
 routing probabilities (metadata). Their all-to-all *time* is not measured (the calls are upstream's,
@@ -111,7 +111,7 @@ def schedule_plan_forward_step(timer=None):
 
 class TorchAllToAllCounter:
     """Counts the bytes of every ``torch.distributed.all_to_all_single`` of this process through
-    ``moe_variants.common.collectives.observe_all_to_all_single`` (see the module docstring).
+    ``megatron.common.collectives.observe_all_to_all_single`` (see the module docstring).
     ``step_totals()`` returns the step's counters in ``comm_totals``' keys (times 0: not measured)
     and resets them; ``remove()`` stops observing."""
 
@@ -122,7 +122,7 @@ class TorchAllToAllCounter:
         import torch
         import torch.distributed as dist
 
-        from moe_variants.common.collectives import observe_all_to_all_single
+        from megatron.common.collectives import observe_all_to_all_single
 
         self._torch = torch
         self._reset()

@@ -1,8 +1,8 @@
 """Atomic file writes: a temporary file in the same directory, fsynced, then renamed into place.
 
 Readers never see a partial file and a crash (or a full disk) leaves the previous file intact. This
-is the one implementation in the project; it imports only the standard library, so the torch-free
-cost model (``netsim``) uses it too.
+is the one implementation in the project; standard library only, so the torch-free cost model
+(``netsim``) uses it too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["atomic_write", "write_json", "write_text", "refuse_existing", "pid_alive"]
+__all__ = ["atomic_write", "write_json", "write_text", "refuse_existing"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "w") -> Path:
@@ -59,13 +59,3 @@ def refuse_existing(path: str | os.PathLike, flag: str, overwrite: bool = False)
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"{flag} {path} exists (pass --overwrite to replace it)")
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` (read from a lock or pid file) still runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
