@@ -128,7 +128,7 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
     from distill.losses import hidden_state_l2, kl_divergence, masked_token_mean
     from moe_variants.builder import causal_attention_mask
     from megatron.training.parallel import device
-    from megatron.training.training import to_device
+    from megatron.training.step import to_device
 
     def factory(timer):
         captures = {}

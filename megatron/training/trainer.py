@@ -290,7 +290,7 @@ class Trainer:
         from megatron.training.data import check_token_ids, parse_data_path
         from megatron.training.parallel import initialize_parallel
         from megatron.training.save_dir import SaveDirLock
-        from megatron.training.training import lm_forward_step, setup_model_and_optimizer
+        from megatron.training.step import lm_forward_step, setup_model_and_optimizer
         from megatron.training.watchdog import WatchdogConfig, start_watchdog
 
         c, ck, t = self.c, self.c.checkpoint, self.c.training
@@ -430,7 +430,7 @@ class Trainer:
 
     def train_one_step(self) -> None:
         from megatron.training.metrics import format_step_line, peak_rss_mb
-        from megatron.training.training import Timer, train_step
+        from megatron.training.step import Timer, train_step
 
         c = self.c
         timer = Timer()
@@ -496,7 +496,7 @@ class Trainer:
             self.writer.print(f"{self.prog}: saved checkpoint {done}")
 
     def evaluate(self, step: int, split: str = "valid", dataset=None) -> dict:
-        from megatron.training.training import evaluate
+        from megatron.training.step import evaluate
 
         c = self.c
         dataset = self.valid_ds if dataset is None else dataset
@@ -523,7 +523,7 @@ class Trainer:
         """The last save (and the one in flight), the final evaluations and the summary."""
         from megatron.training.data import build_heldout_windows
         from megatron.training.metrics import peak_rss_mb
-        from megatron.training.training import evaluate_windows
+        from megatron.training.step import evaluate_windows
 
         c, ck, it = self.c, self.c.checkpoint, self.iteration
         summary = {"iteration": it, "interrupted": self.interrupted, "early_stop": self.early_stop}

@@ -143,8 +143,8 @@ def missing_modules(names: list[str]) -> list[str]:
 
 
 def test_checker_finds_a_stale_import():
-    stale = "def rank_fn():\n    from megatron.training.training import no_such_name\n"
-    assert unresolved_imports(stale) == ["megatron.training.training.no_such_name"]
+    stale = "def rank_fn():\n    from megatron.training.step import no_such_name\n"
+    assert unresolved_imports(stale) == ["megatron.training.step.no_such_name"]
 
 
 STALE_RUNS = '''

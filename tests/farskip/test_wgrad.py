@@ -120,7 +120,7 @@ def _train_with_overlap(rank, world, overlap_grad_reduce):
 
     from megatron.training.config import TrainingConfig
     from megatron.training.parallel import initialize_parallel
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.step import setup_model_and_optimizer, train_step
     from tests.helpers import VOCAB
 
     messages = []

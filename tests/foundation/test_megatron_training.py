@@ -20,7 +20,7 @@ from tests.helpers import VOCAB, batch, tiny_model_config
 
 def _train(rank, world_size, distributed_optimizer, steps):
     from megatron.training.parallel import initialize_parallel
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.step import setup_model_and_optimizer, train_step
 
     parallel = ParallelConfig(expert_model_parallel_size=2)
     model_cfg = tiny_model_config()

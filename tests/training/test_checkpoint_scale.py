@@ -175,7 +175,7 @@ def _train_setup(world):
     from megatron.training.checkpointing import layout_of
     from megatron.training.config import TrainingConfig
     from megatron.training.parallel import initialize_parallel
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.step import setup_model_and_optimizer, train_step
     from moe_variants.config import ParallelConfig
     from tests.helpers import VOCAB, batch, tiny_model_config
 

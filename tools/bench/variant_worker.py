@@ -141,7 +141,7 @@ def run(spec: WorkerSpec) -> RankResult:
     from moe_variants.config import validate
     from megatron.training.parallel import initialize_parallel
     from megatron.training.pretrain_gpt import build_data, resolve_tokenizer
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.step import setup_model_and_optimizer, train_step
 
     rank, world = rank_and_world()
     c = worker_configs(spec, world)

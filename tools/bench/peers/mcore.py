@@ -85,7 +85,7 @@ def schedule_plan_forward_step(timer=None):
     import time
 
     from megatron.training.parallel import device
-    from megatron.training.training import masked_mean, to_device
+    from megatron.training.step import masked_mean, to_device
     from moe_variants.builder import causal_attention_mask
 
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):
