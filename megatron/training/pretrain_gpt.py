@@ -37,7 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron import compat
 from megatron.training.arguments import Configs, parse_configs
 from megatron.training.parallel import destroy_parallel
-from megatron.training.trainer import (  # the entry points' shared helpers live there
+from megatron.training.training import (  # the entry points' shared helpers live there
     Trainer,
     TrainerHooks,
     build_data,
