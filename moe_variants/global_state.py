@@ -15,7 +15,6 @@ already via megatron-core's layer offsets); call this per stage.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -210,10 +209,3 @@ def load_global_state_dict(
     if strict and missing:
         raise KeyError(f"missing from the state dict: {', '.join(missing)}")
     return sorted(set(state) - used)
-
-
-def expert_count(state: dict[str, torch.Tensor], layer_prefix: str) -> Optional[int]:
-    """Number of experts of one MoE layer in a global state dict (None if not an MoE layer)."""
-    pattern = re.compile(re.escape(layer_prefix) + r"\.experts\.local_experts\.(\d+)\.")
-    ids = {int(m.group(1)) for k in state for m in [pattern.match(k)] if m}
-    return max(ids) + 1 if ids else None

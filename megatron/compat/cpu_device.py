@@ -189,18 +189,3 @@ def install() -> bool:
 
 def is_installed() -> bool:
     return _state["mode"] is not None
-
-
-def uninstall() -> None:
-    """Undo ``install`` (used by tests that check the adaptations are still needed)."""
-    with _lock:
-        mode = _state["mode"]
-        if mode is None:
-            return
-        mode.__exit__(None, None, None)
-        for name, value in _state["saved"].items():
-            setattr(torch.cuda, name, value)
-        for name, value in _state.get("saved_nvtx", {}).items():
-            setattr(torch.cuda.nvtx, name, value)
-        _state["mode"] = None
-        _state["saved"] = None

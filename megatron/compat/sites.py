@@ -77,7 +77,7 @@ UPSTREAM_COUPLING_SITES = [
     # process: upstream calls torch.distributed.get_rank() on a cache miss
     ("datasets/blended_dataset.py", 153, "torch.distributed.get_rank() == 0"),
     ("datasets/blended_megatron_dataset_builder.py", 491, "def build_generic_dataset("),
-    # FarSkip's asynchronous TP reduction (moe_variants/farskip/tp.py) takes the projection's partial
+    # FarSkip's asynchronous TP reduction (moe_variants/common/tp.py) takes the projection's partial
     # sum through RowParallelLinear's own switch for self-reducing (expert) layers
     ("tensor_parallel/layers.py", 1286, "if self.explicit_expert_comm:"),
     # the backward reordering (moe_variants/common/comm.py) uses this upstream helper

@@ -177,7 +177,7 @@ class CheckpointLM:
             each disjoint window as a request (each is one sequence of its own).
         forward_observer: called after every model forward with a [B, S] bool mask of the tokens
             that belong to requests (False: right padding, lockstep dummies, rows of a generation
-            batch that have finished), e.g. ``tools.semmoe.model_run.LocalActivationCounter.count``.
+            batch that have finished), e.g. ``moe_variants.common.routing.LocalActivationCounter.count``.
     """
 
     def __init__(self, model, tokenizer, *, max_length: int, pg_collection, batch_size: int = 8,

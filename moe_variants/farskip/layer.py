@@ -56,7 +56,7 @@ from moe_variants.farskip.attention import (
 )
 from moe_variants.farskip.config import FarSkipMode
 from moe_variants.farskip.connectivity import FarSkipState, PendingRouted
-from moe_variants.farskip.tp import PendingReduction, unreduced
+from moe_variants.common.tp import PendingReduction, unreduced
 
 __all__ = ["FarSkipTransformerLayer"]
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megatron.compat.transformer_layer import wrap_forward_mlp
 from moe_variants.common.moe_layer import moe_layers
-from moe_variants.farskip.tp import unreduced
+from moe_variants.common.tp import unreduced
 
 from .scheduling import rebatch_tokens, routed_devices, shuffle_local, shuffled_all_gather, shuffled_reduce_scatter
 from .tables import Tables

@@ -1,10 +1,10 @@
-"""The attention output's tensor-parallel reduction, asynchronous (FarSkip paper §4.2).
+"""A row-parallel projection's tensor-parallel reduction, deferred or asynchronous.
 
-With TP > 1 the attention's output projection (megatron-core's ``RowParallelLinear``) reduces its
-partial sums over the tensor-parallel group: a reduce-scatter along the sequence under sequence
-parallelism, an all-reduce otherwise. In a FarSkip layer the MoE reads the previous layer's full
-stream, not this attention's output, so that reduction is needed only when the residual is formed
-at the end of the layer: it can fly behind the route, the dispatch, the routed and shared experts.
+With TP > 1 a ``RowParallelLinear`` (the attention's output projection, an MLP's second linear)
+reduces its partial sums over the tensor-parallel group: a reduce-scatter along the sequence under
+sequence parallelism, an all-reduce otherwise. A layer that does not need the reduced output at
+once can take the partial sum instead and reduce it later: FarSkip flies the attention's reduction
+behind the MoE (paper §4.2), Sem-MoE's attention-TP reduces once per layer where the tokens go.
 
 ``unreduced(linear)`` makes the projection return its partial sum through upstream's own switch
 (``explicit_expert_comm``, ``tensor_parallel/layers.py:1286``: the path expert layers use to
@@ -29,7 +29,7 @@ def unreduced(linear):
     """Within the block, ``linear`` (a ``RowParallelLinear`` with ``skip_bias_add``) returns its
     un-reduced partial sum [s, b, h]."""
     if not linear.skip_bias_add:
-        raise ValueError("--farskip-async-tp needs the attention projection's bias added outside it")
+        raise ValueError("an unreduced projection needs its bias added outside it (skip_bias_add)")
     previous = linear.explicit_expert_comm
     linear.explicit_expert_comm = True
     try:
