@@ -30,6 +30,7 @@ are the models for this shape.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import pkgutil
 from typing import Any, Callable, ClassVar, Optional
@@ -48,7 +49,9 @@ __all__ = [
     "STANDARD",
     "bench_presets",
     "preset_overrides",
+    "Application",
     "add_runtime_arguments",
+    "check_runtime",
     "request_scheduler",
     "serving_model",
     "BenchContext",
@@ -81,6 +84,13 @@ class VariantConfig:
     def of(cls, model):
         section = model.variants.get(cls.SECTION)
         return section if section is not None else cls()
+
+
+class Application(str, enum.Enum):
+    """The inference-side application a run-time hook is asked from: what it can host."""
+
+    EVALUATE_LM = "evaluate_lm"  # request schedulers only: it does not serve a changed model
+    SERVE = "serve"  # request schedulers and serving-model changes
 
 
 @dataclasses.dataclass
@@ -184,6 +194,9 @@ class Variant:
     # -- inference-side applications (evaluate_lm, the server) ------------------------------------
     def add_runtime_arguments(self, parser) -> None:
         """Add this variant's options to an inference application's argparse parser."""
+
+    def check_runtime(self, args, application: Application) -> None:
+        """Refuse (``ValueError`` naming the flag) options ``application`` cannot run with."""
 
     def request_scheduler(self, args, manifest: dict, world_size: int):
         """A request scheduler (``assign(requests) -> rank per request``) for data-parallel
@@ -310,6 +323,12 @@ def add_runtime_arguments(parser) -> None:
     """Every variant's options for an inference application (evaluate_lm, the server)."""
     for v in variants():
         v.add_runtime_arguments(parser)
+
+
+def check_runtime(args, application: Application) -> None:
+    """Every variant's refusals of its run-time options in ``application``."""
+    for v in variants():
+        v.check_runtime(args, application)
 
 
 def serving_model(args, manifest: dict, model, pg_collection):

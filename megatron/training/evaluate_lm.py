@@ -147,6 +147,7 @@ def check_inputs(args) -> "object":
     # a variant's request scheduler checks its inputs before any rank loads the model: the world is
     # torchrun's (1 for a plain python -m)
     manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
+    registry.check_runtime(args, registry.Application.EVALUATE_LM)
     registry.request_scheduler(args, manifest, int(os.environ.get("WORLD_SIZE", "1")))
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
@@ -217,10 +218,8 @@ def evaluate(args, manager) -> dict:
         start = time.perf_counter()
         ckpt = find_latest_checkpoint(args.load)
         manifest = read_manifest(ckpt, verify=False)
+        registry.check_runtime(args, registry.Application.EVALUATE_LM)
         scheduler = registry.request_scheduler(args, manifest, dist.get_world_size())
-        if getattr(args, "semmoe_tables", None) and args.tensor_model_parallel_size > 1:
-            raise ValueError("--semmoe-tables: evaluate_lm schedules requests by Algorithm 2 (attention "
-                             "data-parallel, --tensor-model-parallel-size 1)")
         lm = MegatronCheckpointLM.from_checkpoint(
             args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size, seed=args.seed, max_length=args.max_length,

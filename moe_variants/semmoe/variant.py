@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from moe_variants.registry import ServePlacement, Variant, register
+from moe_variants.registry import Application, ServePlacement, Variant, register
 
 # bench_serve's placed variants: tables of ``python -m tools.semmoe solve --method <name>``
 _PLACED = ("eplb", "semmoe")
@@ -77,6 +77,12 @@ class SemMoE(Variant):
             raise ValueError(f"{flag}: tables of method {tables.method!r} carry no token table to schedule "
                              "requests with (solve with --method semmoe)")
         return tables
+
+    def check_runtime(self, args, application: Application) -> None:
+        tp = getattr(args, "tensor_model_parallel_size", 1)
+        if getattr(args, "semmoe_tables", None) and tp > 1 and application == Application.EVALUATE_LM:
+            raise ValueError("--semmoe-tables: evaluate_lm schedules requests by Algorithm 2 (attention "
+                             "data-parallel, --tensor-model-parallel-size 1)")
 
     def request_scheduler(self, args, manifest: dict, world_size: int):
         """Algorithm 2 (attention data-parallel: TP = 1)."""

@@ -202,3 +202,20 @@ def test_mismatched_tables_are_a_one_line_error(case, tiny_model, tmp_path, caps
               "no_schedule": "carry no token table"}[case]
     assert code == 2 and len(err) == 1 and err[0].startswith("evaluate_lm: error: --semmoe-tables") and expect in err[0], err
     assert not out.exists()
+
+
+def test_evaluate_lm_refuses_tables_with_tensor_parallelism():
+    """evaluate_lm hosts request schedulers only: Sem-MoE's tables at TP > 1 (Algorithm 3, a change
+    of the served model) are refused through the registry, before a model loads; the server takes them."""
+    import argparse
+
+    import pytest
+
+    from moe_variants import registry
+
+    args = argparse.Namespace(semmoe_tables="tables", tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="--semmoe-tables: evaluate_lm schedules requests by Algorithm 2"):
+        registry.check_runtime(args, registry.Application.EVALUATE_LM)
+    registry.check_runtime(args, registry.Application.SERVE)
+    registry.check_runtime(argparse.Namespace(semmoe_tables="tables", tensor_model_parallel_size=1),
+                           registry.Application.EVALUATE_LM)
