@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
 
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     res = run_distributed(_measure, 1, args.config, args.repeats, args.seed, args.with_upstream_scaling)[0]
     std, big = res["standard"], res["bigmac"]

@@ -353,7 +353,7 @@ def main(argv=None) -> int:
         if os.path.isdir(args.out):
             raise ValueError(f"--out {args.out}: is a directory")
         from megatron import compat
-        from megatron.training.testing import run_distributed
+        from tools.spawn import run_distributed
         from netsim.replay import Engine
 
         compat.quiet_warnings()

@@ -63,7 +63,7 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
 
 
 def main(argv=None) -> int:
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from megatron.common.cli import positive_int, run_cli
     from megatron.common.files import write_json
 

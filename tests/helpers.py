@@ -103,3 +103,15 @@ def write_arc_easy(root, num_questions: int = 5):
             choices = [f"the {w} number {i}" for w in ("first", "second", "third", "fourth")]
             f.write(json.dumps({"query": f"Question: which is number {i}?", "choices": choices, "gold": i % 4}) + "\n")
     return root
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def requires_gpu(fn_or_cls=None):
+    """``pytest.mark.skipif`` on machines without a CUDA GPU."""
+    import pytest
+
+    mark = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
+    return mark if fn_or_cls is None else mark(fn_or_cls)

@@ -470,13 +470,9 @@ LAUNCH_BACKWARD = 2**31 - 1  # an all-to-all's backward: launch its reverse coll
 DEFER_BACKWARD = 0  # the node that consumes that collective's result (its hook waits): run last
 
 
-BACKWARD_REORDERING = True  # tests switch it off to show the reordering is what moves the work
-
-
 def set_backward_priority(tensor: torch.Tensor, sequence_nr: int) -> None:
     """Reorder the backward: give ``tensor``'s producer node the sequence number ``sequence_nr``."""
-    if BACKWARD_REORDERING:
-        set_tensor_grad_fn_sequence_sr(tensor, sequence_nr)
+    set_tensor_grad_fn_sequence_sr(tensor, sequence_nr)
 
 
 def wait_backward_hook(handles: dict):

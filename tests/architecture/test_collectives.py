@@ -15,7 +15,7 @@ import pathlib
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ["megatron/common", "moe_variants", "megatron/training", "megatron/inference", "megatron/compat", "distill", "tools",

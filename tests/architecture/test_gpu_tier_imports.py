@@ -148,7 +148,7 @@ def test_checker_finds_a_stale_import():
 
 
 STALE_RUNS = '''
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.convert import hf_models as H
 from tests.serving.conftest import offline_greedy_rank
 

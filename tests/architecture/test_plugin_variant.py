@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants import registry
 from moe_variants.registry import Variant, VariantConfig
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl

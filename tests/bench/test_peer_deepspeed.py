@@ -18,7 +18,7 @@ the routed rows only.
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.config import ParallelConfig
 from tests.helpers import tiny_model_config
 

@@ -145,7 +145,7 @@ def _observed(rank, world):
 
 
 def test_observer_sees_the_projects_and_third_party_all_to_alls():
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     (seen0, out0), (seen1, _) = run_distributed(_observed, 2)
     assert seen0 == [((4,), [3, 1]), ((4,), None)] and seen1 == [((4,), [1, 3]), ((4,), None)]
@@ -177,7 +177,7 @@ def _build_upstream(rank, world):
 
 
 def test_build_model_can_build_megatron_cores_own_moe_layer():
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     ours, upstream_is_plain, topk, error = run_distributed(_build_upstream, 1)[0]
     assert len(ours) == 2 and upstream_is_plain == [True, True]

@@ -5,7 +5,7 @@ import torch
 
 from moe_variants.bigmac.config import BigMacConfig
 from moe_variants.config import ParallelConfig
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.bigmac.accounting import a2a_bytes_uniform, model_accounting, paper_table3
 from tests.foundation.test_ep_equivalence import _assert_grads_close, _run
 from tests.helpers import VOCAB, batch, build_and_load, forward_loss, tiny_model_config

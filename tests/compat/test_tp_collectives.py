@@ -3,7 +3,7 @@ its group, with their bytes, and nothing else; leaving it restores the entry poi
 
 from __future__ import annotations
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 
 def _count(rank, world):

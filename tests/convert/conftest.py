@@ -21,7 +21,7 @@ class Converted:
 
 
 def _convert(root, family: str, yarn: bool = False) -> Converted:
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.convert import hf_models as H
 
     extra = H.DEEPSEEK_LITE_YARN if yarn else {}

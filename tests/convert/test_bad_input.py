@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.convert import hf_models as H
 from tests.convert.conftest import no_temporaries
 

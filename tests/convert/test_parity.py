@@ -16,7 +16,7 @@ sequence parallelism), and compared with transformers' fp32 forward (eager atten
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.convert import hf_models as H
 
 # Hugging Face conversions end to end

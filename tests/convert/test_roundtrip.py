@@ -57,7 +57,7 @@ def test_checkpoint_records_source_and_layout_free_tokenizer(converted):
 
 def test_checkpoint_loads_at_pipeline_parallel_2(converted):
     """Layout-free: the two PP=2 stages hold exactly the TP=1 tensors between them."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.convert import hf_models as H
 
     c = converted("deepseek_v2")
@@ -76,7 +76,7 @@ def test_checkpoint_loads_at_pipeline_parallel_2(converted):
 def test_export_of_a_native_checkpoint_matches_transformers(tmp_path, family, values):
     """A checkpoint made here (no HF source config) exports to a directory transformers loads and
     runs to the same logits (atol 5e-5, as in test_parity)."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.convert import hf_models as H
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=32,

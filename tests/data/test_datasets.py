@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron.training import data
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from megatron.training.tokenizer import DEFAULT_CORPUS
 
 from .conftest import SHARED_DATA, requires_shared_data

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from distill.early_stopping import EarlyStopping
 from distill.losses import hidden_state_l2, kl_divergence
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 
 def _direct_kl(student, teacher, mask, temperature=1.0):
@@ -211,7 +211,7 @@ def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
 
 @pytest.mark.slow
 def test_teacher_forward_has_no_trainable_parameters(teacher_ckpt):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     def fn(rank, world, path):
         from moe_variants.config import ParallelConfig
@@ -319,7 +319,7 @@ def _frozen_names(rank, world):
 
 
 def test_freeze_embeddings_freezes_the_embedding_and_output_layer_only():
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     frozen, trainable = run_distributed(_frozen_names, 1)[0]
     assert frozen == ["embedding.word_embeddings.weight", "output_layer.weight"]
@@ -344,7 +344,7 @@ def test_kl_l2_with_frozen_embeddings_trains_the_rest(teacher_ckpt):
     """Table 2's "KL + INTER. L2" and "KL * EMBED." flags together: the hidden-state L2 is computed and
     reported every step beside the KL, the embedding and output layer come out bit-identical to the
     teacher's (exact: frozen parameters are not in the optimizer), and the decoder does change."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from megatron.training.tokenizer import DEFAULT_CORPUS
     from tests.helpers import read_jsonl, torchrun
 

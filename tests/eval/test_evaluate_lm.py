@@ -163,7 +163,7 @@ def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, c
     expect = damaged_copy(ckpt_dir["standard"], ckpt, damage, tmp_path / "PWNED")
     out = tmp_path / "results.json"
     tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.training.test_reliability import main_in_rank
 
     argv = [str(a) for a in _args(ckpt, out, **tasks)]

@@ -25,7 +25,7 @@ import megatron.training.loading  # noqa: E402,F401
 import moe_variants.builder  # noqa: E402,F401
 import moe_variants.bigmac.layer  # noqa: E402,F401
 import moe_variants.farskip  # noqa: E402,F401
-from megatron.training.testing import run_distributed  # noqa: E402
+from tools.spawn import run_distributed  # noqa: E402
 from tests.eval.conftest import SEQ_LENGTH  # noqa: E402
 
 ATOL = 1e-4

@@ -9,7 +9,7 @@ same additions in the same order), and the layer does wait the reduction after i
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.config import ParallelConfig
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 

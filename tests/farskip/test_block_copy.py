@@ -6,7 +6,7 @@ gradients compared with ``torch.equal`` (the same operations in the same order),
 
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.helpers import batch, build_and_load, tiny_model_config
 
 

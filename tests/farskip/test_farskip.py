@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_variants.config import ParallelConfig
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.farskip.config import LayerSelection
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
@@ -110,7 +110,8 @@ def _backward_order(rank, world, reorder):
     from moe_variants.common.moe_layer import moe_layers
     from moe_variants.common import comm
 
-    comm.BACKWARD_REORDERING = reorder
+    if not reorder:  # this rank process only: the priorities are not set, autograd's own order runs
+        comm.set_tensor_grad_fn_sequence_sr = lambda tensor, sequence_nr: None
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", num_layers=2, moe_layer_freq=1)
     model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=2))
     timeline = comm.TimelineRecorder()
@@ -191,7 +192,7 @@ def _build_refused(rank, world, overrides):
     (dict(farskip="first:9"), "--farskip first:9"),
 ])
 def test_unsupported_combinations_are_refused(overrides, needle):
-    from megatron.training.testing import DistributedTestError
+    from tools.spawn import DistributedTestError
 
     with pytest.raises(DistributedTestError, match=needle):
         run_distributed(_build_refused, 1, overrides)

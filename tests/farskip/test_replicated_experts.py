@@ -14,7 +14,7 @@ TP = EP = 2 on 2 CPU ranks, sequence parallelism off (as the server runs TP > 1)
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.config import ParallelConfig
 from tests.helpers import batch, build_and_load, tiny_model_config
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_variants.config import ParallelConfig
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.common import wgrad
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_variants.config import ParallelConfig
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 

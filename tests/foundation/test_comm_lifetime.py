@@ -6,7 +6,7 @@ cannot show). Checked on 2 gloo ranks with weak references: the copy outlives th
 references, is released by ``wait()``, and the received rows are the ones sent (exact).
 """
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 
 def _rank(rank, world_size):

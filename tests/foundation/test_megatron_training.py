@@ -14,7 +14,7 @@ import torch
 
 from moe_variants.config import ParallelConfig
 from megatron.training.config import TrainingConfig
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tests.helpers import VOCAB, batch, tiny_model_config
 
 

@@ -23,9 +23,9 @@ import sys
 
 import pytest
 
-from megatron.training.testing import requires_gpu
+from tests.helpers import requires_gpu
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu()]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_moe_cpu.yaml"

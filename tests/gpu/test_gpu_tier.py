@@ -24,9 +24,10 @@ import time
 import pytest
 import torch
 
-from megatron.training.testing import requires_gpu, run_distributed
+from tests.helpers import requires_gpu
+from tools.spawn import run_distributed
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu()]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_moe_cpu.yaml"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 # 2 MoE layers x 8 experts, top-2; the embedded 2048-token BPE
 MODEL = dict(

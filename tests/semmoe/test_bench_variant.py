@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 TINY = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=32,

@@ -16,7 +16,7 @@ try:
 except ImportError:
     pytest.skip('lm-eval is not importable (pip install -e ".[eval]")', allow_module_level=True)
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 CONTEXTS = ["the king rode to the castle", "gold and silver at the market", "seven songs", "a storm at sea " * 3,
             "the doctor and the fever", "winter", "peace council army war", "bread wine and music"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from tools.semmoe.cli import main
 from moe_variants.semmoe.metrics import evaluate
 from moe_variants.semmoe.profile import load_profile

@@ -8,7 +8,7 @@ gradients go through the same two-term sums and are compared exactly as well.
 
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 
 def _worker(rank, world_size):

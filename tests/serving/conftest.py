@@ -70,7 +70,7 @@ def offline_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, gene
 
 
 def offline_greedy(ckpt: str, prompts, max_new: int, generation: str = "auto"):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     return run_distributed(offline_greedy_rank, 1, ckpt, prompts, max_new, generation, timeout_s=240)[0]
 

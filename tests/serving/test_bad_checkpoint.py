@@ -6,7 +6,7 @@ import pytest
 
 @pytest.mark.parametrize("damage", ["truncated_shard", "crafted_metadata"])
 def test_bad_checkpoint_is_one_line(damage, serve_ckpts, tmp_path):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.training.test_reliability import damaged_copy, main_in_rank
 
     ckpt = tmp_path / "ckpt"

@@ -43,7 +43,7 @@ def _core_attention(q_SHD, k_SHD, v_SHD):
 
 def _in_world(fn):
     """Run ``fn`` in a forked one-rank world with megatron-core's parallel state."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     def rank_fn(rank, world_size):
         from megatron.training.parallel import initialize_parallel

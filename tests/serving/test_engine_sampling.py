@@ -69,7 +69,7 @@ def seeds_rank(rank, world_size, ckpt):
 
 
 def test_seeds_change_and_reproduce_samples(serve_ckpts):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     out = run_distributed(seeds_rank, 1, serve_ckpts["flat"], timeout_s=300)[0]
     first, again, other = out["server"]
@@ -110,7 +110,7 @@ def logprobs_rank(rank, world_size, ckpt):
 
 
 def test_prompt_and_token_logprobs_equal_the_plain_forward(serve_ckpts):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     got, reference = run_distributed(logprobs_rank, 1, serve_ckpts["standard"], timeout_s=300)[0]
     for i in (0, 1):

@@ -51,7 +51,7 @@ def test_mla_engine_equals_the_forward_without_cache(mla_ckpt):
 
 
 def test_mla_prefill_chunks_and_decode_logprobs_equal_the_forward(mla_ckpt):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.serving.test_engine_sampling import logprobs_rank
 
     got, reference = run_distributed(logprobs_rank, 1, mla_ckpt, timeout_s=300)[0]
@@ -173,7 +173,7 @@ def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
     overlapped inference schedule around MLA's latent-cache attention; ``farskip-async-tp``: with
     the attention's TP reduction in flight behind the MoE, paper §4.2) equals that model's forward
     without a cache (the async reduction changes when the sum is taken, not what it is)."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from moe_variants import registry
 
     prompts = _prompts(mla_ckpt)[:3]
@@ -188,7 +188,7 @@ def test_farskip_split_attention_serves_the_forward_tokens(model, layout, serve_
     """``--variant farskip-split``: at inference attention is split at its input projections (run
     behind the previous combine) and the rest, over the KV cache (behind the dispatch). Self-
     attention and MLA (latent cache, absorbed decoding) give the forward's tokens without a cache."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from moe_variants import registry
 
     ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
@@ -205,7 +205,7 @@ def test_replicated_experts_serve_the_forward_tokens(preset, mla_ckpt, tmp_path)
     rank holds every token and one all-reduce sums the local experts; with ``farskip-async-tp`` it
     and the attention's and shared expert's TP reductions are all in flight behind compute. The
     tokens equal the model's forward without a cache (standard, or FarSkip connectivity)."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from moe_variants import registry
 
     prompts = _prompts(mla_ckpt)[:3]
@@ -294,7 +294,7 @@ def test_semmoe_placed_mla_model_with_algorithm_2_equals_the_unplaced_model(mla_
     """Sem-MoE's placement (experts permuted over the two EP ranks) and request scheduling
     (Algorithm 2) on the DeepSeek-V2-shaped model: the served tokens equal the unplaced model's
     forward without a cache."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     run_distributed(_place_mla, 1, mla_ckpt, str(tmp_path), timeout_s=600)
     prompts = _prompts(mla_ckpt)[:3]

@@ -54,7 +54,7 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
 
 
 def _engine(ckpt, prompts, max_new, cancel_after=-1, sizes=None):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     return run_distributed(engine_greedy_rank, 1, ckpt, prompts, max_new, cancel_after, sizes, timeout_s=240)[0]
 
@@ -83,7 +83,7 @@ def _converted_engine_run(tmp_path, family):
     """Convert a tiny random HF model, check the engine's greedy tokens against transformers'
     ``generate``; (checkpoint, prompts, expected tokens)."""
     pytest.importorskip("transformers")
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
     from tests.convert import hf_models as H
 
     hf_dir = H.make_hf_model(str(tmp_path / "hf"), family)

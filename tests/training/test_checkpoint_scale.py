@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 TOKENIZER_BYTES = b'{"model": "a tokenizer file the loader never reads"}\n' * 20
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))

@@ -4,7 +4,7 @@ equal a hand count from its shapes, at EP=1 and EP=2 (exact: integer counts)."""
 import pytest
 
 from megatron.training.flops import active_weights, flops_per_token
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 from moe_variants.config import ParallelConfig
 from tests.helpers import build_and_load, tiny_model_config
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from megatron.training.testing import run_distributed
+from tools.spawn import run_distributed
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
                        "ckpt_v1_bigmac_farskip")

@@ -230,7 +230,7 @@ def _load_and_score(rank, world, path, ep):
 
 def test_load_model_from_checkpoint_any_layout(run_a):
     """A checkpoint carries its configs and tokenizer: tools rebuild the model at any EP."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     _, save, _ = run_a
     one = run_distributed(_load_and_score, 1, str(save), 1)[0]

@@ -49,7 +49,7 @@ def _main_rank(rank, world, argv):
 
 
 def run_main(argv, world=1):
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     return run_distributed(_main_rank, world, [str(a) for a in argv], timeout_s=240)[0]
 
@@ -204,7 +204,7 @@ def _signal_after_first_step(rank, world, argv, metrics, signum):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_and_exits_with_the_preempted_code(tmp_path, cache, signum):
     """A signalled run saves where it stopped and exits 75 (not 0, which means finished)."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     save = tmp_path / "run"
     argv = [str(a) for a in SHORT + ["--train-iters", 1000, "--save", save, "--data-cache-path", cache]]
@@ -236,7 +236,7 @@ def _save_and_list_children(rank, world, path):
 def test_checkpoint_save_starts_no_processes(tmp_path):
     """The writer runs in the rank itself: no Manager server, resource tracker or forked writer
     that a signal to the rank's process group could kill or a SIGKILLed rank could orphan."""
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     for children, active in run_distributed(_save_and_list_children, 2, str(tmp_path / "c")):
         assert children == [] and active == 0
@@ -383,7 +383,7 @@ def _save_with_failing_io(rank, world, path, errno_code, where):
 def test_full_disk_and_read_only_save_are_one_line(tmp_path, errno_name, where, needle):
     import errno
 
-    from megatron.training.testing import run_distributed
+    from tools.spawn import run_distributed
 
     message = run_distributed(_save_with_failing_io, 1, str(tmp_path / "c"), getattr(errno, errno_name), where)[0]
     assert needle in message and "\n" not in message and str(tmp_path / "c") in message, message

@@ -1,4 +1,4 @@
-"""Multi-process test harness: run a function on N gloo (or NCCL) ranks with a hard timeout.
+"""Run a function on N gloo (or NCCL) ranks with a hard timeout: the tests' and profilers' harness.
 
 ``run_distributed(fn, world_size)`` starts one process per rank (forked for gloo; spawned for NCCL,
 since CUDA cannot be initialised in a forked child: ``fn`` must then be importable by name, a
@@ -21,19 +21,11 @@ import time
 import traceback
 from typing import Any, Callable
 
-import pytest
 import torch
 
 from megatron.training.parallel import destroy_parallel
 
-__all__ = ["run_distributed", "start_method", "requires_gpu", "has_cuda", "DistributedTestError"]
-
-
-def has_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
-requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
+__all__ = ["run_distributed", "start_method", "DistributedTestError"]
 
 
 class DistributedTestError(RuntimeError):
