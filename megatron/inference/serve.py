@@ -50,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0: any free port (see --ready-file)")
     p.add_argument("--variant", default=None, metavar="PRESET",
                    help="load the checkpoint with a registered variant preset applied (moe_variants.registry; "
-                        "'+' combines): only presets that keep its parameters, e.g. farskip on a standard "
-                        "checkpoint (the serving benchmark's --load runs); the checkpoint's architecture check "
+                        "'+' combines): only presets that keep its parameters, e.g. a connectivity preset on a "
+                        "standard checkpoint (the serving benchmark's --load runs); the checkpoint's architecture check "
                         "refuses the others")
     p.add_argument("--expert-comm", choices=("alltoall", "allreduce"), default="alltoall",
                    help="how tokens reach the experts: alltoall (dispatch and combine among the expert-parallel "
                         "ranks) or allreduce (vLLM's layout, TP = EP > 1: every rank holds every token, runs its "
-                        "local experts, and one all-reduce sums them; FarSkip overlaps it, paper §4.2)")
+                        "local experts, and one all-reduce sums them; a connectivity variant may overlap it)")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: the --load directory's name)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefills are chunked to fit)")
     p.add_argument("--max-requests", type=int, default=16, help="requests decoding at once per data-parallel rank")

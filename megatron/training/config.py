@@ -81,7 +81,7 @@ class TrainingConfig:
     # (off by default, as in Megatron-LM); turns FarSkip's deferred weight gradients off
     overlap_grad_reduce: bool = _opt(
         False, "reduce each gradient bucket during the backward as soon as it is complete (turns "
-        "FarSkip's deferred weight gradients off)")
+        "deferred expert weight gradients off)")
     seed: int = _opt(1234, "random seed (initialisation, data order, dropout)")
     distributed_timeout_minutes: float = _opt(
         10.0, "timeout of torch.distributed collectives: a rank that waits longer on a hung or dead "

@@ -1,8 +1,9 @@
 """The package layering of docs/ARCHITECTURE.md, enforced on the source (every import, including
 those inside functions):
 
-    megatron.compat  <-  moe_variants (model library)  <-  megatron.training, megatron.inference
-    (applications)  <-  tools, distill, scripts (tools);  netsim is standalone and torch-free.
+    megatron.common (layer 0)  <-  megatron.compat  <-  moe_variants (model library)  <-
+    megatron.training, megatron.inference (applications)  <-  tools, distill, scripts (tools);
+    netsim is standalone and torch-free, on layer 0 only.
 
 A rule broken here is a dependency the next maintainer cannot see from the folder names. Entry-point
 modules (``__main__.py``) are applications wherever they sit and are exempt.
@@ -80,6 +81,7 @@ def _variant_packages() -> set[str]:
 
 
 ALL = sorted(_modules())
+MODULES = {m for m, _ in ALL}
 
 
 def _violations(rule):
@@ -168,6 +170,94 @@ def test_inference_imports_no_variant_module():
         if found:
             return f"the server imports the variant module {found} (go through moe_variants.registry)"
         return None
+
+    assert _violations(rule) == []
+
+
+def test_layer_0_imports_nothing_of_the_project():
+    def rule(module, target, names):
+        if module.startswith("megatron.common") and _is_project(target) and not target.startswith("megatron.common"):
+            return f"layer 0 imports {target}"
+        return None
+
+    assert _violations(rule) == []
+
+
+# What the applications, tools and netsim may take from the model library: its MoE API. Generic
+# helpers (errors, the CLI runner, files, processes, collectives) come from layer 0, and variant
+# modules are reached through the registry, except by a variant's own tools (VARIANT_TOOLS).
+MODEL_LIBRARY_API = ("moe_variants.config", "moe_variants.registry", "moe_variants.builder",
+                     "moe_variants.global_state", "moe_variants.features", "moe_variants.common.moe_layer",
+                     "moe_variants.common.comm", "moe_variants.common.routing", "moe_variants.common.dispatcher",
+                     "moe_variants.common.timing", "moe_variants.common.wgrad")
+# a tool that exists for one variant may import it: a tool named after it (``tools/semmoe/``,
+# ``scripts/profile_bigmac_layer.py``: the variant's name is a word of the module's path), and FCSD
+# (``distill``), FarSkip's self-distillation
+VARIANT_TOOLS = {"distill": "moe_variants.farskip"}
+
+
+def _own_variant(module: str):
+    """The variant package a tool module exists for, or None."""
+    for prefix, variant in VARIANT_TOOLS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return variant
+    if module.startswith(("tools.", "scripts.")):
+        words = set(module.replace(".", "_").split("_"))
+        return next((v for v in _variant_packages() if v.rpartition(".")[2] in words), None)
+    return None
+
+
+def _library_import_problem(module: str, target: str, names) -> str | None:
+    """Why ``module`` (an application, tool or netsim) may not import ``target`` (names), or None."""
+    if not (target == "moe_variants" or target.startswith("moe_variants.")):
+        return None
+    if module.startswith("netsim"):
+        return f"netsim imports the model library ({target})"
+    own = _own_variant(module)
+    # ``from package import module``: judge each module imported; ``from module import name``: the module
+    imported = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES] or [target]
+    for name in imported:
+        if own and (name == own or name.startswith(own + ".")):
+            continue
+        if any(name == m or name.startswith(m + ".") for m in MODEL_LIBRARY_API):
+            continue
+        return f"{module} imports {name}: not the model library's API (generic helpers are in megatron.common; " \
+               f"variants through moe_variants.registry)"
+    return None
+
+
+def test_the_library_import_rule_on_examples():
+    assert _library_import_problem("megatron.training.data", "moe_variants.common.cli", []) is not None
+    assert _library_import_problem("netsim.cli", "moe_variants.common.files", []) is not None
+    assert _library_import_problem("megatron.inference.engine", "moe_variants.semmoe.tables", []) is not None
+    assert _library_import_problem("tools.bench.cli", "moe_variants", ["semmoe"]) is not None
+    assert _library_import_problem("tools.semmoe.cli", "moe_variants.semmoe.tables", []) is None
+    assert _library_import_problem("distill.fcsd", "moe_variants.farskip.config", []) is None
+    assert _library_import_problem("distill.fcsd", "moe_variants.semmoe.tables", []) is not None
+    assert _library_import_problem("scripts.profile_bigmac_layer", "moe_variants.bigmac.layer", []) is None
+    assert _library_import_problem("scripts.profile_bigmac_layer", "moe_variants.semmoe", []) is not None
+    assert _library_import_problem("megatron.training.step", "moe_variants.common.moe_layer", []) is None
+    assert _library_import_problem("megatron.training.step", "moe_variants", ["registry"]) is None
+    assert _library_import_problem("megatron.training.step", "megatron.common.cli", []) is None
+
+
+def test_applications_tools_and_netsim_use_only_the_model_library_api():
+    def rule(module, target, names):
+        if module.startswith(("megatron.training", "megatron.inference", "tools", "distill", "scripts", "netsim")):
+            return _library_import_problem(module, target, names)
+        return None
+
+    assert _violations(rule) == []
+
+
+def test_no_variant_imports_another():
+    """What two variants share goes down a layer (moe_variants.common)."""
+    variants = _variant_packages()
+
+    def rule(module, target, names):
+        own = next((v for v in variants if module == v or module.startswith(v + ".")), None)
+        found = own and _imports_a_variant_module(variants - {own}, target, names)
+        return f"the variant {own} imports the variant {found}" if found else None
 
     assert _violations(rule) == []
 

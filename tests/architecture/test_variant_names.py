@@ -1,4 +1,4 @@
-"""The tools name no variant: they loop over the registry (``moe_variants.registry``).
+"""The tools and the applications name no variant: they loop over the registry (``moe_variants.registry``).
 
 The rule: outside the folder of a variant's own tools (``tools/<variant>/``, e.g. ``tools/semmoe``,
 whose folder name is a registered variant's), no Python file under ``tools/`` mentions a name the
@@ -127,3 +127,21 @@ def test_the_tools_name_no_variant():
         for line, name, text in variant_mentions(path.read_text(), names):
             offenders.append(f"{path.relative_to(ROOT)}:{line}: {name} in {text!r}")
     assert not offenders, "the tools must go through the registry's hooks:\n" + "\n".join(offenders)
+
+
+# the applications (training, evaluate_lm, the server) and the layers below them: generic code
+APPLICATIONS = ("megatron/common", "megatron/compat", "megatron/training", "megatron/inference")
+
+
+def test_the_applications_name_no_variant():
+    """Generic code reads no variant's flag or name (``args.semmoe_tables`` in evaluate_lm was one):
+    what a variant refuses or adds there comes from a registry hook (``check_runtime``,
+    ``request_scheduler``, ``serving_model``, ``add_runtime_arguments``)."""
+    names = registry.variant_names()
+    offenders = []
+    files = [p for pkg in APPLICATIONS for p in sorted((ROOT / pkg).rglob("*.py"))]
+    assert len(files) > 40
+    for path in files:
+        for line, name, text in variant_mentions(path.read_text(), names):
+            offenders.append(f"{path.relative_to(ROOT)}:{line}: {name} in {text!r}")
+    assert not offenders, "the applications must go through the registry's hooks:\n" + "\n".join(offenders)
