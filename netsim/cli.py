@@ -472,7 +472,8 @@ DEFAULT_FIT = Path(__file__).resolve().parent.parent / "examples" / "netsim" / "
 
 
 def _configure_replay(p):
-    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py --mode serve run")
+    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py --mode serve run "
+                   "(.json or .json.gz)")
     p.add_argument("--profile", metavar="JSON", help="scripts/profile_serving_compute.py output for its variants "
                    "(default: <run>.profile.json beside it)")
     p.add_argument("--fit", metavar="JSON", default=str(DEFAULT_FIT),
@@ -488,22 +489,18 @@ def _configure_replay(p):
 
 def _replay_inputs(args):
     from .link_table import LinkTable
-    from .validation import load_fit
+    from .validation import load_fit, profile_path, read_json
 
-    def read(path, what):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{what} {path}: {getattr(err, 'strerror', None) or err}") from None
-
-    run = read(args.bench_serve, "--bench-serve")
+    run = read_json(args.bench_serve, "--bench-serve")
     if not isinstance(run, dict) or run.get("schema") not in ("bench_serve/1", "bench_serve/2"):
         raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1 or /2)")
-    profile_path = args.profile or str(Path(args.bench_serve).with_suffix("")) + ".profile.json"
-    profile = read(profile_path, "--profile")
+    if "requests" not in run:
+        raise ValueError(f"--bench-serve {args.bench_serve}: a summary without the run's requests (the replay needs "
+                         "the whole bench_serve.py JSON)")
+    path = args.profile or profile_path(args.bench_serve)
+    profile = read_json(path, "--profile")
     if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":
-        raise ValueError(f"--profile {profile_path}: not a profile_serving_compute.py JSON")
+        raise ValueError(f"--profile {path}: not a profile_serving_compute.py JSON")
     return run, profile, load_fit(args.fit), LinkTable.from_calibrations(args.link_table)
 
 

@@ -20,8 +20,8 @@ from .collectives import AlphaBeta
 from .link_table import LinkTable
 from .replay import MODEL_VERSION, Engine, Link, Request, StepProfile, simulate
 
-__all__ = ["FIGURES", "OFFERED_LOAD_FRACTION", "phase_figures", "load_fit", "predict_run", "validate_run",
-           "offered_load_bound", "code_version"]
+__all__ = ["FIGURES", "OFFERED_LOAD_FRACTION", "phase_figures", "read_json", "profile_path", "load_fit",
+           "predict_run", "validate_run", "offered_load_bound", "code_version"]
 
 FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 
@@ -45,6 +45,25 @@ def phase_figures(ttft: Sequence[float], e2e: Sequence[float], output_tokens: Se
         "tpot_p50_s": float(np.median(tpot)) if tpot else None,
         "output_tokens_per_s": float(sum(output_tokens) / (end - start)) if end > start else None,
     }
+
+
+def read_json(path: str, flag: str):
+    """A JSON file, gzipped where its name ends in ``.gz`` (docs/figures keeps the runs it replays
+    so); a one-line error naming ``flag`` when it cannot be read."""
+    import gzip
+    import json
+
+    try:
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+            return json.load(f)
+    except (OSError, EOFError, ValueError) as err:
+        raise ValueError(f"{flag} {path}: {getattr(err, 'strerror', None) or err}") from None
+
+
+def profile_path(run_path: str) -> str:
+    """Where ``profile_serving_compute.py``'s output for a run lies by default: ``<run>.profile.json``
+    beside ``<run>.json`` or ``<run>.json.gz``."""
+    return run_path.removesuffix(".gz").removesuffix(".json") + ".profile.json"
 
 
 def load_fit(path) -> AlphaBeta:

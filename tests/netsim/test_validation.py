@@ -88,6 +88,35 @@ def test_validate_cli(tmp_path, capsys):
     assert "link table" in err and len(err.strip().splitlines()) == 1
 
 
+def test_validate_reads_a_gzipped_run_and_refuses_a_summary(tmp_path, capsys):
+    """docs/figures keeps the runs it replays gzipped: ``serve.json.gz`` is read as it is, with its
+    profile ``serve.profile.json`` beside it; a figure summary without the requests is one line."""
+    import gzip
+
+    from netsim.cli import main
+
+    with gzip.open(tmp_path / "serve.json.gz", "wt") as f:
+        json.dump(_run(), f)
+    (tmp_path / "serve.profile.json").write_text(json.dumps(
+        {"schema": "serving-compute-profile/1", "variants": {"standard": _profile()}}))
+    tables = link_table_paths(tmp_path)
+    assert main(["predict", "--bench-serve", str(tmp_path / "serve.json.gz"), "--link-table", *tables]) == 0
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(_run()))
+    (tmp_path / "plain.profile.json").write_text((tmp_path / "serve.profile.json").read_text())
+    assert main(["predict", "--bench-serve", str(plain), "--link-table", *tables]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert out[1] and out[1] == out[out.index(out[0], 1) + 1]  # the same prediction from both
+    summary = {k: v for k, v in _run().items() if k != "requests"}
+    plain.write_text(json.dumps(summary))
+    assert main(["predict", "--bench-serve", str(plain), "--link-table", *tables]) == 2
+    err = capsys.readouterr().err
+    assert "without the run's requests" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "broken.json.gz").write_bytes(b"not gzip")
+    assert main(["predict", "--bench-serve", str(tmp_path / "broken.json.gz"), "--link-table", *tables]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_code_version_is_the_git_commit_of_the_replay():
     got = code_version()
     try:
