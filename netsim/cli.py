@@ -7,8 +7,8 @@
 * ``serve``              best layout, batch, TPOT and throughput for one network and scenario
 * ``cost``               cost breakdown of one network
 * ``sweep``              the full design-space sweep: JSON, PNG plots and a summary table
-* ``predict``            TTFT, TPOT and throughput of a bench_serve run's workload, from the fitted
-                         network and the profiled compute of the served model (``netsim.replay``)
+* ``predict``            TTFT, TPOT and throughput of a bench_serve run's workload, from the run's
+                         calibrated link and the profiled compute of the served model (``netsim.replay``)
 * ``validate``           the same next to what the run measured: relative error per figure and mean
 
 User errors (``ValueError``) print one line and exit with status 2. Bandwidths on the command line
@@ -472,40 +472,36 @@ DEFAULT_FIT = Path(__file__).resolve().parent.parent / "examples" / "netsim" / "
 
 
 def _configure_replay(p):
-    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py --mode serve run")
+    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py --mode serve run "
+                   "(.json or .json.gz)")
     p.add_argument("--profile", metavar="JSON", help="scripts/profile_serving_compute.py output for its variants "
                    "(default: <run>.profile.json beside it)")
     p.add_argument("--fit", metavar="JSON", default=str(DEFAULT_FIT),
-                   help="netsim fit of this machine's collectives (default: examples/netsim/gloo_netns_fit.json)")
-    p.add_argument("--link-table", metavar="CSV", nargs="+", default=None,
-                   help="all-to-all calibrations at the run's link rate, one per idle gap (scripts/bench_ep.py "
-                   "--collectives --gap-ms G; each CSV with its sidecar JSON): every all-to-all then costs what "
-                   "the link measured for its size and rest (netsim.replay.LinkTable), the fit only the loop's "
-                   "control latency; a tensor-parallel run also needs all_reduce calibrations "
-                   "(scripts/calibrate_link_table.sh writes both)")
+                   help="netsim fit of this machine's collectives, for the serving loop's control latency "
+                   "(default: examples/netsim/gloo_netns_fit.json)")
+    p.add_argument("--link-table", metavar="CSV", nargs="+", required=True,
+                   help="the run's link calibrated at its rate (scripts/calibrate_link_table.sh: all-to-alls both "
+                   "ways and one way after each idle gap, each CSV with its sidecar JSON): every collective costs "
+                   "what the link measured for its size, direction and rest (netsim.link_table.LinkTable); a "
+                   "tensor-parallel run also needs its all_reduce calibrations")
     p.add_argument("--json", metavar="OUT", help="write the result here")
 
 
 def _replay_inputs(args):
-    from .replay import LinkTable, load_fit
+    from .link_table import LinkTable
+    from .validation import load_fit, profile_path, read_json
 
-    def read(path, what):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{what} {path}: {getattr(err, 'strerror', None) or err}") from None
-
-    run = read(args.bench_serve, "--bench-serve")
+    run = read_json(args.bench_serve, "--bench-serve")
     if not isinstance(run, dict) or run.get("schema") not in ("bench_serve/1", "bench_serve/2"):
         raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1 or /2)")
-    profile_path = args.profile or str(Path(args.bench_serve).with_suffix("")) + ".profile.json"
-    profile = read(profile_path, "--profile")
+    if "requests" not in run:
+        raise ValueError(f"--bench-serve {args.bench_serve}: a summary without the run's requests (the replay needs "
+                         "the whole bench_serve.py JSON)")
+    path = args.profile or profile_path(args.bench_serve)
+    profile = read_json(path, "--profile")
     if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":
-        raise ValueError(f"--profile {profile_path}: not a profile_serving_compute.py JSON")
-    constants, burst = load_fit(args.fit)
-    table = LinkTable.from_calibrations(args.link_table) if args.link_table else None
-    return run, profile, constants, burst, table
+        raise ValueError(f"--profile {path}: not a profile_serving_compute.py JSON")
+    return run, profile, load_fit(args.fit), LinkTable.from_calibrations(args.link_table)
 
 
 def _fmt_ms(x):
@@ -516,10 +512,10 @@ def _fmt_ms(x):
 def _predict(args) -> int:
     from megatron.common.files import write_json
 
-    from .replay import predict_run
+    from .validation import predict_run
 
-    run, profile, constants, burst, table = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, burst, table)
+    run, profile, constants, table = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, table)
     print(f"{'variant':<12}{'rate':>6}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'out tok/s':>11}")
     for v, rates in pred.items():
         for rate, f in rates.items():
@@ -536,12 +532,13 @@ def _predict(args) -> int:
 def _validate(args) -> int:
     from megatron.common.files import write_json
 
-    from .replay import predict_run, validate_run
+    from .validation import code_version, predict_run, validate_run
 
-    run, profile, constants, burst, table = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, burst, table)
+    run, profile, constants, table = _replay_inputs(args)
+    pred = predict_run(run, profile["variants"], constants, table)
     res = validate_run(run, pred)
-    print(f"replay model {res['model_version']} (replay.py sha256 {res['model_fingerprint']})")
+    code = code_version()
+    print(f"replay model {res['model_version']}, code at git {code}")
     print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
     for r in res["rows"]:
         scale, unit = (1e3, "ms") if r["figure"].endswith("_s") and not r["figure"].endswith("per_s") else (1.0, "")
@@ -564,7 +561,7 @@ def _validate(args) -> int:
         print(f"note: {v} was served with {why}")
     if args.json:
         write_json(args.json, {"schema": "netsim-validate/1", "bench_serve": args.bench_serve, "fit": args.fit,
-                               "link_table": args.link_table, "predicted": pred, **res})
+                               "link_table": args.link_table, "predicted": pred, **res, "code_version": code})
         print(f"wrote {args.json}")
     return 0
 

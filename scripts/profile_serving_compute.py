@@ -3,7 +3,7 @@
 
     python scripts/profile_serving_compute.py --bench-serve serve.json --out runs/serve_profile.json
     python -m netsim validate --bench-serve serve.json --profile runs/serve_profile.json \\
-        --fit examples/netsim/gloo_netns_fit.json
+        --link-table runs/link_table/*.csv
 
 For every variant of a ``bench_serve.py`` run (its checkpoints, rank count and engine sizes, read
 from the run's JSON) this starts the same number of ranks on loopback (gloo, unshaped: the
@@ -13,14 +13,15 @@ all-to-alls cost little and their waits are subtracted), builds the server's eng
 * prefill steps of 8 to ``max_batch_tokens`` tokens (prompts of up to 64 tokens, ``max_tokens`` 1);
 * decode steps of 1 to ``max_requests`` running requests (16-token prompts);
 * the dummy forward of an idle rank;
-* the serving loop's per-iteration exchange of commands, token updates and engine stats.
+* the real serving loop's overhead per iteration outside the forwards (``iteration_s``).
 
 A step's compute is its wall time minus the time the rank waited on all-to-alls (the dispatchers'
 counters), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
 squares as ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
-tokens come from the same counters. A tensor-parallel run (TP = EP = the ranks: one engine) is
+tokens come from the same counters; where a step's compute lies around its collectives (the
+layouts, per kind of step) from the steps' recorded spans. A tensor-parallel run (TP = EP = the ranks: one engine) is
 profiled in its layout; its TP collectives (``megatron.compat.tp_collectives``) are counted per
 step (all-reduces and their bytes per token, logit all-gathers and their bytes per request) and
 their loopback time is not compute. Writes
@@ -128,19 +129,12 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     calls = eng.comm["a2a_calls"] - calls0
     steps = eng.steps + eng.dummy_steps - steps0
     eng.close_spans()
-    before, after, layouts = _compute_layout(spans_path, cfg.max_requests)
+    layouts = _compute_layout(spans_path, cfg.max_requests)
     stats = eng.stats()
     return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
             "local": stats["local_activations"], "routed": stats["routed_activations"],
-            "loop_s": _loop_overhead(eng, world), "compute_before": before, "compute_after": after,
             "layout_decode": layouts.get("decode"), "layout_prefill": layouts.get("prefill"),
             "iteration_s": _iteration_overhead(eng, pgc, world, cfg.max_requests, vocab, tokenizer.eod, seed)}
-
-
-def _slowest(values):
-    """The largest of the ranks' values (None where no rank has one: one rank makes no all-to-all)."""
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
 
 
 def _tp_collectives(rows: list, engine) -> dict:
@@ -157,15 +151,14 @@ def _tp_collectives(rows: list, engine) -> dict:
             / max(1, sum(r["tp_all_gather_calls"] * r["requests"] for r in prefill))}
 
 
-def _compute_layout(spans_path: str, max_requests: int) -> tuple:
+def _compute_layout(spans_path: str, max_requests: int) -> dict:
     """Where a forward's compute lies around its calls, over this rank's profiled steps
-    (``RankEngine.record_spans`` lines): the median shares before its first all-to-all (embedding,
-    the first attention) and after its last (the output layer, sampling, bookkeeping), and per kind
-    of step (``decode``: at most ``max_requests`` tokens, else ``prefill``) the layout
-    ``netsim.replay.compute_gaps`` reads: the median share of the compute before each collective
-    (all-to-alls and a TP engine's all-reduces and gathers, in start order) and after the last,
-    over the steps with the most common number of calls, normalised to sum to one."""
-    before, after, shares = [], [], {"decode": {}, "prefill": {}}
+    (``RankEngine.record_spans`` lines), per kind of step (``decode``: at most ``max_requests``
+    tokens, else ``prefill``): the layout ``netsim.replay.StepProfile`` reads, the median share of
+    the compute before each collective (all-to-alls and a TP engine's all-reduces and gathers, in
+    start order) and after the last, over the steps with the most common number of calls,
+    normalised to sum to one."""
+    shares = {"decode": {}, "prefill": {}}
     with open(spans_path) as f:
         for line in f:
             step = json.loads(line)
@@ -177,19 +170,12 @@ def _compute_layout(spans_path: str, max_requests: int) -> tuple:
             if sum(gaps) > 0:
                 kind = "decode" if step["tokens"] <= max_requests else "prefill"
                 shares[kind].setdefault(len(calls), []).append([g / sum(gaps) for g in gaps])
-            spans = sorted(step["spans"], key=lambda x: x[1])
-            busy = step["end"] - step["t"]
-            in_flight = sum(e - s for _, s, e in spans)  # on loopback the calls do not overlap
-            compute = busy - in_flight
-            if compute > 0:
-                before.append((spans[0][1] - step["t"]) / compute)
-                after.append((step["end"] - max(e for _, _, e in spans)) / compute)
     layouts = {}
     for kind, by_count in shares.items():
         if by_count:
             medians = [statistics.median(col) for col in zip(*max(by_count.values(), key=len))]
             layouts[kind] = [m / sum(medians) for m in medians]
-    return (statistics.median(before), statistics.median(after), layouts) if before else (None, None, layouts)
+    return layouts
 
 
 def _mean_layout(layouts) -> "list | None":
@@ -198,31 +184,6 @@ def _mean_layout(layouts) -> "list | None":
     if not layouts or any(x is None or len(x) != len(layouts[0]) for x in layouts):
         return None
     return [sum(col) / len(col) for col in zip(*layouts)]
-
-
-def _loop_overhead(eng, world, iterations: int = 60) -> float:
-    """Median seconds of the serving loop's per-iteration exchange (``megatron.inference.loop``:
-    the all-gather of every rank's header, with its work and engine stats), on loopback; the
-    slowest rank's per iteration."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron.inference.engine import STAT_FIELDS
-    from megatron.inference.loop import HEADER_FIELDS
-    from megatron.common import collectives
-
-    times = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        stats = eng.stats()
-        header = torch.tensor([eng.local_work(), 0, 0, 0] + [float(stats[k]) for k in STAT_FIELDS],
-                              dtype=torch.float64)
-        assert header.numel() == len(HEADER_FIELDS)
-        collectives.all_gather([torch.empty_like(header) for _ in range(world)], header)
-        row = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        collectives.all_reduce(row, op=dist.ReduceOp.MAX)
-        times.append(float(row[0]))
-    return statistics.median(times[10:])
 
 
 class _BurstFrontend:
@@ -378,10 +339,7 @@ def main(argv=None) -> int:
                 a2a_calls=round(per_rank[0]["calls_per_step"]),
                 lar=sum(r["local"] for r in per_rank) / sum(r["routed"] for r in per_rank)
                 if sum(r["routed"] for r in per_rank) else None,  # not counted at TP > 1
-                loop_s=per_rank[0]["loop_s"],
                 iteration_s=per_rank[0]["iteration_s"],
-                compute_before=_slowest(r["compute_before"] for r in per_rank),
-                compute_after=_slowest(r["compute_after"] for r in per_rank),
                 layout_decode=_mean_layout(r["layout_decode"] for r in per_rank),
                 layout_prefill=_mean_layout(r["layout_prefill"] for r in per_rank),
                 checkpoint=checkpoints[v], wall_s=time.monotonic() - t0, tp=tp,

@@ -39,14 +39,13 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path, tp):
 
     step = StepProfile.from_dict(v)
     assert step.a2a_calls == 3 * 2  # dispatch, combine and routing metadata of 2 MoE layers
-    assert step.a2a_bytes_per_token > 0 and step.loop_s > 0 and step.dummy_s > 0
-    assert step.iteration_s > 0 and step.control_s == step.iteration_s  # the real loop's overhead, measured
+    assert step.a2a_bytes_per_token > 0 and step.dummy_s > 0
+    assert step.iteration_s > 0  # the real loop's overhead, measured
     assert step.tp == tp
-    from netsim.replay import compute_gaps, step_calls
+    from netsim.replay import step_calls
 
     for layout in (step.layout_decode, step.layout_prefill):  # the compute around each recorded call, in order
         assert len(layout) == len(step_calls(step)) + 1 and sum(layout) == pytest.approx(1.0)
-        assert compute_gaps(step, step_calls(step), decode=True) == list(step.layout_decode)
     if tp == 1:
         assert 0 < v["lar"] < 1 and step.tp_allreduces == 0
     else:  # every TP rank routes the same tokens: no LAR; TP collectives counted

@@ -1,0 +1,40 @@
+"""The replay reproduces every validation docs/netsim.md reports: each run of
+``docs/figures/netsim_validation/<run>/`` is predicted again from its committed run, profile and
+link table, and must give the committed ``validate.json``'s figures exactly (the model's
+arithmetic is fixed per ``MODEL_VERSION``; a change to it needs a new version and new checks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from netsim.link_table import LinkTable
+from netsim.replay import MODEL_VERSION
+from netsim.validation import load_fit, predict_run, profile_path, read_json, validate_run
+
+REPO = Path(__file__).resolve().parents[2]
+RUNS = sorted(p.parent for p in (REPO / "docs" / "figures" / "netsim_validation").glob("*/validate.json"))
+
+
+def test_every_run_of_docs_netsim_is_here():
+    assert {p.name for p in RUNS} == {"heldout_composed", "heldout_semmoe", "heldout_composed2", "heldout_tp",
+                                      "heldout_tp2", "heldout_composed3", "heldout_semmoe2", "shaping1", "shaping2",
+                                      "serving_composed", "semmoe_recorded"}
+
+
+@pytest.mark.parametrize("run_dir", RUNS, ids=[p.name for p in RUNS])
+def test_the_committed_validation_is_what_the_replay_gives(run_dir):
+    committed = json.loads((run_dir / "validate.json").read_text())
+    assert committed["model_version"] == MODEL_VERSION
+    serve = run_dir / "serve.json.gz"
+    if not serve.exists():  # a run another doc cites keeps its place; its validation names it
+        serve = REPO / committed["bench_serve"]
+    run = read_json(str(serve), "run")
+    profile = read_json(profile_path(str(serve)), "profile")
+    table = LinkTable.from_calibrations([str(REPO / p) for p in committed["link_table"]])
+    pred = predict_run(run, profile["variants"], load_fit(str(REPO / committed["fit"])), table)
+    assert pred == committed["predicted"]
+    got = validate_run(run, pred)
+    assert got["rows"] == committed["rows"] and got["by_figure"] == committed["by_figure"]
