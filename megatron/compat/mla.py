@@ -3,7 +3,7 @@
 ``multi_latent_attention.py:54-65`` imports ``TELinear`` from ``megatron.core.extensions.
 transformer_engine``, which without TE still imports: it subclasses a ``MagicMock`` stand-in
 (``extensions/transformer_engine.py:61-77``, ``:470``), so ``HAVE_TE`` ends up True and ``TELinear``
-is a mock instance. ``MLASelfAttention.__init__`` then calls ``isinstance(self.linear_proj,
+is a mock instance. ``MultiLatentAttention.__init__`` then calls ``isinstance(self.linear_proj,
 TELinear)`` (``:184-185``), which raises ``TypeError``: MLA cannot be built at all without TE.
 The flag only gates that FP8 memory tweak for TE linears, so setting it to its true value (False)
 is the whole fix. Applied explicitly by the model builder when it builds MLA; idempotent.
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 
+from megatron.compat.sites import MODULE, Site
+
 __all__ = ["apply_mla_without_te", "MLA_WITHOUT_TE_SITES"]
 
-# (path relative to megatron/core, 1-based line, text expected there); see compat/sites.py
+# the upstream text each fix depends on, by enclosing function (compat/sites.py)
 MLA_WITHOUT_TE_SITES = [
-    ("transformer/multi_latent_attention.py", 62, "HAVE_TE = True"),
-    ("transformer/multi_latent_attention.py", 184, "HAVE_TE"),
-    ("transformer/multi_latent_attention.py", 185, "and isinstance(self.linear_proj, TELinear)"),
-    ("extensions/transformer_engine.py", 76, "te = MagicMock()"),
+    Site("transformer/multi_latent_attention.py", MODULE, "HAVE_TE = True"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.__init__", "HAVE_TE"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.__init__",
+         "and isinstance(self.linear_proj, TELinear)"),
+    Site("extensions/transformer_engine.py", MODULE, "te = MagicMock()"),
 ]
 
 
@@ -64,17 +67,24 @@ def apply_mla_without_te() -> bool:
 # ``--kv-cache-gb``.
 
 MLA_SERVING_SITES = [
-    ("transformer/multi_latent_attention.py", 309, "core_attn_out = self.flash_decode_and_prefill("),
-    ("transformer/multi_latent_attention.py", 318, "block_table,"),
-    ("transformer/attention.py", 767, "is_decode_only,"),
-    ("transformer/multi_latent_attention.py", 885, "def prepare_for_absorption(self):"),
-    ("transformer/multi_latent_attention.py", 898, "split_te_layernorm_column_parallel_linear("),
-    ("transformer/multi_latent_attention.py", 859, "def uncompress_kv_from_cache(self, kv_cached):"),
-    ("transformer/attention.py", 611, 'if getattr(self.config, "cache_mla_latents", None) and max_seqlen_q > 1:'),
-    ("transformer/attention.py", 617, "key, value = self.uncompress_kv_from_cache(kv_cache)"),
-    ("transformer/multi_latent_attention.py", 847, "inference_context and not inference_context.is_static_batching()"),
-    ("inference/model_inference_wrappers/abstract_model_inference_wrapper.py", 180,
-     "return self.model(tokens, position_ids, attention_mask)"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.forward",
+         "core_attn_out = self.flash_decode_and_prefill("),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.forward", "block_table,"),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill", "is_decode_only,"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.prepare_for_absorption",
+         "def prepare_for_absorption(self):"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.prepare_for_absorption",
+         "split_te_layernorm_column_parallel_linear("),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.uncompress_kv_from_cache",
+         "def uncompress_kv_from_cache(self, kv_cached):"),
+    Site("transformer/attention.py", "Attention._adjust_key_value_for_inference",
+         'if getattr(self.config, "cache_mla_latents", None) and max_seqlen_q > 1:'),
+    Site("transformer/attention.py", "Attention._adjust_key_value_for_inference",
+         "key, value = self.uncompress_kv_from_cache(kv_cache)"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.get_query_key_value_tensors",
+         "inference_context and not inference_context.is_static_batching()"),
+    Site("inference/model_inference_wrappers/abstract_model_inference_wrapper.py",
+         "AbstractModelInferenceWrapper.dummy_forward", "return self.model(tokens, position_ids, attention_mask)"),
 ]
 
 _mla_serving_applied = False
