@@ -50,6 +50,8 @@ from typing import Optional
 
 import torch
 
+from megatron.compat.sites import MODULE, Site
+
 __all__ = [
     "apply_inference",
     "sampling_controller_class",
@@ -60,22 +62,28 @@ __all__ = [
     "INFERENCE_SITES",
 ]
 
-# (path relative to megatron/core, 1-based line, text expected there); see compat/sites.py
+# the upstream text each fix depends on, by enclosing function (compat/sites.py)
 INFERENCE_SITES = [
-    ("transformer/attention.py", 96, "flash_attn_varlen_func = None"),
-    ("transformer/attention.py", 97, "flash_attn_with_kvcache = None"),
-    ("transformer/attention.py", 87, "flash_mla_with_kvcache = None"),
-    ("transformer/attention.py", 88, "get_mla_metadata = None"),
-    ("transformer/attention.py", 838, "tile_scheduler_metadata, num_splits = get_mla_metadata("),
-    ("transformer/attention.py", 845, "output_total, softmax_lse = flash_mla_with_kvcache("),
-    ("transformer/attention.py", 814, "output_total = flash_attn_varlen_func("),
-    ("transformer/attention.py", 872, "output_total = flash_attn_with_kvcache(**flash_attn_args)"),
-    ("transformer/attention.py", 926, "assert HAVE_FA3 or is_fa_min_version("),
-    ("transformer/attention.py", 1178, "core_attn_out = rearrange(core_attn_out, 's b h d -> s b (h d)')"),
-    ("inference/engines/dynamic_engine.py", 20, "from torch.cuda.nvtx import range_pop, range_push"),
-    ("inference/engines/dynamic_engine.py", 1191, 'range_push("Prefill" if not is_decode_only else "Decode")'),
-    ("inference/engines/dynamic_engine.py", 1199, "step_time = self.step_start_event.elapsed_time(self.step_end_event) / 1e3"),
-    ("inference/inference_request.py", 26, 'torch.cuda.nvtx.range_push("serialize_tensor")'),
+    Site("transformer/attention.py", MODULE, "flash_attn_varlen_func = None"),
+    Site("transformer/attention.py", MODULE, "flash_attn_with_kvcache = None"),
+    Site("transformer/attention.py", MODULE, "flash_mla_with_kvcache = None"),
+    Site("transformer/attention.py", MODULE, "get_mla_metadata = None"),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill",
+         "tile_scheduler_metadata, num_splits = get_mla_metadata("),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill",
+         "output_total, softmax_lse = flash_mla_with_kvcache("),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill", "output_total = flash_attn_varlen_func("),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill",
+         "output_total = flash_attn_with_kvcache(**flash_attn_args)"),
+    Site("transformer/attention.py", "Attention.forward", "assert HAVE_FA3 or is_fa_min_version("),
+    Site("transformer/attention.py", "Attention.forward",
+         "core_attn_out = rearrange(core_attn_out, 's b h d -> s b (h d)')"),
+    Site("inference/engines/dynamic_engine.py", MODULE, "from torch.cuda.nvtx import range_pop, range_push"),
+    Site("inference/engines/dynamic_engine.py", "DynamicInferenceEngine.async_forward",
+         'range_push("Prefill" if not is_decode_only else "Decode")'),
+    Site("inference/engines/dynamic_engine.py", "DynamicInferenceEngine.async_forward",
+         "step_time = self.step_start_event.elapsed_time(self.step_end_event) / 1e3"),
+    Site("inference/inference_request.py", "serialize_tensor", 'torch.cuda.nvtx.range_push("serialize_tensor")'),
 ]
 
 

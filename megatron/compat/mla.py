@@ -3,7 +3,7 @@
 ``multi_latent_attention.py:54-65`` imports ``TELinear`` from ``megatron.core.extensions.
 transformer_engine``, which without TE still imports: it subclasses a ``MagicMock`` stand-in
 (``extensions/transformer_engine.py:61-77``, ``:470``), so ``HAVE_TE`` ends up True and ``TELinear``
-is a mock instance. ``MLASelfAttention.__init__`` then calls ``isinstance(self.linear_proj,
+is a mock instance. ``MultiLatentAttention.__init__`` then calls ``isinstance(self.linear_proj,
 TELinear)`` (``:184-185``), which raises ``TypeError``: MLA cannot be built at all without TE.
 The flag only gates that FP8 memory tweak for TE linears, so setting it to its true value (False)
 is the whole fix. Applied explicitly by the model builder when it builds MLA; idempotent.
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 
+from megatron.compat.sites import MODULE, Site
+
 __all__ = ["apply_mla_without_te", "MLA_WITHOUT_TE_SITES"]
 
-# (path relative to megatron/core, 1-based line, text expected there); see compat/sites.py
+# the upstream text each fix depends on, by enclosing function (compat/sites.py)
 MLA_WITHOUT_TE_SITES = [
-    ("transformer/multi_latent_attention.py", 62, "HAVE_TE = True"),
-    ("transformer/multi_latent_attention.py", 184, "HAVE_TE"),
-    ("transformer/multi_latent_attention.py", 185, "and isinstance(self.linear_proj, TELinear)"),
-    ("extensions/transformer_engine.py", 76, "te = MagicMock()"),
+    Site("transformer/multi_latent_attention.py", MODULE, "HAVE_TE = True"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.__init__", "HAVE_TE"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.__init__",
+         "and isinstance(self.linear_proj, TELinear)"),
+    Site("extensions/transformer_engine.py", MODULE, "te = MagicMock()"),
 ]
 
 
@@ -61,20 +64,35 @@ def apply_mla_without_te() -> bool:
 # Prefill also uncompresses the whole paged cache on every step (``:611-618``: every block of the
 # buffer, used or not). Here only the blocks of the step's requests are uncompressed and the
 # block table is renumbered to match: the same keys and values, without the cost growing with
-# ``--kv-cache-gb``.
+# ``--kv-cache-gb``. Finding those blocks reads the step's key lengths on the host (a device sync):
+# the first layer of a step does it and caches them on the context, which drops them when it
+# initialises the next step's attention state, so a step syncs once, not once per layer.
 
+_CONTROLLER = "inference/text_generation_controllers/text_generation_controller.py"
 MLA_SERVING_SITES = [
-    ("transformer/multi_latent_attention.py", 309, "core_attn_out = self.flash_decode_and_prefill("),
-    ("transformer/multi_latent_attention.py", 318, "block_table,"),
-    ("transformer/attention.py", 767, "is_decode_only,"),
-    ("transformer/multi_latent_attention.py", 885, "def prepare_for_absorption(self):"),
-    ("transformer/multi_latent_attention.py", 898, "split_te_layernorm_column_parallel_linear("),
-    ("transformer/multi_latent_attention.py", 859, "def uncompress_kv_from_cache(self, kv_cached):"),
-    ("transformer/attention.py", 611, 'if getattr(self.config, "cache_mla_latents", None) and max_seqlen_q > 1:'),
-    ("transformer/attention.py", 617, "key, value = self.uncompress_kv_from_cache(kv_cache)"),
-    ("transformer/multi_latent_attention.py", 847, "inference_context and not inference_context.is_static_batching()"),
-    ("inference/model_inference_wrappers/abstract_model_inference_wrapper.py", 180,
-     "return self.model(tokens, position_ids, attention_mask)"),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.forward",
+         "core_attn_out = self.flash_decode_and_prefill("),
+    Site("transformer/multi_latent_attention.py", "MultiLatentAttention.forward", "block_table,"),
+    Site("transformer/attention.py", "Attention.flash_decode_and_prefill", "is_decode_only,"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.prepare_for_absorption",
+         "def prepare_for_absorption(self):"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.prepare_for_absorption",
+         "split_te_layernorm_column_parallel_linear("),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.uncompress_kv_from_cache",
+         "def uncompress_kv_from_cache(self, kv_cached):"),
+    Site("transformer/attention.py", "Attention._adjust_key_value_for_inference",
+         'if getattr(self.config, "cache_mla_latents", None) and max_seqlen_q > 1:'),
+    Site("transformer/attention.py", "Attention._adjust_key_value_for_inference",
+         "key, value = self.uncompress_kv_from_cache(kv_cache)"),
+    Site("transformer/multi_latent_attention.py", "MLASelfAttention.get_query_key_value_tensors",
+         "inference_context and not inference_context.is_static_batching()"),
+    Site("inference/model_inference_wrappers/abstract_model_inference_wrapper.py",
+         "AbstractModelInferenceWrapper.dummy_forward", "return self.model(tokens, position_ids, attention_mask)"),
+    # the step's attention metadata (read by _step_blocks) is set here, once per step, before the forward
+    Site("inference/contexts/dynamic_context.py", "DynamicInferenceContext.initialize_attention_state",
+         'self.active_attn_metadata["mha_metadata"].update('),
+    Site(_CONTROLLER, "TextGenerationController._dynamic_step_context_init",
+         "context.initialize_attention_state(construct_graph_dimensions=construct_graph_dimensions)"),
 ]
 
 _mla_serving_applied = False
@@ -88,10 +106,12 @@ def apply_mla_serving() -> bool:
         return False
     import torch
 
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
     forward = MultiLatentAttention.forward
+    initialize_attention_state = DynamicInferenceContext.initialize_attention_state
     prepare = MLASelfAttention.prepare_for_absorption
     uncompress = MLASelfAttention.uncompress_kv_from_cache
 
@@ -105,13 +125,12 @@ def apply_mla_serving() -> bool:
         self._mla_decode_only = bool(dynamic and context.is_decode_only())
         self._mla_blocks = None
         if dynamic and self.config.cache_mla_latents and not self._mla_decode_only:
-            # the blocks of this step's requests, in the block table's numbering
-            _, kv_lengths, _ = context.cu_kv_lengths()
-            table = context.active_attn_metadata["mha_metadata"].state_data["block_table"]
-            block = context.block_size_tokens
-            used = [table[b, :(int(n) + block - 1) // block] for b, n in enumerate(kv_lengths.tolist()) if n > 0]
-            self._mla_blocks = torch.unique(torch.cat(used)) if used else None
+            self._mla_blocks = _step_blocks(context)
         return forward(self, hidden_states, attention_mask, *args, **kwargs)
+
+    def context_initialize_attention_state(self, *args, **kwargs):
+        self._mla_step_blocks = None  # a new step: its blocks are found again
+        return initialize_attention_state(self, *args, **kwargs)
 
     def mla_uncompress(self, kv_cached):
         blocks = getattr(self, "_mla_blocks", None)
@@ -146,12 +165,30 @@ def apply_mla_serving() -> bool:
             self.up_k_weight = weight[:, :cfg.qk_head_dim, :]  # [heads, qk_head_dim, kv_lora_rank]
             self.up_v_weight = weight[:, cfg.qk_head_dim:, :]  # [heads, v_head_dim, kv_lora_rank]
 
+    DynamicInferenceContext.initialize_attention_state = context_initialize_attention_state
     MultiLatentAttention.forward = mla_forward
     MultiLatentAttention.flash_decode_and_prefill = mla_flash_decode_and_prefill
     MLASelfAttention.uncompress_kv_from_cache = mla_uncompress
     MLASelfAttention.prepare_for_absorption = mla_prepare
     _mla_serving_applied = True
     return True
+
+
+def _step_blocks(context):
+    """The cache blocks holding the keys of ``context``'s step, in its block table's numbering (a
+    [U] tensor, or None when no request has keys yet): found by the step's first MLA layer (the
+    key lengths read on the host, a device sync) and kept on the context until it initialises the
+    next step's attention state."""
+    import torch
+
+    cached = getattr(context, "_mla_step_blocks", None)
+    if cached is None:
+        _, kv_lengths, _ = context.cu_kv_lengths()
+        table = context.active_attn_metadata["mha_metadata"].state_data["block_table"]
+        block = context.block_size_tokens
+        used = [table[b, :(n + block - 1) // block] for b, n in enumerate(kv_lengths.tolist()) if n > 0]
+        cached = context._mla_step_blocks = (torch.unique(torch.cat(used)) if used else None,)
+    return cached[0]
 
 
 def _without_latent_cache(layer, forward, *args, **kwargs):

@@ -1,8 +1,8 @@
 """The model features conversion added (MLA on local modules, YaRN fields, group-max routing):
-config validation, and the upstream lines the MLA-without-TE adaptation depends on."""
+config validation, and the upstream flag the MLA-without-TE adaptation corrects (its upstream pins
+are checked with the rest in tests/compat)."""
 
 import importlib.util
-import os
 
 import pytest
 
@@ -27,19 +27,6 @@ def _moe(**overrides):
 def test_new_fields_are_validated_by_flag_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate(_moe(**overrides), ParallelConfig())
-
-
-def test_mla_without_te_sites_unchanged():
-    """megatron/compat/mla.py works around these upstream lines; a change means re-check it."""
-    import megatron.core
-
-    from megatron.compat.mla import MLA_WITHOUT_TE_SITES
-
-    root = os.path.dirname(megatron.core.__file__)
-    for path, line, text in MLA_WITHOUT_TE_SITES:
-        with open(os.path.join(root, path)) as f:
-            lines = f.read().splitlines()
-        assert text in lines[line - 1], f"megatron/core/{path}:{line} no longer reads {text!r}"
 
 
 def test_mla_without_te_flag_is_wrong_upstream_and_corrected():
