@@ -9,23 +9,18 @@ heartbeat stop moving and, after ``timeout_s``, calls ``on_stall`` once (rank 0:
 in-flight request, then exit; the other ranks: exit). It arms at the first tick: before it, the
 ranks may still be loading the model at different speeds.
 
-Exit codes of a server process (docs/serving.md): 0 after a clean drain, 1 when the engine loop
-raised (a rank died, a collective failed, a bug), 2 for bad flags or checkpoints (one line),
-``EXIT_STALLED`` when the watchdog fired.
+Exit codes of a server process (``megatron.common.process``, docs/serving.md): 0 after a clean
+drain, 1 when the engine loop raised (a rank died, a collective failed, a bug), 2 for bad flags or
+checkpoints (one line), 3 when the watchdog fired.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import sys
 import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["Heartbeat", "Watchdog", "fatal_exit", "EXIT_STALLED"]
-
-EXIT_STALLED = 3
+__all__ = ["Heartbeat", "Watchdog"]
 
 
 class Heartbeat:
@@ -75,12 +70,3 @@ class Watchdog:
                 self.on_stall(age)
                 return
 
-
-def fatal_exit(code: int, message: str) -> None:
-    """Print ``message`` and every thread's stack to stderr, then end the process at once (a
-    thread blocked in a collective cannot be joined)."""
-    print(message, file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(code)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.training.arguments import Configs, configs_to_dict
 from megatron.common import collectives
 from megatron.common.cli import UserError, one_line, user_input
+from megatron.common.process import EXIT_PREEMPTED
 
 __all__ = ["Trainer", "TrainerHooks", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of", "build_data",
            "config_yaml"]
@@ -565,8 +566,6 @@ class Trainer:
 
 
 def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:
-    from megatron.training.signals import PREEMPTED_EXIT_CODE
-
     took = _duration(summary["wall_time_s"])
     ckpt = summary.get("checkpoint") or ("none (no --save)" if not c.checkpoint.save else "none")
     where = f"checkpoint {ckpt}; metrics {summary.get('metrics_file') or 'not written (no --save)'}"
@@ -574,5 +573,5 @@ def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) ->
     if summary["interrupted"]:
         return (f"{prog}: stopped by {summary.get('signal', 'a signal')} at iteration {summary['iteration']} "
                 f"after {steps} step(s) in {took}; {where}; resume with --load {c.checkpoint.save or 'DIR'} "
-                f"(exit code {PREEMPTED_EXIT_CODE})")
+                f"(exit code {EXIT_PREEMPTED})")
     return f"{prog}: finished at iteration {summary['iteration']} ({steps} step(s)) in {took}; {where}"

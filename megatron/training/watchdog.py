@@ -44,11 +44,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["EXIT_WATCHDOG", "WatchdogConfig", "RankWatchdog", "start_watchdog"]
+from megatron.common.process import EXIT_WATCHDOG, exit_now
 
-# The process was ended by the watchdog: a rank was lost, hung, or failed elsewhere. Distinct
-# from 1 (a crash on this rank), 2 (bad input) and 75 (stopped by a signal after saving).
-EXIT_WATCHDOG = 3
+__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog"]
 
 
 @dataclasses.dataclass
@@ -61,18 +59,12 @@ class WatchdogConfig:
         return self.heartbeat_timeout_s > 0 or self.step_timeout_s > 0
 
 
-def _exit_now(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 class RankWatchdog:
     """One rank's heartbeat and watchdog thread (module docstring). ``store`` is a c10d store
     shared by all ranks (``set``/``get``/``check``); ``exit`` ends the process (replaced in tests)."""
 
     def __init__(self, store, rank: int, world_size: int, config: WatchdogConfig, *, prog: str = "train",
-                 exit: Callable[[int], None] = _exit_now, clock: Callable[[], float] = time.monotonic):
+                 exit: Callable[[int], None] = exit_now, clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.rank = rank
         self.world_size = world_size

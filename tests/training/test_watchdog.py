@@ -15,7 +15,8 @@ import threading
 import pytest
 
 from megatron.training import faults
-from megatron.training.watchdog import EXIT_WATCHDOG, RankWatchdog, WatchdogConfig
+from megatron.training.watchdog import RankWatchdog, WatchdogConfig
+from megatron.common.process import EXIT_WATCHDOG
 from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 
