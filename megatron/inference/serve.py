@@ -204,7 +204,8 @@ def serve(args) -> int:
     from megatron.inference.loop import serve_loop
     from megatron.inference.protocol import Limits
     from megatron.common.process import fatal_exit
-    from megatron.inference.watchdog import Heartbeat, Watchdog
+    from megatron.common.watchdog import Heartbeat
+    from megatron.inference.watchdog import start_watchdog
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants import registry
@@ -316,7 +317,7 @@ def serve(args) -> int:
                 print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
                 frontend.request_stop()
 
-        watchdog = Watchdog(heartbeat, args.watchdog_timeout, on_stall).start()
+        watchdog = start_watchdog(heartbeat, args.watchdog_timeout, on_stall)
         try:
             serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
                        schedule=scheduler.online() if scheduler is not None else None,
@@ -324,7 +325,8 @@ def serve(args) -> int:
         except Exception as err:
             _engine_failed(rank, frontend, err)
         finally:
-            watchdog.stop()
+            if watchdog is not None:
+                watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
             print("server stopped", flush=True)

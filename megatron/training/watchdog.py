@@ -1,5 +1,7 @@
 """Liveness of a training job: heartbeats through the rendezvous store, so that a stopped, stuck or
-failed rank ends the whole job in seconds instead of at the collective timeout.
+failed rank ends the whole job in seconds instead of at the collective timeout. The mechanism
+(heartbeats, deadlines, the thread, the store heartbeats) is ``megatron.common.watchdog``; this
+module wires it to the training loop and its flags.
 
 Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
 
@@ -18,10 +20,10 @@ Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
 
 A rank that detects a fault prints one line naming it, writes ``abort``, SIGKILLs a lost
 neighbour on the same host (a stopped process ignores the SIGTERM torchrun would send it and
-would hold the job for torchrun's 30 s grace period), and exits with ``EXIT_WATCHDOG``.
-A rank that sees ``abort`` waits one more interval before exiting, so that when
-every rank raises the same error at once each exits with its own code. ``torchrun --max-restarts N`` then restarts the job, and ``--save D --load D`` resumes it from
-D's newest checkpoint. Ranks that exit cleanly (finished, or stopped by a signal after saving)
+would hold the job for torchrun's 30 s grace period), and exits with ``EXIT_WATCHDOG`` (3). A
+rank that sees ``abort`` waits one more interval before exiting, so that when every rank raises
+the same error at once each exits with its own code. ``torchrun --max-restarts N`` then restarts
+the job, and ``--save D --load D`` resumes it from D's newest checkpoint. Ranks that exit cleanly (finished, or stopped by a signal after saving)
 publish ``done`` first, so a rank finishing early is never mistaken for a lost one.
 
 Detection bounds (defaults): a lost rank ``heartbeat_timeout_s`` + 2 intervals (30 s + 2 s);
@@ -33,20 +35,19 @@ dying rank's Python stack.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import faulthandler
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 from typing import Callable, Optional
 
 from megatron.common.process import EXIT_WATCHDOG, exit_now
+from megatron.common.watchdog import Deadline, Heartbeat, StorePeers, Watchdog
 
-__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog"]
+__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog", "STEP_GROWTH"]
+
+STEP_GROWTH = 5  # the hung-step deadline grows to this many times the slowest step seen
 
 
 @dataclasses.dataclass
@@ -65,162 +66,119 @@ class RankWatchdog:
 
     def __init__(self, store, rank: int, world_size: int, config: WatchdogConfig, *, prog: str = "train",
                  exit: Callable[[int], None] = exit_now, clock: Callable[[], float] = time.monotonic):
-        self.store = store
         self.rank = rank
-        self.world_size = world_size
         self.config = config
         self.prog = prog
         self._exit = exit
         self._clock = clock
-        self._count = 0
+        self.peers = StorePeers(store, rank, world_size, config.heartbeat_timeout_s, clock=clock)
+        self.steps = Heartbeat(clock)  # ticked when a training step finishes
+        self.deadline = Deadline(config.step_timeout_s, growth=STEP_GROWTH)
+        self._thread = Watchdog(self._round, config.interval_s, name="train-watchdog")
         self._state = "running"
-        self._host = socket.gethostname()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._started_at = clock()
-        # the neighbour's last seen count and when it changed
-        self._peer_count: Optional[str] = None
-        self._peer_changed = self._started_at
-        # training progress: last finished step, when, the slowest step, pause depth
         self._last_step: Optional[int] = None
-        self._step_at: Optional[float] = None
-        self._slowest_step_s = 0.0
-        self._paused = 0
         self._store_error_since: Optional[float] = None
         self._abort_seen_at: Optional[float] = None
         self.fired: Optional[str] = None  # the reason, once fired
 
     # ------------------------------------------------------------------ called by the training loop
     def start(self) -> "RankWatchdog":
-        self._beat()
-        self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
+        self.peers.beat(self._state)
         self._thread.start()
         return self
 
     def step_done(self, iteration: int) -> None:
-        now = self._clock()
-        if self._step_at is not None:
-            self._slowest_step_s = max(self._slowest_step_s, now - self._step_at)
-        self._last_step, self._step_at = iteration, now
+        self._last_step = iteration
+        self.steps.tick()
 
-    @contextlib.contextmanager
     def paused(self):
         """No step deadline inside (evaluation, checkpoint saves); the heartbeat goes on."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            if self._step_at is not None:
-                self._step_at = self._clock()
+        return self.steps.paused()
 
     def finish(self) -> None:
         """This rank ends cleanly: publish ``done`` so its watcher does not call it lost."""
         self._state = "done"
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * self.config.interval_s)
-        self._try(self._beat)
+        self._thread.stop(join_s=5 * self.config.interval_s)
+        self._try(lambda: self.peers.beat(self._state))
 
     def fail(self, reason: str) -> None:
         """This rank is failing with an exception: tell every rank to stop now."""
         self._state = "failed"
-        self._stop.set()
-        self._try(lambda: self._abort(f"rank {self.rank} failed: {reason}"))
+        self._thread.stop()
+        self._try(lambda: self.peers.abort(f"rank {self.rank} failed: {reason}"))
 
     # ------------------------------------------------------------------------------- the thread
     @property
     def step_timeout_s(self) -> float:
         """The effective hung-step deadline: the configured one, or 5x the slowest step seen."""
-        return max(self.config.step_timeout_s, 5 * self._slowest_step_s)
+        return self.deadline.limit(self.steps.pulse())
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                self.check()
-            except Exception as e:  # the store is unreachable: the job is going down
-                now = self._clock()
-                self._store_error_since = self._store_error_since or now
-                limit = max(self.config.heartbeat_timeout_s, 10 * self.config.interval_s)
-                if now - self._store_error_since > limit:
-                    self._fire(f"rank {self.rank} lost the rendezvous store for {now - self._store_error_since:.0f} s "
-                               f"({type(e).__name__}: {e})", publish=False)
-                    return
-                continue
-            self._store_error_since = None
-            if self.fired:
-                return
+    def _round(self) -> bool:
+        """One round of the thread; true once it fired. An unreachable store means the job is
+        going down: it fires only when that lasts."""
+        try:
+            self.check()
+        except Exception as e:
+            now = self._clock()
+            self._store_error_since = self._store_error_since or now
+            limit = max(self.config.heartbeat_timeout_s, 10 * self.config.interval_s)
+            if now - self._store_error_since > limit:
+                self._fire(f"rank {self.rank} lost the rendezvous store for {now - self._store_error_since:.0f} s "
+                           f"({type(e).__name__}: {e})", publish=False)
+                return True
+            return False
+        self._store_error_since = None
+        return self.fired is not None
 
     def check(self) -> None:
         """One round: beat, read ``abort``, watch the neighbour and this rank's progress."""
-        self._beat()
-        if self.store.check(["abort"]):
+        self.peers.beat(self._state)
+        reason = self.peers.abort_reason()
+        if reason is not None:
             # one interval of grace: when every rank raises the same error at once, each exits
             # with its own code (2 for bad input) rather than as a victim of the first
             now = self._clock()
             self._abort_seen_at = self._abort_seen_at or now
             if self._state == "failed" or now - self._abort_seen_at < self.config.interval_s:
                 return
-            reason = self.store.get("abort").decode()
             self.fired = reason
             if self.rank == 0:
                 print(f"{self.prog}: error: {reason}; stopping every rank (exit code {EXIT_WATCHDOG})",
                       file=sys.stderr, flush=True)
             self._exit(EXIT_WATCHDOG)
             return
-        now = self._clock()
-        if self.config.heartbeat_timeout_s > 0 and self.world_size > 1:
-            peer = (self.rank + 1) % self.world_size
-            key = f"beat/{peer}"
-            value = self.store.get(key).decode() if self.store.check([key]) else None
-            fields = value.split() if value else []
-            if fields and fields[3] != "running":
-                self._peer_changed = now  # done or failed: nothing to watch
-            elif value is not None and fields[0] != self._peer_count:
-                self._peer_count, self._peer_changed = fields[0], now
-            elif now - self._peer_changed > self.config.heartbeat_timeout_s:
-                age = now - self._peer_changed
-                if fields:
-                    pid, host = int(fields[1]), fields[2]
-                    reason = (f"rank {peer} (pid {pid} on {host}) sent no heartbeat for {age:.1f} s: stopped, "
-                              f"stuck holding the GIL, or lost (--heartbeat-timeout {self.config.heartbeat_timeout_s:g})")
-                    self._fire(reason, kill=(pid, host))
-                else:
-                    self._fire(f"rank {peer} never sent a heartbeat in {age:.1f} s "
-                               f"(--heartbeat-timeout {self.config.heartbeat_timeout_s:g})")
-                return
-        if self.config.step_timeout_s > 0 and self._step_at is not None and not self._paused:
-            idle = now - self._step_at
-            if idle > self.step_timeout_s:
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                self._fire(f"no training step finished on rank {self.rank} for {idle:.1f} s after iteration "
-                           f"{self._last_step}: it, or a rank it waits for, is hung (--step-timeout "
-                           f"{self.step_timeout_s:g} s; every thread's stack above)")
+        lost = self.peers.lost()
+        if lost is not None:
+            timeout = f"--heartbeat-timeout {self.config.heartbeat_timeout_s:g}"
+            if lost.pid is None:
+                self._fire(f"rank {lost.rank} never sent a heartbeat in {lost.silent_s:.1f} s ({timeout})")
+            else:
+                self._fire(f"rank {lost.rank} (pid {lost.pid} on {lost.host}) sent no heartbeat for "
+                           f"{lost.silent_s:.1f} s: stopped, stuck holding the GIL, or lost ({timeout})",
+                           kill=lost)
+            return
+        pulse = self.steps.pulse()
+        if self.deadline.overdue(pulse):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self._fire(f"no training step finished on rank {self.rank} for {pulse.age_s:.1f} s after iteration "
+                       f"{self._last_step}: it, or a rank it waits for, is hung (--step-timeout "
+                       f"{self.deadline.limit(pulse):g} s; every thread's stack above)")
 
     # ------------------------------------------------------------------------------- internals
-    def _beat(self) -> None:
-        self._count += 1
-        self.store.set(f"beat/{self.rank}", f"{self._count} {os.getpid()} {self._host} {self._state}")
-
-    def _abort(self, reason: str) -> None:
-        if not self.store.check(["abort"]):
-            self.store.set("abort", reason)
-
     def _try(self, fn) -> None:
         try:
             fn()
         except Exception:
             pass
 
-    def _fire(self, reason: str, *, kill: Optional[tuple] = None, publish: bool = True) -> None:
+    def _fire(self, reason: str, *, kill=None, publish: bool = True) -> None:
         self.fired = reason
         print(f"{self.prog}: error: {reason}; stopping the job (exit code {EXIT_WATCHDOG})",
               file=sys.stderr, flush=True)
         if publish:
-            self._try(lambda: self._abort(reason))
-        if kill is not None and kill[1] == self._host and kill[0] != os.getpid():
-            with contextlib.suppress(OSError):
-                os.kill(kill[0], signal.SIGKILL)
+            self._try(lambda: self.peers.abort(reason))
+        if kill is not None:
+            self.peers.kill(kill)
         self._exit(EXIT_WATCHDOG)
 
 

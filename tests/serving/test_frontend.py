@@ -20,7 +20,7 @@ import pytest
 from megatron.inference import protocol as P
 from megatron.inference.engine import TokenUpdate
 from megatron.inference.frontend import Frontend, FrontendConfig
-from megatron.inference.watchdog import Heartbeat
+from megatron.common.watchdog import Heartbeat
 
 EOD = 0
 VOCAB = 300

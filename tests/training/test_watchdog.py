@@ -8,6 +8,7 @@ the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -89,7 +90,7 @@ def test_a_silent_neighbour_is_lost_after_the_timeout_and_every_rank_stops():
 def test_a_neighbour_that_finished_is_not_lost():
     store, clock = DictStore(), Clock()
     w0, w1 = _pair(store, clock)
-    w1._beat()
+    w1.peers.beat()
     w0.check()
     w1.finish()
     clock.now += 60
@@ -144,7 +145,7 @@ def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
     try:
         store, clock = DictStore(), Clock()
         w0, _ = _pair(store, clock)
-        store.set("beat/1", f"1 {victim.pid} {w0._host} running")
+        store.set("beat/1", f"1 {victim.pid} {socket.gethostname()} running")
         w0.check()
         os.kill(victim.pid, signal.SIGSTOP)
         clock.now += 11

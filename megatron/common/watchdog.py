@@ -1,0 +1,199 @@
+"""Liveness of a long-running loop: is it still moving, and is every peer still alive? One
+mechanism with two uses: training (``megatron.training.watchdog``) and serving
+(``megatron.inference.watchdog``).
+
+- ``Heartbeat``: the loop ticks it where it proves progress (a training step finished; a serving
+  iteration's all-gather completed). The time between two ticks is an interval. ``paused()``
+  marks work without a deadline (an evaluation, a checkpoint save); the heartbeat's clock
+  restarts when it ends.
+- ``Deadline``: how long a heartbeat may stay still: a configured limit, grown to ``growth``
+  times the longest interval seen, so that a slow but steady loop is not taken for a hung one.
+- ``Watchdog``: a daemon thread that runs a check every interval until the check fires. A
+  thread needs the GIL, so a process stopped (SIGSTOP) or stuck in native code holding the GIL
+  stops checking too: only a peer can see that (``StorePeers``).
+- ``StorePeers``: heartbeats through a key-value store every rank reaches (a c10d store: under
+  torchrun the launcher's, which outlives any one rank). Each rank publishes its own and
+  watches its ring neighbour's (rank + 1 mod world: O(world) store traffic, every rank watched
+  by exactly one other); an ``abort`` key tells every rank that the job is going down.
+
+Ending the process (every thread's stack, then an exit code) is ``megatron.common.process``.
+Standard library only; ``clock`` arguments take a fake clock in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager, suppress
+from typing import Callable, Optional
+
+__all__ = ["Pulse", "Heartbeat", "Deadline", "Watchdog", "LostPeer", "StorePeers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulse:
+    """A heartbeat read at one instant."""
+
+    age_s: Optional[float]  # since the last tick; None before the first tick and while paused
+    longest_s: float  # the longest completed interval (pauses excluded)
+    intervals: int  # completed intervals
+
+
+class Heartbeat:
+    """Ticks of a loop that must keep moving (module docstring). The loop ticks; a watchdog thread
+    and ``/health`` read ``pulse()``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.at: Optional[float] = None  # the last tick, or the end of the last pause
+        self.count = 0  # ticks
+        self.longest_s = 0.0
+        self._paused = 0  # pause depth
+
+    def tick(self) -> None:
+        now = self._clock()
+        if self.at is not None and not self._paused:
+            self.longest_s = max(self.longest_s, now - self.at)
+        self.at = now
+        self.count += 1
+
+    @contextmanager
+    def paused(self):
+        """No deadline inside; the interval in progress restarts when the last pause ends."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if self.at is not None:
+                self.at = self._clock()
+
+    def pulse(self) -> Pulse:
+        now = self._clock()
+        at = self.at
+        age = None if at is None or self._paused else now - at
+        return Pulse(age, self.longest_s, max(self.count - 1, 0))
+
+    def age(self) -> Optional[float]:
+        """Seconds since the last tick (None before the first and while paused)."""
+        return self.pulse().age_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """How long a heartbeat may stay still: ``limit_s`` (0: no deadline), grown to ``growth`` x
+    the longest interval seen (0: fixed)."""
+
+    limit_s: float
+    growth: float = 0.0
+
+    def limit(self, pulse: Pulse) -> float:
+        return max(self.limit_s, self.growth * pulse.longest_s)
+
+    def overdue(self, pulse: Pulse) -> bool:
+        """Whether the heartbeat has been still for longer than its limit."""
+        return self.limit_s > 0 and pulse.age_s is not None and pulse.age_s > self.limit(pulse)
+
+
+class Watchdog:
+    """A daemon thread that runs ``check()`` every ``interval_s`` seconds until ``check`` returns
+    true (it fired: ``fired`` is set) or ``stop()``."""
+
+    def __init__(self, check: Callable[[], bool], interval_s: float, *, name: str):
+        self.check = check
+        self.interval_s = interval_s
+        self.name = name
+        self.fired = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Watchdog":
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, join_s: float = 0.0) -> None:
+        self._stop.set()
+        if join_s and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.check():
+                self.fired.set()
+                return
+
+
+@dataclasses.dataclass(frozen=True)
+class LostPeer:
+    """A neighbour whose heartbeat stopped: ``pid`` and ``host`` None when it never beat."""
+
+    rank: int
+    silent_s: float
+    pid: Optional[int] = None
+    host: Optional[str] = None
+
+
+class StorePeers:
+    """This rank's heartbeat in a store shared by every rank, and its ring neighbour's.
+
+    ``beat(state)`` publishes ``beat/<rank>`` = "<count> <pid> <host> <state>" (state
+    ``running``, ``done`` or ``failed``: a neighbour that is not running is not watched);
+    ``lost()`` reads the neighbour and returns it once its count has not moved for
+    ``timeout_s``; ``abort(reason)`` writes the job's ``abort`` key (the first reason wins) and
+    ``abort_reason()`` reads it. ``store`` needs ``set``, ``get`` and ``check``."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._count = 0
+        self._host = socket.gethostname()
+        self.neighbour = (rank + 1) % world_size
+        self._seen: Optional[str] = None  # the neighbour's last count
+        self._changed = clock()  # when it changed
+
+    def beat(self, state: str = "running") -> None:
+        self._count += 1
+        self.store.set(f"beat/{self.rank}", f"{self._count} {os.getpid()} {self._host} {state}")
+
+    def lost(self) -> Optional[LostPeer]:
+        """The neighbour, when it has not beaten for ``timeout_s`` (never with one rank)."""
+        if self.timeout_s <= 0 or self.world_size < 2:
+            return None
+        now = self._clock()
+        key = f"beat/{self.neighbour}"
+        fields = self.store.get(key).decode().split() if self.store.check([key]) else []
+        if fields and fields[3] != "running":
+            self._changed = now  # done or failed: nothing to watch
+        elif fields and fields[0] != self._seen:
+            self._seen, self._changed = fields[0], now
+        elif now - self._changed > self.timeout_s:
+            if not fields:
+                return LostPeer(self.neighbour, now - self._changed)
+            return LostPeer(self.neighbour, now - self._changed, int(fields[1]), fields[2])
+        return None
+
+    def kill(self, peer: LostPeer) -> bool:
+        """SIGKILL a lost peer that runs on this host (a stopped process ignores the SIGTERM a
+        launcher sends); returns whether a signal was sent."""
+        if peer.pid is None or peer.host != self._host or peer.pid == os.getpid():
+            return False
+        with suppress(OSError):
+            os.kill(peer.pid, signal.SIGKILL)
+            return True
+        return False
+
+    def abort(self, reason: str) -> None:
+        if not self.store.check(["abort"]):
+            self.store.set("abort", reason)
+
+    def abort_reason(self) -> Optional[str]:
+        return self.store.get("abort").decode() if self.store.check(["abort"]) else None
