@@ -45,10 +45,14 @@ class Pulse:
 
 class Heartbeat:
     """Ticks of a loop that must keep moving (module docstring). The loop ticks; a watchdog thread
-    and ``/health`` read ``pulse()``."""
+    and ``/health`` read ``pulse()``, which may come at any instant: the state changes under a
+    lock, so a reader sees a pause either still on or over with its clock restarted, never over
+    with the old clock (a rank reported hung right after a long evaluation). The clock is read
+    outside the lock."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
+        self._lock = threading.Lock()
         self.at: Optional[float] = None  # the last tick, or the end of the last pause
         self.count = 0  # ticks
         self.longest_s = 0.0
@@ -56,27 +60,31 @@ class Heartbeat:
 
     def tick(self) -> None:
         now = self._clock()
-        if self.at is not None and not self._paused:
-            self.longest_s = max(self.longest_s, now - self.at)
-        self.at = now
-        self.count += 1
+        with self._lock:
+            if self.at is not None and not self._paused:
+                self.longest_s = max(self.longest_s, now - self.at)
+            self.at = now
+            self.count += 1
 
     @contextmanager
     def paused(self):
         """No deadline inside; the interval in progress restarts when the last pause ends."""
-        self._paused += 1
+        with self._lock:
+            self._paused += 1
         try:
             yield
         finally:
-            self._paused -= 1
-            if self.at is not None:
-                self.at = self._clock()
+            now = self._clock()
+            with self._lock:
+                if self.at is not None:
+                    self.at = now
+                self._paused -= 1
 
     def pulse(self) -> Pulse:
         now = self._clock()
-        at = self.at
-        age = None if at is None or self._paused else now - at
-        return Pulse(age, self.longest_s, max(self.count - 1, 0))
+        with self._lock:
+            age = None if self.at is None or self._paused else max(now - self.at, 0.0)
+            return Pulse(age, self.longest_s, max(self.count - 1, 0))
 
     def age(self) -> Optional[float]:
         """Seconds since the last tick (None before the first and while paused)."""

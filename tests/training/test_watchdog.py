@@ -43,10 +43,17 @@ class DictStore:
 
 
 class Clock:
+    """A fake clock; ``on_next_read`` runs once, inside the next read (another thread's turn at
+    that exact instant)."""
+
     def __init__(self):
         self.now = 100.0
+        self.on_next_read = None
 
     def __call__(self):
+        hook, self.on_next_read = self.on_next_read, None
+        if hook is not None:
+            hook()
         return self.now
 
 
@@ -123,6 +130,27 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
     clock.now += 30
     w1.check()
     assert w1.fired is None
+
+
+def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
+    """The watchdog thread checks at any instant, also while the main thread leaves ``paused()``
+    after an evaluation longer than the step deadline. Here its round runs inside the clock read
+    that restarts the step clock: it must see the pause still on (or over with the clock
+    restarted), never over with the clock of before the evaluation."""
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.step_done(1)
+    with w0.paused():
+        clock.now += 50  # > the 20 s step deadline
+        w0.check()
+        clock.on_next_read = w0.check  # the thread's round, as the pause ends
+    assert w0.fired is None
+    clock.now += 19
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
 
 
 def test_a_failing_rank_publishes_abort_and_is_not_killed_as_a_victim():
