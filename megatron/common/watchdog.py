@@ -7,7 +7,9 @@ mechanism with two uses: training (``megatron.training.watchdog``) and serving
   marks work without a deadline (an evaluation, a checkpoint save); the heartbeat's clock
   restarts when it ends.
 - ``Deadline``: how long a heartbeat may stay still: a configured limit, grown to ``growth``
-  times the longest interval seen, so that a slow but steady loop is not taken for a hung one.
+  times the longest interval seen, so that a slow but steady loop is not taken for a hung one;
+  before the first interval has completed there is nothing to scale by, and a startup limit
+  applies instead.
 - ``Watchdog``: a daemon thread that runs a check every interval until the check fires. A
   thread needs the GIL, so a process stopped (SIGSTOP) or stuck in native code holding the GIL
   stops checking too: only a peer can see that (``StorePeers``).
@@ -94,12 +96,17 @@ class Heartbeat:
 @dataclasses.dataclass(frozen=True)
 class Deadline:
     """How long a heartbeat may stay still: ``limit_s`` (0: no deadline), grown to ``growth`` x
-    the longest interval seen (0: fixed)."""
+    the longest interval seen (0: fixed). Until the first interval completes, ``startup_s`` when
+    it is longer: a loop's first interval carries one-off costs (memory allocation, kernel
+    compilation, lazily created communicators) and then counts like any other."""
 
     limit_s: float
     growth: float = 0.0
+    startup_s: float = 0.0
 
     def limit(self, pulse: Pulse) -> float:
+        if pulse.intervals == 0:
+            return max(self.limit_s, self.startup_s)
         return max(self.limit_s, self.growth * pulse.longest_s)
 
     def overdue(self, pulse: Pulse) -> bool:

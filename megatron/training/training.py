@@ -412,6 +412,8 @@ class Trainer:
         self.interrupted = False
         self.early_stop = None
         self.loop_start = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.loop_started(self.iteration)
         while self.iteration < c.training.train_iters:
             if self.stop.agreed(self.stop_group):
                 self.interrupted = True

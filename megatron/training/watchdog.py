@@ -11,10 +11,13 @@ Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
 2. **watches its ring neighbour** (rank + 1 mod world): when that rank's count has not changed for
    ``heartbeat_timeout_s`` it is declared lost. Watching one neighbour keeps the store traffic
    O(world) per interval; every rank is watched by exactly one other.
-3. **watches its own progress**: the training loop calls ``step_done`` after every step; when no
-   step has finished for ``step_timeout_s`` (grown to 5x the slowest step seen, armed after the
-   first step, paused during evaluation and checkpoint saves) the rank is hung: spinning in
-   Python, or waiting in a collective for a rank that is. Every thread's stack is dumped.
+3. **watches its own progress**: the training loop calls ``loop_started`` when it enters its
+   first step and ``step_done`` after every step; when no step has finished for
+   ``step_timeout_s`` the rank is hung: spinning in Python, or waiting in a collective for a rank
+   that is. Every thread's stack is dumped. The deadline grows to 5x the slowest step seen, the
+   first one included (from the loop's start to its end); until the first step has finished,
+   only the startup limit of 10x ``step_timeout_s`` applies, so a job whose steps are slower than
+   ``step_timeout_s`` but steady is never killed. Evaluations and checkpoint saves are paused.
 4. **reads the job's ``abort`` key**: the first rank to detect a fault (or to fail with an
    exception, ``fail``) writes the reason there, and every rank exits within one interval.
 
@@ -27,7 +30,8 @@ the job, and ``--save D --load D`` resumes it from D's newest checkpoint. Ranks 
 publish ``done`` first, so a rank finishing early is never mistaken for a lost one.
 
 Detection bounds (defaults): a lost rank ``heartbeat_timeout_s`` + 2 intervals (30 s + 2 s);
-a hung step ``max(step_timeout_s, 5 x slowest step)`` + 1 interval (180 s + 1 s); a rank that
+a hung step ``max(step_timeout_s, 5 x slowest step)`` + 1 interval (180 s + 1 s; the first
+step 10 x ``step_timeout_s``); a rank that
 failed with an exception, 2 intervals. A segfault or ``abort()`` ends the process: torchrun sees
 it within its ``--monitor-interval`` (0.1 s) and stops the others; ``faulthandler`` prints the
 dying rank's Python stack.
@@ -45,9 +49,10 @@ from typing import Callable, Optional
 from megatron.common.process import EXIT_WATCHDOG, exit_now
 from megatron.common.watchdog import Deadline, Heartbeat, StorePeers, Watchdog
 
-__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog", "STEP_GROWTH"]
+__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog", "STEP_GROWTH", "STARTUP_FACTOR"]
 
 STEP_GROWTH = 5  # the hung-step deadline grows to this many times the slowest step seen
+STARTUP_FACTOR = 10  # the first step may take this many times --step-timeout
 
 
 @dataclasses.dataclass
@@ -73,7 +78,8 @@ class RankWatchdog:
         self._clock = clock
         self.peers = StorePeers(store, rank, world_size, config.heartbeat_timeout_s, clock=clock)
         self.steps = Heartbeat(clock)  # ticked when a training step finishes
-        self.deadline = Deadline(config.step_timeout_s, growth=STEP_GROWTH)
+        self.deadline = Deadline(config.step_timeout_s, growth=STEP_GROWTH,
+                                 startup_s=STARTUP_FACTOR * config.step_timeout_s)
         self._thread = Watchdog(self._round, config.interval_s, name="train-watchdog")
         self._state = "running"
         self._last_step: Optional[int] = None
@@ -86,6 +92,12 @@ class RankWatchdog:
         self.peers.beat(self._state)
         self._thread.start()
         return self
+
+    def loop_started(self, iteration: int) -> None:
+        """The loop enters its first step (after ``iteration`` steps, those of a resumed run): the
+        step deadline is armed, under its startup limit until that step has finished."""
+        self._last_step = iteration
+        self.steps.tick()
 
     def step_done(self, iteration: int) -> None:
         self._last_step = iteration
@@ -110,7 +122,8 @@ class RankWatchdog:
     # ------------------------------------------------------------------------------- the thread
     @property
     def step_timeout_s(self) -> float:
-        """The effective hung-step deadline: the configured one, or 5x the slowest step seen."""
+        """The effective hung-step deadline: the configured one, or 5x the slowest step seen (10x
+        the configured one before the first step has finished)."""
         return self.deadline.limit(self.steps.pulse())
 
     def _round(self) -> bool:
@@ -160,9 +173,14 @@ class RankWatchdog:
         pulse = self.steps.pulse()
         if self.deadline.overdue(pulse):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            limit = self.deadline.limit(pulse)
+            why = (f"the first step may take {STARTUP_FACTOR} x --step-timeout {self.config.step_timeout_s:g} s"
+                   if pulse.intervals == 0 else
+                   f"--step-timeout {self.config.step_timeout_s:g} s or {STEP_GROWTH} x the slowest step, "
+                   f"{pulse.longest_s:.1f} s")
             self._fire(f"no training step finished on rank {self.rank} for {pulse.age_s:.1f} s after iteration "
-                       f"{self._last_step}: it, or a rank it waits for, is hung (--step-timeout "
-                       f"{self.deadline.limit(pulse):g} s; every thread's stack above)")
+                       f"{self._last_step}: it, or a rank it waits for, is hung (limit {limit:g} s: {why}; every "
+                       f"thread's stack above)")
 
     # ------------------------------------------------------------------------------- internals
     def _try(self, fn) -> None:

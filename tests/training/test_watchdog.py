@@ -108,9 +108,11 @@ def test_a_neighbour_that_finished_is_not_lost():
 def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_slow_steps():
     store, clock = DictStore(), Clock()
     w0, w1 = _pair(store, clock, heartbeat_timeout_s=0)
-    w0.check()  # not armed before the first step
-    clock.now += 100
+    w0.check()  # not armed before the loop starts (model build, checkpoint load)
+    clock.now += 1000
     w0.check()
+    w0.loop_started(0)
+    clock.now += 2
     w0.step_done(1)
     with w0.paused():  # an evaluation or a save longer than the deadline
         clock.now += 50
@@ -123,6 +125,8 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
         w0.check()
     assert "no training step finished on rank 0" in w0.fired and "after iteration 1" in w0.fired
     # a slowest step of 8 s makes the deadline 40 s
+    w1.loop_started(0)
+    clock.now += 1
     w1.step_done(1)
     clock.now += 8
     w1.step_done(2)
@@ -132,6 +136,39 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
     assert w1.fired is None
 
 
+def test_slow_steady_steps_are_not_hung_and_the_first_step_has_a_startup_limit():
+    """``--step-timeout 20`` on a job whose steps take 60 s (the first included): the first step,
+    from the loop's start to its end, runs under the startup limit (10 x 20 s) and then counts
+    like any other, so from the second step on the deadline is 5 x 60 s; a step that does not
+    end within it is hung. A first step that never ends is caught at the startup limit."""
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.loop_started(0)
+    for iteration in (1, 2, 3):
+        for _ in range(6):
+            clock.now += 10
+            w0.check()
+        w0.step_done(iteration)
+    assert w0.fired is None and w0.step_timeout_s == 300
+    clock.now += 299
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
+    assert "after iteration 3" in w0.fired
+
+    first, _ = _pair(DictStore(), clock, heartbeat_timeout_s=0)
+    first.loop_started(0)
+    clock.now += 199
+    first.check()
+    assert first.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        first.check()
+    assert "the first step may take 10 x --step-timeout 20 s" in first.fired
+
+
 def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
     """The watchdog thread checks at any instant, also while the main thread leaves ``paused()``
     after an evaluation longer than the step deadline. Here its round runs inside the clock read
@@ -139,6 +176,8 @@ def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
     restarted), never over with the clock of before the evaluation."""
     store, clock = DictStore(), Clock()
     w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.loop_started(0)
+    clock.now += 2
     w0.step_done(1)
     with w0.paused():
         clock.now += 50  # > the 20 s step deadline
