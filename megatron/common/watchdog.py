@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import threading
 import time
 from contextlib import contextmanager, suppress
 from typing import Callable, Optional
+
+from megatron.common.process import machine_id, same_machine
 
 __all__ = ["Pulse", "Heartbeat", "Deadline", "Watchdog", "LostPeer", "StorePeers"]
 
@@ -145,18 +146,23 @@ class Watchdog:
 
 @dataclasses.dataclass(frozen=True)
 class LostPeer:
-    """A neighbour whose heartbeat stopped: ``pid`` and ``host`` None when it never beat."""
+    """A neighbour whose heartbeat stopped: ``pid`` and ``machine`` (its
+    ``megatron.common.process.machine_id``) None when it never beat."""
 
     rank: int
     silent_s: float
     pid: Optional[int] = None
-    host: Optional[str] = None
+    machine: Optional[str] = None
+
+    @property
+    def host(self) -> Optional[str]:
+        return self.machine.split("/")[0] if self.machine else None
 
 
 class StorePeers:
     """This rank's heartbeat in a store shared by every rank, and its ring neighbour's.
 
-    ``beat(state)`` publishes ``beat/<rank>`` = "<count> <pid> <host> <state>" (state
+    ``beat(state)`` publishes ``beat/<rank>`` = "<count> <pid> <machine id> <state>" (state
     ``running``, ``done`` or ``failed``: a neighbour that is not running is not watched);
     ``lost()`` reads the neighbour and returns it once its count has not moved for
     ``timeout_s``; ``abort(reason)`` writes the job's ``abort`` key (the first reason wins) and
@@ -170,14 +176,14 @@ class StorePeers:
         self.timeout_s = timeout_s
         self._clock = clock
         self._count = 0
-        self._host = socket.gethostname()
+        self._machine = machine_id()
         self.neighbour = (rank + 1) % world_size
         self._seen: Optional[str] = None  # the neighbour's last count
         self._changed = clock()  # when it changed
 
     def beat(self, state: str = "running") -> None:
         self._count += 1
-        self.store.set(f"beat/{self.rank}", f"{self._count} {os.getpid()} {self._host} {state}")
+        self.store.set(f"beat/{self.rank}", f"{self._count} {os.getpid()} {self._machine} {state}")
 
     def lost(self) -> Optional[LostPeer]:
         """The neighbour, when it has not beaten for ``timeout_s`` (never with one rank)."""
@@ -197,9 +203,11 @@ class StorePeers:
         return None
 
     def kill(self, peer: LostPeer) -> bool:
-        """SIGKILL a lost peer that runs on this host (a stopped process ignores the SIGTERM a
-        launcher sends); returns whether a signal was sent."""
-        if peer.pid is None or peer.host != self._host or peer.pid == os.getpid():
+        """SIGKILL a lost peer whose pid can be signalled from here (a stopped process ignores the
+        SIGTERM a launcher sends); returns whether a signal was sent. Containers on different
+        machines may share a hostname: only the same machine id (hostname, boot id, pid
+        namespace) makes the published pid this machine's."""
+        if peer.pid is None or not same_machine(peer.machine) or peer.pid == os.getpid():
             return False
         with suppress(OSError):
             os.kill(peer.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@ module wires it to the training loop and its flags.
 
 Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
 
-1. **beats**: writes ``beat/<rank>`` = "<count> <pid> <host> <state>" into the job's c10d store
+1. **beats**: writes ``beat/<rank>`` = "<count> <pid> <machine id> <state>" into the job's c10d store
    (torchrun's agent store; the file store in tests). A thread needs the GIL, so a rank that is
    stopped (SIGSTOP), or stuck in native code holding the GIL, stops beating.
 2. **watches its ring neighbour** (rank + 1 mod world): when that rank's count has not changed for
@@ -22,7 +22,7 @@ Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
    exception, ``fail``) writes the reason there, and every rank exits within one interval.
 
 A rank that detects a fault prints one line naming it, writes ``abort``, SIGKILLs a lost
-neighbour on the same host (a stopped process ignores the SIGTERM torchrun would send it and
+neighbour on the same machine (``megatron.common.process.same_machine``; a stopped process ignores the SIGTERM torchrun would send it and
 would hold the job for torchrun's 30 s grace period), and exits with ``EXIT_WATCHDOG`` (3). A
 rank that sees ``abort`` waits one more interval before exiting, so that when every rank raises
 the same error at once each exits with its own code. ``torchrun --max-restarts N`` then restarts

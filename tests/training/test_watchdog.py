@@ -17,7 +17,7 @@ import pytest
 
 from megatron.training import faults
 from megatron.training.watchdog import RankWatchdog, WatchdogConfig
-from megatron.common.process import EXIT_WATCHDOG
+from megatron.common.process import EXIT_WATCHDOG, machine_id
 from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 
@@ -206,13 +206,13 @@ def test_a_failing_rank_publishes_abort_and_is_not_killed_as_a_victim():
         w0.check()
 
 
-def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
-    """A stopped process ignores SIGTERM: the watchdog SIGKILLs it when it is on the same host."""
+def test_a_lost_neighbour_on_this_machine_is_killed(tmp_path):
+    """A stopped process ignores SIGTERM: the watchdog SIGKILLs it when it is on the same machine."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         store, clock = DictStore(), Clock()
         w0, _ = _pair(store, clock)
-        store.set("beat/1", f"1 {victim.pid} {socket.gethostname()} running")
+        store.set("beat/1", f"1 {victim.pid} {machine_id()} running")
         w0.check()
         os.kill(victim.pid, signal.SIGSTOP)
         clock.now += 11
@@ -221,6 +221,27 @@ def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
         assert victim.wait(timeout=30) == -signal.SIGKILL
     finally:
         victim.kill()
+
+
+@pytest.mark.parametrize("published", ["hostname", "hostname/other boot id"])
+def test_a_lost_neighbour_with_this_hostname_on_another_machine_is_not_killed(monkeypatch, published):
+    """Containers on different machines may share a hostname: a neighbour's pid is signalled only
+    when the machine id it published (hostname, boot id, pid namespace) is this process's own. A
+    beat naming only this hostname, or this hostname with another boot id, is lost all the same
+    (the job stops) but nothing is killed here."""
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    host = socket.gethostname()
+    machine = host if published == "hostname" else f"{host}/00000000-0000-0000-0000-000000000000/pid:[1]"
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock)
+    store.set("beat/1", f"1 {os.getpid() + 1} {machine} running")
+    w0.check()
+    clock.now += 11
+    with pytest.raises(Exited):
+        w0.check()
+    assert "rank 1" in w0.fired and f"on {host})" in w0.fired
+    assert kills == []
 
 
 def test_fault_requests_are_taken_once_and_only_from_their_iteration(tmp_path, monkeypatch):
