@@ -16,9 +16,11 @@ a handler a 500; every other request carries on. Admission is decided here, on r
 while the engine is dead, stalled or draining gets 503; one that would take the queue (engine
 requests without a first token yet) past ``max_queued_requests`` gets 503 with ``Retry-After``;
 one still unfinished ``request_timeout`` seconds after it arrived is cancelled in the engine and
-answered 504. ``/health`` is 200 only while the loop's heartbeat (its last completed
-iteration, ``megatron.common.watchdog.Heartbeat``) is younger than ``stall_timeout``; 503 with the reason
-(starting, stalled, draining, dead) otherwise. With ``api_keys``, every path except ``/health``,
+answered 504. ``/health`` is 200 only while the loop's heartbeat
+(``megatron.common.watchdog.Heartbeat``: its last all-gather, engine step start or end) is
+younger than ``stall_timeout``, grown with the slowest engine step
+(``megatron.inference.watchdog``); 503 with the reason (starting, stalled, draining, dead)
+otherwise. With ``api_keys``, every path except ``/health``,
 ``/v1/health`` and ``/metrics`` needs ``Authorization: Bearer KEY`` (401 otherwise; compared as
 SHA-256 digests in constant time).
 
@@ -49,7 +51,7 @@ from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
 from megatron.inference.sampling import RequestSampling
-from megatron.inference.watchdog import health_deadline
+from megatron.inference.watchdog import health_deadline, limit_text
 
 __all__ = ["Submit", "Commands", "Frontend", "FrontendConfig", "OPEN_PATHS"]
 
@@ -348,8 +350,8 @@ class Frontend:
             return 503, {"status": "starting"}
         if self._stall.overdue(pulse):
             return 503, {"status": "stalled", "seconds_since_last_step": round(age, 3),
-                         "reason": f"no engine loop iteration completed for {age:.1f} s "
-                                   f"(--stall-timeout {self._stall.limit(pulse):g})"}
+                         "reason": f"the engine loop made no progress for {age:.1f} s "
+                                   f"({limit_text('--stall-timeout', self._stall, pulse)})"}
         return 200, {"status": "ok", "model": self.served_model, "seconds_since_last_step": round(age, 3)}
 
     async def _health(self, receive, send):

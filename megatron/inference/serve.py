@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take before it is cancelled and answered 504 (0: no limit)")
     g.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="/health turns 503 when no engine loop iteration completed for this long")
+                   help="/health turns 503 when the engine loop made no progress for this long (grown to 5x the "
+                        "slowest engine step seen)")
     g.add_argument("--watchdog-timeout", type=float, default=60.0,
-                   help=f"a rank whose loop made no progress for this long fails in-flight requests and exits "
-                        f"{EXIT_WATCHDOG} (0: never)")
+                   help=f"a rank whose loop made no progress for this long (grown to 10x the slowest engine step "
+                        f"seen) fails in-flight requests and exits {EXIT_WATCHDOG} (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 beyond)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens, chat template: lm-eval's remote tokenizer)")
@@ -205,7 +206,7 @@ def serve(args) -> int:
     from megatron.inference.protocol import Limits
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
-    from megatron.inference.watchdog import start_watchdog
+    from megatron.inference.watchdog import StallWatchdog
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants import registry
@@ -304,9 +305,9 @@ def serve(args) -> int:
             print(f"serving {name} on {url} ({world} ranks, EP {args.expert_model_parallel_size}, "
                   f"TP {args.tensor_model_parallel_size}; chat: {chat_kind})", flush=True)
 
-        def on_stall(age):
-            reason = (f"no engine loop iteration completed on rank {rank} for {age:.1f} s (--watchdog-timeout "
-                      f"{args.watchdog_timeout:g}): a rank is stopped, hung or dead")
+        def on_stall(age, why):
+            reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is stopped, " \
+                     "hung or dead"
             if frontend is not None:
                 frontend.mark_dead(reason)
                 frontend.wait_answered(2.0)
@@ -317,7 +318,7 @@ def serve(args) -> int:
                 print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
                 frontend.request_stop()
 
-        watchdog = start_watchdog(heartbeat, args.watchdog_timeout, on_stall)
+        watchdog = StallWatchdog(heartbeat, args.watchdog_timeout, on_stall).start()
         try:
             serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
                        schedule=scheduler.online() if scheduler is not None else None,
@@ -325,8 +326,7 @@ def serve(args) -> int:
         except Exception as err:
             _engine_failed(rank, frontend, err)
         finally:
-            if watchdog is not None:
-                watchdog.stop()
+            watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
             print("server stopped", flush=True)

@@ -4,8 +4,10 @@ flight; ``--stall-timeout 2 --watchdog-timeout 5``, torchrun ``--shutdown-timeou
 
 - SIGKILL: rank 0's next collective fails at once (gloo sees the closed connection): the waiting
   client gets a 503 naming the failure, the launcher exits non-zero.
-- SIGSTOP: every collective just waits. /health turns 503 once no loop iteration completed for
-  the stall timeout; the watchdog fails the waiting request with a 503 after the watchdog timeout
+- SIGSTOP: every collective just waits. /health turns 503 once the loop made no progress for the
+  stall timeout (the tiny model's engine steps are far shorter than a fifth of it, so the limits'
+  growth with the slowest step does not come in); the watchdog fails the waiting request with a
+  503 after the watchdog timeout
   and exits 3; torchrun then stops rank 1 (it waits 30 s for a stopped process before SIGKILL,
   whatever ``--shutdown-timeout`` says) and exits non-zero.
 
