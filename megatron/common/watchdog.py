@@ -56,18 +56,18 @@ class Heartbeat:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._lock = threading.Lock()
-        self.at: Optional[float] = None  # the last tick, or the end of the last pause
-        self.count = 0  # ticks
-        self.longest_s = 0.0
+        self._at: Optional[float] = None  # the last tick, or the end of the last pause
+        self._ticks = 0
+        self._longest_s = 0.0
         self._paused = 0  # pause depth
 
     def tick(self) -> None:
         now = self._clock()
         with self._lock:
-            if self.at is not None and not self._paused:
-                self.longest_s = max(self.longest_s, now - self.at)
-            self.at = now
-            self.count += 1
+            if self._at is not None and not self._paused:
+                self._longest_s = max(self._longest_s, now - self._at)
+            self._at = now
+            self._ticks += 1
 
     @contextmanager
     def paused(self):
@@ -79,19 +79,15 @@ class Heartbeat:
         finally:
             now = self._clock()
             with self._lock:
-                if self.at is not None:
-                    self.at = now
+                if self._at is not None:
+                    self._at = now
                 self._paused -= 1
 
     def pulse(self) -> Pulse:
         now = self._clock()
         with self._lock:
-            age = None if self.at is None or self._paused else max(now - self.at, 0.0)
-            return Pulse(age, self.longest_s, max(self.count - 1, 0))
-
-    def age(self) -> Optional[float]:
-        """Seconds since the last tick (None before the first and while paused)."""
-        return self.pulse().age_s
+            age = None if self._at is None or self._paused else max(now - self._at, 0.0)
+            return Pulse(age, self._longest_s, max(self._ticks - 1, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +113,12 @@ class Deadline:
 
 class Watchdog:
     """A daemon thread that runs ``check()`` every ``interval_s`` seconds until ``check`` returns
-    true (it fired: ``fired`` is set) or ``stop()``."""
+    true (it fired) or ``stop()``."""
 
     def __init__(self, check: Callable[[], bool], interval_s: float, *, name: str):
         self.check = check
         self.interval_s = interval_s
         self.name = name
-        self.fired = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -140,7 +135,6 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             if self.check():
-                self.fired.set()
                 return
 
 
