@@ -52,8 +52,14 @@ import torch.distributed as dist
 
 from megatron.inference.engine import STAT_FIELDS, TokenUpdate
 from megatron.common import collectives
+from megatron.common.events import Event
 
-__all__ = ["serve_loop", "round_robin", "HEADER_FIELDS"]
+__all__ = ["serve_loop", "round_robin", "HEADER_FIELDS", "STEP_END"]
+
+# Emitted after every loop iteration that ran the engine (a step, a dummy forward) with their
+# number so far on this rank; what subscribes from outside the loop (``tools.faults.rank``) runs
+# there, and what it raises is an engine failure.
+STEP_END = Event("serving engine step end")
 
 HEADER_FIELDS = ("work", "updates_nbytes", "commands_nbytes", "stop") + STAT_FIELDS
 _WORK, _UPDATES, _COMMANDS, _STOP = range(4)
@@ -105,6 +111,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
     pending: list = []
     matrix_due = time.monotonic() + stats_interval_s
     matrix_forwards = 0  # forwards counted when the routing counts were last sent
+    steps = 0  # engine steps this loop ran (STEP_END)
     busy = False
     while True:
         commands = b""
@@ -204,5 +211,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                 rank_engine.dummy_step()
             if heartbeat is not None:
                 heartbeat.tick()
+            steps += 1
+            STEP_END.emit(steps)
         if on_iteration is not None:
             on_iteration(busy)

@@ -18,10 +18,15 @@ import torch.distributed as dist
 from megatron.training.arguments import Configs, configs_to_dict
 from megatron.common import collectives
 from megatron.common.cli import UserError, one_line, user_input
+from megatron.common.events import Event
 from megatron.common.process import EXIT_PREEMPTED
 
-__all__ = ["Trainer", "TrainerHooks", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of", "build_data",
-           "config_yaml"]
+__all__ = ["Trainer", "TrainerHooks", "STEP_END", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of",
+           "build_data", "config_yaml"]
+
+# Emitted with the step's number (1-based) on every rank after each training step, before its
+# evaluation and save; what subscribes from outside the loop (``tools.faults.rank``) runs there.
+STEP_END = Event("training step end")
 
 
 def resolve_tokenizer(c: Configs):
@@ -405,8 +410,6 @@ class Trainer:
     # ----------------------------------------------------------------------------------- loop
     def loop(self) -> None:
         """Train until ``--train-iters``, a stop signal (``self.interrupted``) or an early stop."""
-        from megatron.training import faults
-
         c, ck = self.c, self.c.checkpoint
         self.last_record = None
         self.interrupted = False
@@ -421,7 +424,7 @@ class Trainer:
                                   f"{self.iteration}")
                 break
             self.train_one_step()
-            faults.inject(self.rank, self.iteration)
+            STEP_END.emit(self.iteration)
             it = self.iteration
             if c.logging.eval_interval and it % c.logging.eval_interval == 0 and it < c.training.train_iters:
                 if self.evaluate(it).get("stop"):

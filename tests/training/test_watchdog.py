@@ -1,9 +1,10 @@
 """The training watchdog and the error boundary (issue 31: hung and crashing ranks, errors).
 
 Unit tests drive ``RankWatchdog.check`` by hand on an in-memory store and a fake clock, so no
-timing is asserted; the end-to-end cases run torchrun on 2 CPU ranks with a fault injected on rank
-1 (``megatron.training.faults``) and check what the job did: its exit code, the one line naming
-the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and finished.
+timing is asserted; the end-to-end cases run torchrun on 2 CPU ranks of ``tools.faults.rank`` with
+a fault injected on rank 1 (``tools.faults.inject``) and check what the job did: its exit code, the
+one line naming the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and
+finished.
 """
 
 import os
@@ -15,11 +16,12 @@ import threading
 
 import pytest
 
-from megatron.training import faults
 from megatron.training.watchdog import RankWatchdog, WatchdogConfig
 from megatron.common.process import EXIT_WATCHDOG, machine_id
 from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
+from tools.faults import inject
+from tools.faults.inject import Injector
 
 
 class DictStore:
@@ -244,16 +246,31 @@ def test_a_lost_neighbour_with_this_hostname_on_another_machine_is_not_killed(mo
     assert kills == []
 
 
-def test_fault_requests_are_taken_once_and_only_from_their_iteration(tmp_path, monkeypatch):
-    monkeypatch.setenv(faults.ENV, str(tmp_path))
-    faults.request(str(tmp_path), 1, "error", 3)
-    faults.inject(0, 5)  # another rank's request
-    faults.inject(1, 2)  # too early
-    with pytest.raises(RuntimeError, match="injected fault on rank 1 at iteration 3"):
-        faults.inject(1, 3)
-    faults.inject(1, 4)  # taken: a restarted job does not repeat it
+def test_fault_requests_are_taken_once_and_only_from_their_step(tmp_path):
+    inject.request(str(tmp_path), 1, "error", 3)
+    Injector(str(tmp_path), 0)(5)  # another rank's request
+    rank1 = Injector(str(tmp_path), 1)
+    rank1(2)  # too early
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
+        rank1(3)
+    rank1(4)  # taken: a restarted job does not repeat it
     with pytest.raises(ValueError, match="fault kind"):
-        faults.request(str(tmp_path), 0, "meteor")
+        inject.request(str(tmp_path), 0, "meteor")
+
+
+def test_the_fault_rank_injects_through_the_loops_step_end_event(tmp_path, monkeypatch):
+    """``tools.faults.rank pretrain_gpt ARGS`` is pretrain_gpt with an injector subscribed to the
+    training loop's ``STEP_END``: an ``error`` requested for step 2 is raised after step 2 (one
+    gloo rank, in-process)."""
+    from tests.training.test_reliability import main_in_rank
+    from tools.spawn import DistributedTestError, run_distributed
+
+    inject.request(str(tmp_path), 0, "error", 2)
+    monkeypatch.setenv(inject.ENV, str(tmp_path))
+    argv = ["pretrain_gpt", *map(str, SMALL_PRETRAIN_ARGS), "--train-iters", "4", "--eval-iters", "0",
+            "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(DistributedTestError, match="RuntimeError: injected fault on rank 0 at step 2"):
+        run_distributed(main_in_rank, 1, "tools.faults.rank", argv, timeout_s=240)
 
 
 def test_only_user_errors_are_one_line(capsys):
@@ -284,11 +301,11 @@ def test_only_user_errors_are_one_line(capsys):
 def _train(tmp_path, kind, extra=(), launcher=()):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir(exist_ok=True)
-    faults.request(str(fault_dir), 1, kind, 3)
+    inject.request(str(fault_dir), 1, kind, 3)
     args = SMALL_PRETRAIN_ARGS + ["--train-iters", 8, "--expert-model-parallel-size", 2, "--save", tmp_path / "run",
                                   "--data-cache-path", tmp_path / "cache", "--eval-iters", 0,
                                   "--heartbeat-timeout", 5, "--step-timeout", 8, *extra]
-    return torchrun("megatron.training.pretrain_gpt", args, env={faults.ENV: str(fault_dir)}, timeout=240,
+    return torchrun("tools.faults.rank", ["pretrain_gpt", *args], env={inject.ENV: str(fault_dir)}, timeout=240,
                     launcher_args=list(launcher))
 
 

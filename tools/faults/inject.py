@@ -1,15 +1,11 @@
-"""Fault injection for the fault and chaos scripts: faults that only the rank itself can cause.
+"""Faults that only a rank itself can cause, requested through files: a segfault, an
+``abort()``, a Python spin loop, native code holding the GIL, a SIGSTOP to itself, an exception.
+(``kill -9`` and a SIGSTOP at any instant come from outside: ``tools.faults.launch``.)
 
-``kill -9`` and ``SIGSTOP`` come from outside (``scripts/fault_check.sh``); a segfault, an
-``abort()``, a Python spin loop or a rank stuck in native code holding the GIL need the rank's
-own hand. With ``$MEGATRON_FAULT_DIR`` set, the training loop calls ``inject(rank, iteration)``
-after each step; a file ``$MEGATRON_FAULT_DIR/rank<R>`` holding ``<kind> [<iteration>]`` is taken
-(renamed away, so a restarted job does not repeat it) by rank R at that iteration or later, and
-the fault happens. Without the variable the check is one environment lookup per step.
-
-Kinds: ``segfault`` (a read of address 0), ``abort`` (``os.abort()``), ``spin`` (a Python loop
-forever), ``gil`` (a native ``sleep`` that keeps the GIL), ``stop`` (SIGSTOP to itself),
-``error`` (a RuntimeError on this rank only).
+``request(directory, rank, kind, at)`` writes ``directory/rank<R>`` holding ``<kind> <at>``; a
+rank started through ``tools.faults.rank`` with ``$MEGATRON_FAULT_DIR=directory`` looks for its
+file after every step (the loops' ``STEP_END`` events), takes it (renamed away, so that a
+restarted job does not repeat it) once its step count reaches ``at``, and the fault happens.
 """
 
 from __future__ import annotations
@@ -19,28 +15,26 @@ import os
 import signal
 import time
 
-__all__ = ["KINDS", "ENV", "inject", "request"]
+__all__ = ["KINDS", "ENV", "request", "take", "cause", "Injector"]
 
 ENV = "MEGATRON_FAULT_DIR"
 KINDS = ("segfault", "abort", "spin", "gil", "stop", "error")
 
 
-def request(directory: str, rank: int, kind: str, iteration: int = 0) -> str:
-    """Ask rank ``rank`` for fault ``kind`` at ``iteration`` or later; returns the file written."""
+def request(directory: str, rank: int, kind: str, at: int = 0) -> str:
+    """Ask rank ``rank`` for fault ``kind`` after step ``at`` or later; returns the file written."""
     if kind not in KINDS:
         raise ValueError(f"fault kind {kind!r}: expected one of {', '.join(KINDS)}")
     path = os.path.join(directory, f"rank{rank}")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f"{kind} {iteration}\n")
+        f.write(f"{kind} {at}\n")
     os.replace(tmp, path)
     return path
 
 
-def _take(rank: int, iteration: int):
-    directory = os.environ.get(ENV)
-    if not directory:
-        return None
+def take(directory: str, rank: int, step: int):
+    """The fault kind requested for ``rank`` at ``step`` or earlier, taken (None: none)."""
     path = os.path.join(directory, f"rank{rank}")
     try:
         with open(path) as f:
@@ -48,7 +42,7 @@ def _take(rank: int, iteration: int):
     except FileNotFoundError:
         return None
     at = int(fields[1]) if len(fields) > 1 else 0
-    if iteration < at:
+    if step < at:
         return None
     try:
         os.replace(path, f"{path}.taken-{os.getpid()}")
@@ -57,12 +51,8 @@ def _take(rank: int, iteration: int):
     return fields[0]
 
 
-def inject(rank: int, iteration: int) -> None:
-    """Cause the fault requested for this rank, if any (module docstring)."""
-    kind = _take(rank, iteration)
-    if kind is None:
-        return
-    print(f"[rank {rank}] injecting fault {kind!r} after iteration {iteration} at {time.time():.3f}", flush=True)
+def cause(kind: str, where: str) -> None:
+    """Make fault ``kind`` happen in this process (``where`` names it in the exception)."""
     if kind == "segfault":
         ctypes.string_at(0)
     elif kind == "abort":
@@ -76,6 +66,22 @@ def inject(rank: int, iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(0)
     elif kind == "error":
-        raise RuntimeError(f"injected fault on rank {rank} at iteration {iteration}")
+        raise RuntimeError(f"injected fault on {where}")
     else:
-        raise ValueError(f"{os.environ[ENV]}/rank{rank}: unknown fault kind {kind!r}")
+        raise ValueError(f"unknown fault kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+class Injector:
+    """The ``STEP_END`` subscriber of one rank: after step ``step``, cause the fault requested
+    for this rank in ``directory``, if any (module docstring)."""
+
+    def __init__(self, directory: str, rank: int):
+        self.directory = directory
+        self.rank = rank
+
+    def __call__(self, step: int) -> None:
+        kind = take(self.directory, self.rank, step)
+        if kind is None:
+            return
+        print(f"[rank {self.rank}] injecting fault {kind!r} after step {step} at {time.time():.3f}", flush=True)
+        cause(kind, f"rank {self.rank} at step {step}")
