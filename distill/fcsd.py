@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     import logging
 
     from megatron.training.pretrain_gpt import user_errors
-    from megatron.training.signals import PREEMPTED_EXIT_CODE
+    from megatron.common.process import EXIT_PREEMPTED
 
     compat.quiet_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
         summary = run_fcsd(configs, configs.extra["fcsd"])
         if dist.get_rank() == 0:
             print("fcsd: summary " + json.dumps({k: summary.get(k) for k in ("before", "best", "iteration", "early_stop")}), flush=True)
-        return PREEMPTED_EXIT_CODE if summary["interrupted"] else 0
+        return EXIT_PREEMPTED if summary["interrupted"] else 0
 
     return run_cli("fcsd", body, user_errors=user_errors(), cleanup=destroy_parallel)
 

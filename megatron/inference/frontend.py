@@ -16,9 +16,11 @@ a handler a 500; every other request carries on. Admission is decided here, on r
 while the engine is dead, stalled or draining gets 503; one that would take the queue (engine
 requests without a first token yet) past ``max_queued_requests`` gets 503 with ``Retry-After``;
 one still unfinished ``request_timeout`` seconds after it arrived is cancelled in the engine and
-answered 504. ``/health`` is 200 only while the loop's heartbeat (its last completed
-iteration, ``watchdog.Heartbeat``) is younger than ``stall_timeout``; 503 with the reason
-(starting, stalled, draining, dead) otherwise. With ``api_keys``, every path except ``/health``,
+answered 504. ``/health`` is 200 only while the loop's heartbeat
+(``megatron.common.watchdog.Heartbeat``: its last all-gather, engine step start or end) is
+younger than ``stall_timeout``, grown with the slowest engine step
+(``megatron.inference.watchdog``); 503 with the reason (starting, stalled, draining, dead)
+otherwise. With ``api_keys``, every path except ``/health``,
 ``/v1/health`` and ``/metrics`` needs ``Authorization: Bearer KEY`` (401 otherwise; compared as
 SHA-256 digests in constant time).
 
@@ -49,6 +51,7 @@ from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
 from megatron.inference.sampling import RequestSampling
+from megatron.inference.watchdog import health_deadline, limit_text
 
 __all__ = ["Submit", "Commands", "Frontend", "FrontendConfig", "OPEN_PATHS"]
 
@@ -127,6 +130,7 @@ class Frontend:
         self.served_model = config.served_model
         self.context_length = int(config.limits.context)
         self.heartbeat = heartbeat
+        self._stall = health_deadline(config.stall_timeout)
         self.commands: "queue.Queue[tuple]" = queue.Queue()
         self.metrics = ServingMetrics(config.served_model)
         self._key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
@@ -338,13 +342,16 @@ class Frontend:
             return 503, {"status": "dead", "reason": self.dead}
         if self.stop_requested.is_set():
             return 503, {"status": "draining"}
-        age = self.heartbeat.age() if self.heartbeat is not None else 0.0
+        if self.heartbeat is None:
+            return 200, {"status": "ok", "model": self.served_model, "seconds_since_last_step": 0.0}
+        pulse = self.heartbeat.pulse()
+        age = pulse.age_s
         if age is None:
             return 503, {"status": "starting"}
-        if age > self.config.stall_timeout:
+        if self._stall.overdue(pulse):
             return 503, {"status": "stalled", "seconds_since_last_step": round(age, 3),
-                         "reason": f"no engine loop iteration completed for {age:.1f} s "
-                                   f"(--stall-timeout {self.config.stall_timeout:g})"}
+                         "reason": f"the engine loop made no progress for {age:.1f} s "
+                                   f"({limit_text('--stall-timeout', self._stall, pulse)})"}
         return 200, {"status": "ok", "model": self.served_model, "seconds_since_last_step": round(age, 3)}
 
     async def _health(self, receive, send):

@@ -6,7 +6,8 @@ Each iteration, on every rank (the main thread, where the CPU device redirect is
    the size of its pending token updates, its engine counters (``engine.STAT_FIELDS``, so
    ``/metrics`` is fresh without a message of its own) and, from rank 0, the size of its
    commands and the stop flag. A completed all-gather proves every rank arrived: it ticks the
-   heartbeat the watchdog and ``/health`` read (``megatron.inference.watchdog``);
+   heartbeat the watchdog and ``/health`` read (``megatron.inference.watchdog``), and so do the
+   start and the end of every engine step (a slow step is judged by how long steps take);
 2. only when rank 0 has commands (new requests, cancellations) does it broadcast them (pickled);
    each new request goes to one data-parallel rank (``schedule``: round-robin like megatron-core's
    ``DataParallelInferenceCoordinator.get_next_data_parallel_rank``, or any ``f(prompt tokens,
@@ -51,8 +52,14 @@ import torch.distributed as dist
 
 from megatron.inference.engine import STAT_FIELDS, TokenUpdate
 from megatron.common import collectives
+from megatron.common.events import Event
 
-__all__ = ["serve_loop", "round_robin", "HEADER_FIELDS"]
+__all__ = ["serve_loop", "round_robin", "HEADER_FIELDS", "STEP_END"]
+
+# Emitted after every loop iteration that ran the engine (a step, a dummy forward) with their
+# number so far on this rank; what subscribes from outside the loop (``tools.faults.rank``) runs
+# there, and what it raises is an engine failure.
+STEP_END = Event("serving engine step end")
 
 HEADER_FIELDS = ("work", "updates_nbytes", "commands_nbytes", "stop") + STAT_FIELDS
 _WORK, _UPDATES, _COMMANDS, _STOP = range(4)
@@ -88,7 +95,8 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
 
     ``frontend`` is rank 0's ``Frontend`` (None elsewhere). ``on_iteration(busy)`` is called on
     every rank after each iteration (the SIGTERM handler of rank 0 hooks in there);
-    ``heartbeat.tick()`` after every completed header exchange.
+    ``heartbeat.tick()`` after every completed header exchange and at the start and end of every
+    engine step (real or dummy).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
@@ -103,6 +111,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
     pending: list = []
     matrix_due = time.monotonic() + stats_interval_s
     matrix_forwards = 0  # forwards counted when the routing counts were last sent
+    steps = 0  # engine steps this loop ran (STEP_END)
     busy = False
     while True:
         commands = b""
@@ -188,13 +197,21 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
         busy = float(expected.max()) > 0
         if not busy and stop:
             break
-        if rank_engine.local_work():
-            updates_now, forwarded = rank_engine.step()
-            if reports:
-                pending.extend(updates_now)
-            if not forwarded and group_work:
+        work = rank_engine.local_work()
+        if work or group_work:
+            if heartbeat is not None:
+                heartbeat.tick()
+            if work:
+                updates_now, forwarded = rank_engine.step()
+                if reports:
+                    pending.extend(updates_now)
+                if not forwarded and group_work:
+                    rank_engine.dummy_step()
+            else:
                 rank_engine.dummy_step()
-        elif group_work:
-            rank_engine.dummy_step()
+            if heartbeat is not None:
+                heartbeat.tick()
+            steps += 1
+            STEP_END.emit(steps)
         if on_iteration is not None:
             on_iteration(busy)

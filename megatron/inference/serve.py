@@ -32,7 +32,7 @@ import sys
 import tempfile
 import traceback
 
-from megatron.inference.watchdog import EXIT_STALLED
+from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
 
 __all__ = ["build_parser", "main", "API_KEY_ENV"]
 
@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take before it is cancelled and answered 504 (0: no limit)")
     g.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="/health turns 503 when no engine loop iteration completed for this long")
+                   help="/health turns 503 when the engine loop made no progress for this long (grown to 5x the "
+                        "slowest engine step seen)")
     g.add_argument("--watchdog-timeout", type=float, default=60.0,
-                   help=f"a rank whose loop made no progress for this long fails in-flight requests and exits "
-                        f"{EXIT_STALLED} (0: never)")
+                   help=f"a rank whose loop made no progress for this long (grown to 10x the slowest engine step "
+                        f"seen) fails in-flight requests and exits {EXIT_WATCHDOG} (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 beyond)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens, chat template: lm-eval's remote tokenizer)")
@@ -191,9 +192,9 @@ def _engine_failed(rank: int, frontend, err: BaseException) -> None:
         frontend.mark_dead(f"the engine loop failed on rank {rank} ({reason})")
         frontend.wait_answered(2.0)
     traceback.print_exc()
-    print(f"rank {rank}: the engine loop failed ({reason}); exiting with status 1", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    print(f"rank {rank}: the engine loop failed ({reason}); exiting with status {EXIT_CRASH}", file=sys.stderr,
+          flush=True)
+    exit_now(EXIT_CRASH)
 
 
 def serve(args) -> int:
@@ -203,7 +204,9 @@ def serve(args) -> int:
     from megatron.inference.frontend import Frontend, FrontendConfig
     from megatron.inference.loop import serve_loop
     from megatron.inference.protocol import Limits
-    from megatron.inference.watchdog import Heartbeat, Watchdog, fatal_exit
+    from megatron.common.process import fatal_exit
+    from megatron.common.watchdog import Heartbeat
+    from megatron.inference.watchdog import StallWatchdog
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants import registry
@@ -302,20 +305,20 @@ def serve(args) -> int:
             print(f"serving {name} on {url} ({world} ranks, EP {args.expert_model_parallel_size}, "
                   f"TP {args.tensor_model_parallel_size}; chat: {chat_kind})", flush=True)
 
-        def on_stall(age):
-            reason = (f"no engine loop iteration completed on rank {rank} for {age:.1f} s (--watchdog-timeout "
-                      f"{args.watchdog_timeout:g}): a rank is stopped, hung or dead")
+        def on_stall(age, why):
+            reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is stopped, " \
+                     "hung or dead"
             if frontend is not None:
                 frontend.mark_dead(reason)
                 frontend.wait_answered(2.0)
-            fatal_exit(EXIT_STALLED, f"rank {rank}: {reason}; exiting with status {EXIT_STALLED}")
+            fatal_exit(EXIT_WATCHDOG, f"rank {rank}: {reason}; exiting with status {EXIT_WATCHDOG}")
 
         def on_iteration(busy):
             if rank == 0 and stop["signal"] is not None and not frontend.stop_requested.is_set():
                 print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
                 frontend.request_stop()
 
-        watchdog = Watchdog(heartbeat, args.watchdog_timeout, on_stall).start()
+        watchdog = StallWatchdog(heartbeat, args.watchdog_timeout, on_stall).start()
         try:
             serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
                        schedule=scheduler.online() if scheduler is not None else None,

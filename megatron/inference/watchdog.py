@@ -1,86 +1,72 @@
-"""Liveness of the serving loop: a heartbeat the loop ticks and a watchdog thread that ends a
-stuck rank.
+"""Liveness of the serving loop: its heartbeat, what ``/health`` reads, and the watchdog thread
+that ends a stuck rank. The mechanism is ``megatron.common.watchdog``; this module sets its
+serving limits.
 
-Every loop iteration ends an all-gather over all ranks, so a completed iteration proves every
-rank arrived: the heartbeat is the time of this rank's last completed iteration (the idle loop
-ticks too, every ``idle_wait_s``). A stopped (SIGSTOP), hung or deadlocked rank freezes every
-other rank inside a collective, which cannot be cancelled; the ``Watchdog`` thread sees the
-heartbeat stop moving and, after ``timeout_s``, calls ``on_stall`` once (rank 0: fail every
-in-flight request, then exit; the other ranks: exit). It arms at the first tick: before it, the
-ranks may still be loading the model at different speeds.
+The loop ticks its ``Heartbeat`` when an iteration's all-gather completes (every rank arrived;
+the idle loop ticks every ``idle_wait_s``) and when an engine step starts and ends. A stopped
+(SIGSTOP), hung or deadlocked rank freezes every other rank inside a collective, which cannot be
+cancelled. ``/health`` answers 503 once the heartbeat has been still for longer than
+``--stall-timeout`` (``health_deadline``); the ``StallWatchdog`` thread calls ``on_stall`` once
+it has been still for longer than ``--watchdog-timeout`` (rank 0: fail every in-flight request,
+then exit; the other ranks: exit). Both limits grow with the longest interval seen, in practice
+the slowest engine step (5x and 10x it: the watchdog keeps waiting twice as long as ``/health``,
+as the defaults do), so a model whose steps are slow but steady is neither reported stalled nor
+killed, while a step stuck far past its peers still is. The watchdog arms at the first tick:
+before it, the ranks may still be loading the model at different speeds.
 
-Exit codes of a server process (docs/serving.md): 0 after a clean drain, 1 when the engine loop
-raised (a rank died, a collective failed, a bug), 2 for bad flags or checkpoints (one line),
-``EXIT_STALLED`` when the watchdog fired.
+Exit codes of a server process (``megatron.common.process``, docs/serving.md): 0 after a clean
+drain, 1 when the engine loop raised (a rank died, a collective failed, a bug), 2 for bad flags or
+checkpoints (one line), 3 when the watchdog fired.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import sys
-import threading
-import time
 from typing import Callable, Optional
 
-__all__ = ["Heartbeat", "Watchdog", "fatal_exit", "EXIT_STALLED"]
+from megatron.common.watchdog import Deadline, Heartbeat, Watchdog
 
-EXIT_STALLED = 3
+__all__ = ["STALL_GROWTH", "WATCHDOG_GROWTH", "health_deadline", "limit_text", "StallWatchdog"]
 
-
-class Heartbeat:
-    """Time (monotonic) and count of the loop's last completed iteration; None before the first."""
-
-    def __init__(self):
-        self.at: Optional[float] = None
-        self.count = 0
-
-    def tick(self) -> None:
-        self.at = time.monotonic()
-        self.count += 1
-
-    def age(self) -> Optional[float]:
-        """Seconds since the last completed iteration (None before the first)."""
-        at = self.at
-        return None if at is None else time.monotonic() - at
+STALL_GROWTH = 5  # /health's limit grows to this many times the longest interval seen
+WATCHDOG_GROWTH = 10  # the watchdog's
 
 
-class Watchdog:
-    """A daemon thread that calls ``on_stall(age_s)`` once when ``heartbeat`` has been armed and
-    then not ticked for ``timeout_s`` seconds. ``timeout_s`` 0 disables it."""
+def health_deadline(stall_timeout_s: float) -> Deadline:
+    """How long the heartbeat may stay still before ``/health`` answers 503 (stalled)."""
+    return Deadline(stall_timeout_s, growth=STALL_GROWTH)
 
-    def __init__(self, heartbeat: Heartbeat, timeout_s: float, on_stall: Callable[[float], None]):
+
+def limit_text(flag: str, deadline: Deadline, pulse) -> str:
+    """Where a limit comes from, for the messages: ``limit 75 s: --stall-timeout 30 or 5 x the
+    longest step, 15.0 s``."""
+    return (f"limit {deadline.limit(pulse):g} s: {flag} {deadline.limit_s:g} or {deadline.growth:g} x the longest "
+            f"step, {pulse.longest_s:.1f} s")
+
+
+class StallWatchdog:
+    """Calls ``on_stall(age_s, why)`` once, from a daemon thread, when the heartbeat (armed) has
+    been still for longer than ``timeout_s`` grown with the longest interval (``WATCHDOG_GROWTH``);
+    ``why`` names the limit. ``timeout_s`` 0: never (``start`` starts no thread)."""
+
+    def __init__(self, heartbeat: Heartbeat, timeout_s: float, on_stall: Callable[[float, str], None]):
         self.heartbeat = heartbeat
-        self.timeout_s = float(timeout_s)
+        self.deadline = Deadline(timeout_s, growth=WATCHDOG_GROWTH)
         self.on_stall = on_stall
-        self.fired = threading.Event()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[Watchdog] = None
 
-    def start(self) -> "Watchdog":
-        if self.timeout_s > 0:
-            self._thread = threading.Thread(target=self._run, name="serve-watchdog", daemon=True)
-            self._thread.start()
+    def check(self) -> bool:
+        """One look at the heartbeat; true when it fired."""
+        pulse = self.heartbeat.pulse()
+        if not self.deadline.overdue(pulse):
+            return False
+        self.on_stall(pulse.age_s, limit_text("--watchdog-timeout", self.deadline, pulse))
+        return True
+
+    def start(self) -> "StallWatchdog":
+        if self.deadline.limit_s > 0:
+            self._thread = Watchdog(self.check, min(0.5, self.deadline.limit_s / 10), name="serve-watchdog").start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        poll = min(0.5, self.timeout_s / 10)
-        while not self._stop.wait(poll):
-            age = self.heartbeat.age()
-            if age is not None and age > self.timeout_s:
-                self.fired.set()
-                self.on_stall(age)
-                return
-
-
-def fatal_exit(code: int, message: str) -> None:
-    """Print ``message`` and every thread's stack to stderr, then end the process at once (a
-    thread blocked in a collective cannot be joined)."""
-    print(message, file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(code)
+        if self._thread is not None:
+            self._thread.stop()

@@ -90,7 +90,8 @@ class TrainingConfig:
         30.0, "seconds without a heartbeat after which a rank counts as lost (stopped, stuck holding the "
         "GIL, dead) and the job exits with code 3 (megatron/training/watchdog.py; 0: off)")
     step_timeout: float = _opt(
-        180.0, "seconds without a finished training step (grown to 5x the slowest step; not counting "
+        180.0, "seconds without a finished training step (grown to 5x the slowest step, the first one "
+        "included; the first step may take 10x; not counting "
         "evaluation and saves) after which the job dumps every stack and exits with code 3 (0: off)")
     peak_tflops: Optional[float] = _opt(
         None, "the accelerator's peak dense TFLOP/s for MFU in the step line (default: known GPUs' bf16 "

@@ -47,6 +47,7 @@ from megatron.training.training import (  # the entry points' shared helpers liv
     tokenizer_files_of,
 )
 from megatron.common.cli import UserError, run_cli, user_input
+from megatron.common.process import EXIT_CRASH, EXIT_PREEMPTED
 
 logger = logging.getLogger("megatron.training")
 
@@ -73,8 +74,6 @@ def run_pretraining(
 
 @record  # anything but bad input: the traceback goes into torchrun's error file too
 def main(argv=None, prog: str = "pretrain_gpt") -> int:
-    from megatron.training.signals import PREEMPTED_EXIT_CODE
-
     compat.quiet_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -89,8 +88,8 @@ def main(argv=None, prog: str = "pretrain_gpt") -> int:
         except dist.DistBackendError as e:  # a peer rank died or hung past --distributed-timeout-minutes
             print(f"{prog}: error: lost contact with another rank ({str(e).strip().splitlines()[0]})",
                   file=sys.stderr, flush=True)
-            return 1
-        return PREEMPTED_EXIT_CODE if summary["interrupted"] else 0
+            return EXIT_CRASH
+        return EXIT_PREEMPTED if summary["interrupted"] else 0
 
     return run_cli(prog, body, user_errors=user_errors(), cleanup=destroy_parallel)
 

@@ -3,7 +3,7 @@
 A signal only sets a flag; the training loop checks it between steps with one all-reduce, so every
 rank agrees to stop after the same step, saves (``checkpointing.save_checkpoint`` writes in the
 rank's own process, so the signal that torchrun sends to each rank's whole process group cannot
-kill a writer) and exits with ``PREEMPTED_EXIT_CODE``. A second SIGINT raises ``KeyboardInterrupt``
+kill a writer) and exits with ``megatron.common.process.EXIT_PREEMPTED`` (75). A second SIGINT raises ``KeyboardInterrupt``
 (an impatient Ctrl-C still works).
 
 Under torchrun each rank also asks the kernel for SIGTERM when its launcher dies
@@ -23,11 +23,7 @@ import torch
 
 from megatron.common import collectives
 
-__all__ = ["PREEMPTED_EXIT_CODE", "StopFlag", "stop_with_launcher"]
-
-# EX_TEMPFAIL (sysexits.h): the run was stopped by a signal after saving a checkpoint; run the same
-# command again (with --load) to continue. 0 means the run finished; 2 a usage error; 1 a crash.
-PREEMPTED_EXIT_CODE = 75
+__all__ = ["StopFlag", "stop_with_launcher"]
 
 _PR_SET_PDEATHSIG = 1
 

@@ -18,9 +18,15 @@ import torch.distributed as dist
 from megatron.training.arguments import Configs, configs_to_dict
 from megatron.common import collectives
 from megatron.common.cli import UserError, one_line, user_input
+from megatron.common.events import Event
+from megatron.common.process import EXIT_PREEMPTED
 
-__all__ = ["Trainer", "TrainerHooks", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of", "build_data",
-           "config_yaml"]
+__all__ = ["Trainer", "TrainerHooks", "STEP_END", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of",
+           "build_data", "config_yaml"]
+
+# Emitted with the step's number (1-based) on every rank after each training step, before its
+# evaluation and save; what subscribes from outside the loop (``tools.faults.rank``) runs there.
+STEP_END = Event("training step end")
 
 
 def resolve_tokenizer(c: Configs):
@@ -404,13 +410,13 @@ class Trainer:
     # ----------------------------------------------------------------------------------- loop
     def loop(self) -> None:
         """Train until ``--train-iters``, a stop signal (``self.interrupted``) or an early stop."""
-        from megatron.training import faults
-
         c, ck = self.c, self.c.checkpoint
         self.last_record = None
         self.interrupted = False
         self.early_stop = None
         self.loop_start = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.loop_started(self.iteration)
         while self.iteration < c.training.train_iters:
             if self.stop.agreed(self.stop_group):
                 self.interrupted = True
@@ -418,7 +424,7 @@ class Trainer:
                                   f"{self.iteration}")
                 break
             self.train_one_step()
-            faults.inject(self.rank, self.iteration)
+            STEP_END.emit(self.iteration)
             it = self.iteration
             if c.logging.eval_interval and it % c.logging.eval_interval == 0 and it < c.training.train_iters:
                 if self.evaluate(it).get("stop"):
@@ -565,8 +571,6 @@ class Trainer:
 
 
 def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:
-    from megatron.training.signals import PREEMPTED_EXIT_CODE
-
     took = _duration(summary["wall_time_s"])
     ckpt = summary.get("checkpoint") or ("none (no --save)" if not c.checkpoint.save else "none")
     where = f"checkpoint {ckpt}; metrics {summary.get('metrics_file') or 'not written (no --save)'}"
@@ -574,5 +578,5 @@ def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) ->
     if summary["interrupted"]:
         return (f"{prog}: stopped by {summary.get('signal', 'a signal')} at iteration {summary['iteration']} "
                 f"after {steps} step(s) in {took}; {where}; resume with --load {c.checkpoint.save or 'DIR'} "
-                f"(exit code {PREEMPTED_EXIT_CODE})")
+                f"(exit code {EXIT_PREEMPTED})")
     return f"{prog}: finished at iteration {summary['iteration']} ({steps} step(s)) in {took}; {where}"

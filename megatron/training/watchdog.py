@@ -1,31 +1,37 @@
 """Liveness of a training job: heartbeats through the rendezvous store, so that a stopped, stuck or
-failed rank ends the whole job in seconds instead of at the collective timeout.
+failed rank ends the whole job in seconds instead of at the collective timeout. The mechanism
+(heartbeats, deadlines, the thread, the store heartbeats) is ``megatron.common.watchdog``; this
+module wires it to the training loop and its flags.
 
 Every rank runs a daemon thread (``RankWatchdog``) that, each ``interval_s``:
 
-1. **beats**: writes ``beat/<rank>`` = "<count> <pid> <host> <state>" into the job's c10d store
+1. **beats**: writes ``beat/<rank>`` = "<count> <pid> <machine id> <state>" into the job's c10d store
    (torchrun's agent store; the file store in tests). A thread needs the GIL, so a rank that is
    stopped (SIGSTOP), or stuck in native code holding the GIL, stops beating.
 2. **watches its ring neighbour** (rank + 1 mod world): when that rank's count has not changed for
    ``heartbeat_timeout_s`` it is declared lost. Watching one neighbour keeps the store traffic
    O(world) per interval; every rank is watched by exactly one other.
-3. **watches its own progress**: the training loop calls ``step_done`` after every step; when no
-   step has finished for ``step_timeout_s`` (grown to 5x the slowest step seen, armed after the
-   first step, paused during evaluation and checkpoint saves) the rank is hung: spinning in
-   Python, or waiting in a collective for a rank that is. Every thread's stack is dumped.
+3. **watches its own progress**: the training loop calls ``loop_started`` when it enters its
+   first step and ``step_done`` after every step; when no step has finished for
+   ``step_timeout_s`` the rank is hung: spinning in Python, or waiting in a collective for a rank
+   that is. Every thread's stack is dumped. The deadline grows to 5x the slowest step seen, the
+   first one included (from the loop's start to its end); until the first step has finished,
+   only the startup limit of 10x ``step_timeout_s`` applies, so a job whose steps are slower than
+   ``step_timeout_s`` but steady is never killed. Evaluations and checkpoint saves are paused.
 4. **reads the job's ``abort`` key**: the first rank to detect a fault (or to fail with an
    exception, ``fail``) writes the reason there, and every rank exits within one interval.
 
 A rank that detects a fault prints one line naming it, writes ``abort``, SIGKILLs a lost
-neighbour on the same host (a stopped process ignores the SIGTERM torchrun would send it and
-would hold the job for torchrun's 30 s grace period), and exits with ``EXIT_WATCHDOG``.
-A rank that sees ``abort`` waits one more interval before exiting, so that when
-every rank raises the same error at once each exits with its own code. ``torchrun --max-restarts N`` then restarts the job, and ``--save D --load D`` resumes it from
-D's newest checkpoint. Ranks that exit cleanly (finished, or stopped by a signal after saving)
+neighbour on the same machine (``megatron.common.process.same_machine``; a stopped process ignores the SIGTERM torchrun would send it and
+would hold the job for torchrun's 30 s grace period), and exits with ``EXIT_WATCHDOG`` (3). A
+rank that sees ``abort`` waits one more interval before exiting, so that when every rank raises
+the same error at once each exits with its own code. ``torchrun --max-restarts N`` then restarts
+the job, and ``--save D --load D`` resumes it from D's newest checkpoint. Ranks that exit cleanly (finished, or stopped by a signal after saving)
 publish ``done`` first, so a rank finishing early is never mistaken for a lost one.
 
 Detection bounds (defaults): a lost rank ``heartbeat_timeout_s`` + 2 intervals (30 s + 2 s);
-a hung step ``max(step_timeout_s, 5 x slowest step)`` + 1 interval (180 s + 1 s); a rank that
+a hung step ``max(step_timeout_s, 5 x slowest step)`` + 1 interval (180 s + 1 s; the first
+step 10 x ``step_timeout_s``); a rank that
 failed with an exception, 2 intervals. A segfault or ``abort()`` ends the process: torchrun sees
 it within its ``--monitor-interval`` (0.1 s) and stops the others; ``faulthandler`` prints the
 dying rank's Python stack.
@@ -33,22 +39,20 @@ dying rank's Python stack.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import faulthandler
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["EXIT_WATCHDOG", "WatchdogConfig", "RankWatchdog", "start_watchdog"]
+from megatron.common.process import EXIT_WATCHDOG, exit_now
+from megatron.common.watchdog import Deadline, Heartbeat, StorePeers, Watchdog
 
-# The process was ended by the watchdog: a rank was lost, hung, or failed elsewhere. Distinct
-# from 1 (a crash on this rank), 2 (bad input) and 75 (stopped by a signal after saving).
-EXIT_WATCHDOG = 3
+__all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog", "STEP_GROWTH", "STARTUP_FACTOR"]
+
+STEP_GROWTH = 5  # the hung-step deadline grows to this many times the slowest step seen
+STARTUP_FACTOR = 10  # the first step may take this many times --step-timeout
 
 
 @dataclasses.dataclass
@@ -61,174 +65,138 @@ class WatchdogConfig:
         return self.heartbeat_timeout_s > 0 or self.step_timeout_s > 0
 
 
-def _exit_now(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 class RankWatchdog:
     """One rank's heartbeat and watchdog thread (module docstring). ``store`` is a c10d store
     shared by all ranks (``set``/``get``/``check``); ``exit`` ends the process (replaced in tests)."""
 
     def __init__(self, store, rank: int, world_size: int, config: WatchdogConfig, *, prog: str = "train",
-                 exit: Callable[[int], None] = _exit_now, clock: Callable[[], float] = time.monotonic):
-        self.store = store
+                 exit: Callable[[int], None] = exit_now, clock: Callable[[], float] = time.monotonic):
         self.rank = rank
-        self.world_size = world_size
         self.config = config
         self.prog = prog
         self._exit = exit
         self._clock = clock
-        self._count = 0
+        self.peers = StorePeers(store, rank, world_size, config.heartbeat_timeout_s, clock=clock)
+        self.steps = Heartbeat(clock)  # ticked when a training step finishes
+        self.deadline = Deadline(config.step_timeout_s, growth=STEP_GROWTH,
+                                 startup_s=STARTUP_FACTOR * config.step_timeout_s)
+        self._thread = Watchdog(self._round, config.interval_s, name="train-watchdog")
         self._state = "running"
-        self._host = socket.gethostname()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._started_at = clock()
-        # the neighbour's last seen count and when it changed
-        self._peer_count: Optional[str] = None
-        self._peer_changed = self._started_at
-        # training progress: last finished step, when, the slowest step, pause depth
         self._last_step: Optional[int] = None
-        self._step_at: Optional[float] = None
-        self._slowest_step_s = 0.0
-        self._paused = 0
         self._store_error_since: Optional[float] = None
         self._abort_seen_at: Optional[float] = None
         self.fired: Optional[str] = None  # the reason, once fired
 
     # ------------------------------------------------------------------ called by the training loop
     def start(self) -> "RankWatchdog":
-        self._beat()
-        self._thread = threading.Thread(target=self._run, name="train-watchdog", daemon=True)
+        self.peers.beat(self._state)
         self._thread.start()
         return self
 
-    def step_done(self, iteration: int) -> None:
-        now = self._clock()
-        if self._step_at is not None:
-            self._slowest_step_s = max(self._slowest_step_s, now - self._step_at)
-        self._last_step, self._step_at = iteration, now
+    def loop_started(self, iteration: int) -> None:
+        """The loop enters its first step (after ``iteration`` steps, those of a resumed run): the
+        step deadline is armed, under its startup limit until that step has finished."""
+        self._last_step = iteration
+        self.steps.tick()
 
-    @contextlib.contextmanager
+    def step_done(self, iteration: int) -> None:
+        self._last_step = iteration
+        self.steps.tick()
+
     def paused(self):
         """No step deadline inside (evaluation, checkpoint saves); the heartbeat goes on."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            if self._step_at is not None:
-                self._step_at = self._clock()
+        return self.steps.paused()
 
     def finish(self) -> None:
         """This rank ends cleanly: publish ``done`` so its watcher does not call it lost."""
         self._state = "done"
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * self.config.interval_s)
-        self._try(self._beat)
+        self._thread.stop(join_s=5 * self.config.interval_s)
+        self._try(lambda: self.peers.beat(self._state))
 
     def fail(self, reason: str) -> None:
         """This rank is failing with an exception: tell every rank to stop now."""
         self._state = "failed"
-        self._stop.set()
-        self._try(lambda: self._abort(f"rank {self.rank} failed: {reason}"))
+        self._thread.stop()
+        self._try(lambda: self.peers.abort(f"rank {self.rank} failed: {reason}"))
 
     # ------------------------------------------------------------------------------- the thread
     @property
     def step_timeout_s(self) -> float:
-        """The effective hung-step deadline: the configured one, or 5x the slowest step seen."""
-        return max(self.config.step_timeout_s, 5 * self._slowest_step_s)
+        """The effective hung-step deadline: the configured one, or 5x the slowest step seen (10x
+        the configured one before the first step has finished)."""
+        return self.deadline.limit(self.steps.pulse())
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                self.check()
-            except Exception as e:  # the store is unreachable: the job is going down
-                now = self._clock()
-                self._store_error_since = self._store_error_since or now
-                limit = max(self.config.heartbeat_timeout_s, 10 * self.config.interval_s)
-                if now - self._store_error_since > limit:
-                    self._fire(f"rank {self.rank} lost the rendezvous store for {now - self._store_error_since:.0f} s "
-                               f"({type(e).__name__}: {e})", publish=False)
-                    return
-                continue
-            self._store_error_since = None
-            if self.fired:
-                return
+    def _round(self) -> bool:
+        """One round of the thread; true once it fired. An unreachable store means the job is
+        going down: it fires only when that lasts."""
+        try:
+            self.check()
+        except Exception as e:
+            now = self._clock()
+            self._store_error_since = self._store_error_since or now
+            limit = max(self.config.heartbeat_timeout_s, 10 * self.config.interval_s)
+            if now - self._store_error_since > limit:
+                self._fire(f"rank {self.rank} lost the rendezvous store for {now - self._store_error_since:.0f} s "
+                           f"({type(e).__name__}: {e})", publish=False)
+                return True
+            return False
+        self._store_error_since = None
+        return self.fired is not None
 
     def check(self) -> None:
         """One round: beat, read ``abort``, watch the neighbour and this rank's progress."""
-        self._beat()
-        if self.store.check(["abort"]):
+        self.peers.beat(self._state)
+        reason = self.peers.abort_reason()
+        if reason is not None:
             # one interval of grace: when every rank raises the same error at once, each exits
             # with its own code (2 for bad input) rather than as a victim of the first
             now = self._clock()
             self._abort_seen_at = self._abort_seen_at or now
             if self._state == "failed" or now - self._abort_seen_at < self.config.interval_s:
                 return
-            reason = self.store.get("abort").decode()
             self.fired = reason
             if self.rank == 0:
                 print(f"{self.prog}: error: {reason}; stopping every rank (exit code {EXIT_WATCHDOG})",
                       file=sys.stderr, flush=True)
             self._exit(EXIT_WATCHDOG)
             return
-        now = self._clock()
-        if self.config.heartbeat_timeout_s > 0 and self.world_size > 1:
-            peer = (self.rank + 1) % self.world_size
-            key = f"beat/{peer}"
-            value = self.store.get(key).decode() if self.store.check([key]) else None
-            fields = value.split() if value else []
-            if fields and fields[3] != "running":
-                self._peer_changed = now  # done or failed: nothing to watch
-            elif value is not None and fields[0] != self._peer_count:
-                self._peer_count, self._peer_changed = fields[0], now
-            elif now - self._peer_changed > self.config.heartbeat_timeout_s:
-                age = now - self._peer_changed
-                if fields:
-                    pid, host = int(fields[1]), fields[2]
-                    reason = (f"rank {peer} (pid {pid} on {host}) sent no heartbeat for {age:.1f} s: stopped, "
-                              f"stuck holding the GIL, or lost (--heartbeat-timeout {self.config.heartbeat_timeout_s:g})")
-                    self._fire(reason, kill=(pid, host))
-                else:
-                    self._fire(f"rank {peer} never sent a heartbeat in {age:.1f} s "
-                               f"(--heartbeat-timeout {self.config.heartbeat_timeout_s:g})")
-                return
-        if self.config.step_timeout_s > 0 and self._step_at is not None and not self._paused:
-            idle = now - self._step_at
-            if idle > self.step_timeout_s:
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                self._fire(f"no training step finished on rank {self.rank} for {idle:.1f} s after iteration "
-                           f"{self._last_step}: it, or a rank it waits for, is hung (--step-timeout "
-                           f"{self.step_timeout_s:g} s; every thread's stack above)")
+        lost = self.peers.lost()
+        if lost is not None:
+            timeout = f"--heartbeat-timeout {self.config.heartbeat_timeout_s:g}"
+            if lost.pid is None:
+                self._fire(f"rank {lost.rank} never sent a heartbeat in {lost.silent_s:.1f} s ({timeout})")
+            else:
+                self._fire(f"rank {lost.rank} (pid {lost.pid} on {lost.host}) sent no heartbeat for "
+                           f"{lost.silent_s:.1f} s: stopped, stuck holding the GIL, or lost ({timeout})",
+                           kill=lost)
+            return
+        pulse = self.steps.pulse()
+        if self.deadline.overdue(pulse):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            limit = self.deadline.limit(pulse)
+            why = (f"the first step may take {STARTUP_FACTOR} x --step-timeout {self.config.step_timeout_s:g} s"
+                   if pulse.intervals == 0 else
+                   f"--step-timeout {self.config.step_timeout_s:g} s or {STEP_GROWTH} x the slowest step, "
+                   f"{pulse.longest_s:.1f} s")
+            self._fire(f"no training step finished on rank {self.rank} for {pulse.age_s:.1f} s after iteration "
+                       f"{self._last_step}: it, or a rank it waits for, is hung (limit {limit:g} s: {why}; every "
+                       f"thread's stack above)")
 
     # ------------------------------------------------------------------------------- internals
-    def _beat(self) -> None:
-        self._count += 1
-        self.store.set(f"beat/{self.rank}", f"{self._count} {os.getpid()} {self._host} {self._state}")
-
-    def _abort(self, reason: str) -> None:
-        if not self.store.check(["abort"]):
-            self.store.set("abort", reason)
-
     def _try(self, fn) -> None:
         try:
             fn()
         except Exception:
             pass
 
-    def _fire(self, reason: str, *, kill: Optional[tuple] = None, publish: bool = True) -> None:
+    def _fire(self, reason: str, *, kill=None, publish: bool = True) -> None:
         self.fired = reason
         print(f"{self.prog}: error: {reason}; stopping the job (exit code {EXIT_WATCHDOG})",
               file=sys.stderr, flush=True)
         if publish:
-            self._try(lambda: self._abort(reason))
-        if kill is not None and kill[1] == self._host and kill[0] != os.getpid():
-            with contextlib.suppress(OSError):
-                os.kill(kill[0], signal.SIGKILL)
+            self._try(lambda: self.peers.abort(reason))
+        if kill is not None:
+            self.peers.kill(kill)
         self._exit(EXIT_WATCHDOG)
 
 

@@ -20,7 +20,7 @@ import pytest
 from megatron.inference import protocol as P
 from megatron.inference.engine import TokenUpdate
 from megatron.inference.frontend import Frontend, FrontendConfig
-from megatron.inference.watchdog import Heartbeat
+from megatron.common.watchdog import Heartbeat
 
 EOD = 0
 VOCAB = 300
@@ -167,14 +167,16 @@ def test_api_key_guards_every_path_but_health_and_metrics(frontend):
 
 
 def test_health_follows_the_heartbeat_drain_and_death(frontend):
-    heartbeat = Heartbeat()
+    clock = [100.0]
+    heartbeat = Heartbeat(lambda: clock[0])
     f = frontend(lambda submit: None, heartbeat=heartbeat, engine=False, stall_timeout=1.0)
     assert _request(f.url, "/health")[:2] == (503, {"status": "starting"})
     heartbeat.tick()
     assert _request(f.url, "/health")[0] == 200
-    heartbeat.at -= 5.0  # the loop has not completed an iteration for 5 s
+    clock[0] += 5.0  # the loop has made no progress for 5 s
     status, body, _ = _request(f.url, "/health")
-    assert status == 503 and body["status"] == "stalled" and body["seconds_since_last_step"] >= 5
+    assert status == 503 and body["status"] == "stalled" and body["seconds_since_last_step"] == 5
+    assert "--stall-timeout 1 or 5 x the longest step, 0.0 s" in body["reason"]
     heartbeat.tick()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})

@@ -1,23 +1,27 @@
 """The training watchdog and the error boundary (issue 31: hung and crashing ranks, errors).
 
 Unit tests drive ``RankWatchdog.check`` by hand on an in-memory store and a fake clock, so no
-timing is asserted; the end-to-end cases run torchrun on 2 CPU ranks with a fault injected on rank
-1 (``megatron.training.faults``) and check what the job did: its exit code, the one line naming
-the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and finished.
+timing is asserted; the end-to-end cases run torchrun on 2 CPU ranks of ``tools.faults.rank`` with
+a fault injected on rank 1 (``tools.faults.inject``) and check what the job did: its exit code, the
+one line naming the fault, and (with ``--max-restarts``) that it resumed from its checkpoint and
+finished.
 """
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 
 import pytest
 
-from megatron.training import faults
-from megatron.training.watchdog import EXIT_WATCHDOG, RankWatchdog, WatchdogConfig
+from megatron.training.watchdog import RankWatchdog, WatchdogConfig
+from megatron.common.process import EXIT_WATCHDOG, machine_id
 from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
+from tools.faults import inject
+from tools.faults.inject import Injector
 
 
 class DictStore:
@@ -41,10 +45,17 @@ class DictStore:
 
 
 class Clock:
+    """A fake clock; ``on_next_read`` runs once, inside the next read (another thread's turn at
+    that exact instant)."""
+
     def __init__(self):
         self.now = 100.0
+        self.on_next_read = None
 
     def __call__(self):
+        hook, self.on_next_read = self.on_next_read, None
+        if hook is not None:
+            hook()
         return self.now
 
 
@@ -88,7 +99,7 @@ def test_a_silent_neighbour_is_lost_after_the_timeout_and_every_rank_stops():
 def test_a_neighbour_that_finished_is_not_lost():
     store, clock = DictStore(), Clock()
     w0, w1 = _pair(store, clock)
-    w1._beat()
+    w1.peers.beat()
     w0.check()
     w1.finish()
     clock.now += 60
@@ -99,9 +110,11 @@ def test_a_neighbour_that_finished_is_not_lost():
 def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_slow_steps():
     store, clock = DictStore(), Clock()
     w0, w1 = _pair(store, clock, heartbeat_timeout_s=0)
-    w0.check()  # not armed before the first step
-    clock.now += 100
+    w0.check()  # not armed before the loop starts (model build, checkpoint load)
+    clock.now += 1000
     w0.check()
+    w0.loop_started(0)
+    clock.now += 2
     w0.step_done(1)
     with w0.paused():  # an evaluation or a save longer than the deadline
         clock.now += 50
@@ -114,6 +127,8 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
         w0.check()
     assert "no training step finished on rank 0" in w0.fired and "after iteration 1" in w0.fired
     # a slowest step of 8 s makes the deadline 40 s
+    w1.loop_started(0)
+    clock.now += 1
     w1.step_done(1)
     clock.now += 8
     w1.step_done(2)
@@ -121,6 +136,62 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
     clock.now += 30
     w1.check()
     assert w1.fired is None
+
+
+def test_slow_steady_steps_are_not_hung_and_the_first_step_has_a_startup_limit():
+    """``--step-timeout 20`` on a job whose steps take 60 s (the first included): the first step,
+    from the loop's start to its end, runs under the startup limit (10 x 20 s) and then counts
+    like any other, so from the second step on the deadline is 5 x 60 s; a step that does not
+    end within it is hung. A first step that never ends is caught at the startup limit."""
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.loop_started(0)
+    for iteration in (1, 2, 3):
+        for _ in range(6):
+            clock.now += 10
+            w0.check()
+        w0.step_done(iteration)
+    assert w0.fired is None and w0.step_timeout_s == 300
+    clock.now += 299
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
+    assert "after iteration 3" in w0.fired
+
+    first, _ = _pair(DictStore(), clock, heartbeat_timeout_s=0)
+    first.loop_started(0)
+    clock.now += 199
+    first.check()
+    assert first.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        first.check()
+    assert "the first step may take 10 x --step-timeout 20 s" in first.fired
+
+
+def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
+    """The watchdog thread checks at any instant, also while the main thread leaves ``paused()``
+    after an evaluation longer than the step deadline. Here its round runs inside the clock read
+    that restarts the step clock: it must see the pause still on (or over with the clock
+    restarted), never over with the clock of before the evaluation."""
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
+    w0.loop_started(0)
+    clock.now += 2
+    w0.step_done(1)
+    with w0.paused():
+        clock.now += 50  # > the 20 s step deadline
+        w0.check()
+        clock.on_next_read = w0.check  # the thread's round, as the pause ends
+    assert w0.fired is None
+    clock.now += 19
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
 
 
 def test_a_failing_rank_publishes_abort_and_is_not_killed_as_a_victim():
@@ -137,13 +208,13 @@ def test_a_failing_rank_publishes_abort_and_is_not_killed_as_a_victim():
         w0.check()
 
 
-def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
-    """A stopped process ignores SIGTERM: the watchdog SIGKILLs it when it is on the same host."""
+def test_a_lost_neighbour_on_this_machine_is_killed(tmp_path):
+    """A stopped process ignores SIGTERM: the watchdog SIGKILLs it when it is on the same machine."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         store, clock = DictStore(), Clock()
         w0, _ = _pair(store, clock)
-        store.set("beat/1", f"1 {victim.pid} {w0._host} running")
+        store.set("beat/1", f"1 {victim.pid} {machine_id()} running")
         w0.check()
         os.kill(victim.pid, signal.SIGSTOP)
         clock.now += 11
@@ -154,16 +225,52 @@ def test_a_lost_neighbour_on_this_host_is_killed(tmp_path):
         victim.kill()
 
 
-def test_fault_requests_are_taken_once_and_only_from_their_iteration(tmp_path, monkeypatch):
-    monkeypatch.setenv(faults.ENV, str(tmp_path))
-    faults.request(str(tmp_path), 1, "error", 3)
-    faults.inject(0, 5)  # another rank's request
-    faults.inject(1, 2)  # too early
-    with pytest.raises(RuntimeError, match="injected fault on rank 1 at iteration 3"):
-        faults.inject(1, 3)
-    faults.inject(1, 4)  # taken: a restarted job does not repeat it
+@pytest.mark.parametrize("published", ["hostname", "hostname/other boot id"])
+def test_a_lost_neighbour_with_this_hostname_on_another_machine_is_not_killed(monkeypatch, published):
+    """Containers on different machines may share a hostname: a neighbour's pid is signalled only
+    when the machine id it published (hostname, boot id, pid namespace) is this process's own. A
+    beat naming only this hostname, or this hostname with another boot id, is lost all the same
+    (the job stops) but nothing is killed here."""
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    host = socket.gethostname()
+    machine = host if published == "hostname" else f"{host}/00000000-0000-0000-0000-000000000000/pid:[1]"
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock)
+    store.set("beat/1", f"1 {os.getpid() + 1} {machine} running")
+    w0.check()
+    clock.now += 11
+    with pytest.raises(Exited):
+        w0.check()
+    assert "rank 1" in w0.fired and f"on {host})" in w0.fired
+    assert kills == []
+
+
+def test_fault_requests_are_taken_once_and_only_from_their_step(tmp_path):
+    inject.request(str(tmp_path), 1, "error", 3)
+    Injector(str(tmp_path), 0)(5)  # another rank's request
+    rank1 = Injector(str(tmp_path), 1)
+    rank1(2)  # too early
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
+        rank1(3)
+    rank1(4)  # taken: a restarted job does not repeat it
     with pytest.raises(ValueError, match="fault kind"):
-        faults.request(str(tmp_path), 0, "meteor")
+        inject.request(str(tmp_path), 0, "meteor")
+
+
+def test_the_fault_rank_injects_through_the_loops_step_end_event(tmp_path, monkeypatch):
+    """``tools.faults.rank pretrain_gpt ARGS`` is pretrain_gpt with an injector subscribed to the
+    training loop's ``STEP_END``: an ``error`` requested for step 2 is raised after step 2 (one
+    gloo rank, in-process)."""
+    from tests.training.test_reliability import main_in_rank
+    from tools.spawn import DistributedTestError, run_distributed
+
+    inject.request(str(tmp_path), 0, "error", 2)
+    monkeypatch.setenv(inject.ENV, str(tmp_path))
+    argv = ["pretrain_gpt", *map(str, SMALL_PRETRAIN_ARGS), "--train-iters", "4", "--eval-iters", "0",
+            "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(DistributedTestError, match="RuntimeError: injected fault on rank 0 at step 2"):
+        run_distributed(main_in_rank, 1, "tools.faults.rank", argv, timeout_s=240)
 
 
 def test_only_user_errors_are_one_line(capsys):
@@ -194,11 +301,11 @@ def test_only_user_errors_are_one_line(capsys):
 def _train(tmp_path, kind, extra=(), launcher=()):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir(exist_ok=True)
-    faults.request(str(fault_dir), 1, kind, 3)
+    inject.request(str(fault_dir), 1, kind, 3)
     args = SMALL_PRETRAIN_ARGS + ["--train-iters", 8, "--expert-model-parallel-size", 2, "--save", tmp_path / "run",
                                   "--data-cache-path", tmp_path / "cache", "--eval-iters", 0,
                                   "--heartbeat-timeout", 5, "--step-timeout", 8, *extra]
-    return torchrun("megatron.training.pretrain_gpt", args, env={faults.ENV: str(fault_dir)}, timeout=240,
+    return torchrun("tools.faults.rank", ["pretrain_gpt", *args], env={inject.ENV: str(fault_dir)}, timeout=240,
                     launcher_args=list(launcher))
 
 

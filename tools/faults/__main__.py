@@ -1,0 +1,89 @@
+"""``python -m tools.faults {training,serving,chaos} ...`` (see ``tools/faults/__init__.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from megatron.common.cli import Subcommands, positive_float, positive_int
+from megatron.common.files import write_json
+
+import tools.faults
+
+commands = Subcommands("python -m tools.faults", tools.faults.__doc__.split("\n\n")[0])
+
+
+def _configure_training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", metavar="DIR", help="where the runs and their logs go (default: a new temporary "
+                   "directory, kept and printed)")
+    p.add_argument("--cases", choices=("all", "ranks"), default="all",
+                   help="ranks: only the rank faults under torchrun --max-restarts")
+
+
+@commands.add("training", "faults in training on the tiny default, one line per case", _configure_training)
+def _training(args) -> int:
+    from tools.faults.training import run_cases
+
+    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="fault_check."))
+    print(f"python -m tools.faults training: runs and logs in {out}", flush=True)
+    cases = run_cases(out, ranks_only=args.cases == "ranks", print_line=lambda line: print(line, flush=True))
+    return 0 if all(c.ok for c in cases) else 1
+
+
+def _configure_serving(p: argparse.ArgumentParser) -> None:
+    from tools.faults.serving import FAULTS
+
+    p.add_argument("--load", required=True, metavar="CKPT")
+    p.add_argument("--faults", default="SIGSTOP,SIGKILL", help=f"comma-separated, of {', '.join(FAULTS)}")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--stall-timeout", type=positive_float, default=2.0)
+    p.add_argument("--watchdog-timeout", type=positive_float, default=5.0)
+    p.add_argument("--torchrun-shutdown-timeout", type=positive_int, default=5)
+    p.add_argument("--json", metavar="PATH")
+
+
+@commands.add("serving", "a fault in rank 1 of a two-rank expert-parallel server: how fast it is seen",
+              _configure_serving)
+def _serving(args) -> int:
+    from tools.faults.serving import FAULTS, run_faults, summarize
+
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    bad = [f for f in faults if f not in FAULTS]
+    if bad or not faults:
+        raise ValueError(f"--faults: choose from {', '.join(FAULTS)} (got {args.faults})")
+    if not os.path.isdir(args.load):
+        raise ValueError(f"--load {args.load}: no such directory")
+    timeouts = dict(stall_timeout=args.stall_timeout, watchdog_timeout=args.watchdog_timeout,
+                    torchrun_shutdown_timeout=args.torchrun_shutdown_timeout)
+    runs = run_faults(os.path.abspath(args.load), faults, args.repeats, **timeouts)
+    rows = summarize(runs, faults)
+    if args.json:
+        write_json(args.json, {"command": " ".join(["python -m tools.faults"] + sys.argv[1:]),
+                               **{f"{k}_s": v for k, v in timeouts.items()}, "summary": rows, "runs": runs})
+    return 0
+
+
+def _configure_chaos(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--faults", type=positive_int, default=20)
+    p.add_argument("--train-iters", type=positive_int, default=1500)
+    p.add_argument("--save-interval", type=positive_int, default=20)
+    p.add_argument("--gap", type=positive_float, nargs=2, default=(5.0, 25.0), metavar=("MIN", "MAX"),
+                   help="seconds of progress before each fault (uniform)")
+    p.add_argument("--heartbeat-timeout", type=positive_float, default=10.0)
+    p.add_argument("--step-timeout", type=positive_float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-baseline", action="store_true", help="reuse OUT/baseline from an earlier run")
+
+
+@commands.add("chaos", "random faults of every kind in one training run, against a fault-free run", _configure_chaos)
+def _chaos(args) -> int:
+    from tools.faults.chaos import chaos_run
+
+    return chaos_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(commands.main(sys.argv[1:]))
