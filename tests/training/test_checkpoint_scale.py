@@ -45,6 +45,7 @@ def _verify_rank(rank, world, save_dir, mode, target, how):
     """Save with ``mode``, rank 0 damages ``target``, load with ``mode``; returns the files this rank
     hashed at save and at load, the manifest and the load's outcome."""
     import megatron.training.checkpointing as ck
+    import megatron.training.checkpointing.hashing as hashing
     from megatron.common import collectives
 
     model, layout = _rank_model(world)
@@ -52,13 +53,13 @@ def _verify_rank(rank, world, save_dir, mode, target, how):
     with open(tokenizer, "wb") as f:
         f.write(TOKENIZER_BYTES)
     hashed = []
-    real = ck._sha256
+    real = hashing._sha256
 
     def recording(path):
         hashed.append(path)
         return real(path)
 
-    ck._sha256 = recording
+    hashing._sha256 = recording
     final = ck.save_checkpoint(save_dir, 1, [model], layout=layout, configs={"model": {}}, verify=mode,
                                tokenizer_files={"tokenizer_model": tokenizer})
     on_save = sorted(os.path.relpath(p, _tmp_dir_of(p)) for p in hashed)
@@ -335,7 +336,7 @@ def _rng_items(path):
     """``{fqn: object}`` of the checkpoint's ``rng_state`` items, read from the shards."""
     import torch
 
-    from megatron.training.checkpoint_safety import read_metadata
+    from megatron.training.checkpointing.safety import read_metadata
 
     metadata = read_metadata(path)
     out = {}
