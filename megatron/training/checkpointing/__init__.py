@@ -46,7 +46,8 @@ and the write-then-rename rule is the synchronous save's.
 
 The RNG state saved per rank holds python's, numpy's, torch's and CUDA's generators and, when it
 has any, megatron-core's CUDA RNG tracker states (the tensor/expert-parallel streams dropout under
-TP/EP draws from), restored on load at the same world size.
+TP/EP draws from), restored on load only at the same TP/PP/EP/DP layout; at another, every rank
+keeps the states seeded for its new position at start-up (``parallel.set_seed``), as a fresh run.
 
 On load the newest checkpoint is checked before anything is read: its manifest (file sizes and
 hashes, checked by all ranks in parallel, each a share; a bad file is the same one-line error on

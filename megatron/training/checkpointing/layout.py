@@ -9,9 +9,13 @@ from typing import Optional
 
 from megatron.training.checkpointing.manifest import config_differences
 
-__all__ = ["layout_of", "model_tensor_shapes", "architecture_problem"]
+__all__ = ["layout_of", "same_parallel_layout", "model_tensor_shapes", "architecture_problem"]
 
 _OPTIMIZER_KEY = re.compile(r"(^|\.)optimizer\.")
+# the sizes that place a rank (its TP, PP, EP, expert-TP and DP position); the distributed
+# optimizer changes the optimizer state's structure, not where a rank sits
+_PARALLEL_SIZES = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def layout_of(parallel, train_cfg, world_size: int) -> dict:
@@ -24,6 +28,13 @@ def layout_of(parallel, train_cfg, world_size: int) -> dict:
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
         "use_distributed_optimizer": bool(getattr(train_cfg, "use_distributed_optimizer", False)),
     }
+
+
+def same_parallel_layout(saved: dict, layout: Optional[dict]) -> bool:
+    """Whether every rank of ``layout`` sits where the same rank sat when ``saved`` (a manifest's
+    layout) was written: same world, TP, PP, EP and expert-TP sizes, hence the same DP size. Only
+    then are a rank's saved RNG streams its own."""
+    return layout is not None and all(saved.get(k) == layout.get(k) for k in _PARALLEL_SIZES)
 
 
 def model_tensor_shapes(model_sd) -> dict:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron.common import collectives
 from megatron.training.checkpointing.errors import CheckpointError, broadcast_object, one_line_error
-from megatron.training.checkpointing.layout import architecture_problem, model_tensor_shapes
+from megatron.training.checkpointing.layout import architecture_problem, model_tensor_shapes, same_parallel_layout
 from megatron.training.checkpointing.rng import set_rng_state
 from megatron.training.checkpointing.state import load_model_state, sharded_state
 from megatron.training.checkpointing.verify import pick_and_verify
@@ -55,6 +55,11 @@ def load_checkpoint(
     and shapes are then compared with the checkpoint's (``expected_configs``, the run's configs
     dict, names the differing fields). So a corrupt, unsafe or different-architecture checkpoint
     fails on all ranks with the same one-line ``CheckpointError`` before any tensor is read.
+
+    ``load_rng``: each rank's RNG states are restored only at the saved TP/PP/EP/DP layout
+    (``same_parallel_layout``); at another, a rank's saved streams are another position's (TP1xDP2
+    to TP2 would hand both TP ranks one tensor-parallel stream), so the states stay those
+    ``parallel.initialize_parallel`` seeded for this layout from the seed, as in a fresh run.
     """
     from megatron.core import dist_checkpointing
 
@@ -72,7 +77,13 @@ def load_checkpoint(
                 path, manifest["layout"], layout,
             )
         with_optimizer = False
-    with_rng = load_rng and layout is not None and manifest["layout"]["world_size"] == world
+    with_rng = load_rng and same_parallel_layout(manifest["layout"], layout)
+    if load_rng and layout is not None and not with_rng and rank == 0:
+        logger.warning(
+            "checkpoint %s was saved at layout %s; this run is %s: not restoring its RNG states (they "
+            "belong to other ranks' positions); each rank keeps the ones seeded for this layout at "
+            "start-up, as a fresh run would", path, manifest["layout"], layout,
+        )
     state = sharded_state(
         model_chunks, optimizer, scheduler, is_loading=True, rank=rank, world=world,
         with_optimizer=with_optimizer, with_rng=with_rng,
