@@ -167,4 +167,12 @@ DIST_CKPT_WRITER_SITES = [
     # are not copied when planned, so checkpointing's async save copies them itself
     ("dist_checkpointing/strategies/filesystem_async.py", 341, "@_disable_gc()"),
     ("dist_checkpointing/strategies/filesystem_async.py", 151, "return ten.clone() if is_view else ten"),
+    # SaveFinalize: the two finalize functions it replaces (rank 0 writes, then a broadcast or a
+    # barrier the other ranks wait in), the request it replaces them in, and where save appends
+    ("dist_checkpointing/strategies/state_dict_saver.py", 243, "storage_writer.finish(global_metadata, all_results)"),
+    ("dist_checkpointing/strategies/state_dict_saver.py", 254, "torch.distributed.broadcast("),
+    ("dist_checkpointing/serialization.py", 422, "save_config("),
+    ("dist_checkpointing/serialization.py", 426, "torch.distributed.barrier()"),
+    ("dist_checkpointing/serialization.py", 438, "async_request.finalize_fns.append(metadata_finalize_fn)"),
+    ("dist_checkpointing/strategies/torch.py", 744, "return AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn)"),
 ]

@@ -274,6 +274,54 @@ def _failing_writer_rank(rank, world, save_dir):
     return "finalized"
 
 
+def _failing_metadata_rank(rank, world, save_dir, async_save):
+    """Save iteration 1; then iteration 2 with rank 0's ``.metadata`` write failing (a full disk in
+    megatron-core's finalize, between its collectives); then load. Returns (the error, the
+    iteration loaded)."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    import megatron.training.checkpointing as ck
+
+    model, layout = _rank_model(world)
+    kw = dict(layout=layout, configs={"model": {}})
+    ck.save_checkpoint(save_dir, 1, [model], **kw)
+    real = FileSystemWriterAsync.finish
+    if rank == 0:
+        def failing(self, metadata, results):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(self.checkpoint_dir, ".metadata.tmp"))
+
+        FileSystemWriterAsync.finish = failing
+    try:
+        ck.save_checkpoint(save_dir, 2, [model], async_save=async_save, **kw)
+        ck.finalize_pending_save()
+        error = "saved"
+    except ck.CheckpointError as e:
+        error = str(e)
+    finally:
+        FileSystemWriterAsync.finish = real
+    return error, ck.load_checkpoint(save_dir, [model], layout=layout).iteration
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_metadata_write_on_rank0_is_one_line_on_every_rank(tmp_path, async_save):
+    """Rank 0 alone writes ``.metadata`` when a save is finalized; its failure is the same one-line
+    error on both ranks at once (the other rank used to wait for rank 0 in a collective until the
+    process group's timeout, far beyond this test's), nothing of the save is published, and the
+    previous checkpoint loads."""
+    save_dir = str(tmp_path / "c")
+    results = run_distributed(_failing_metadata_rank, 2, save_dir, async_save, timeout_s=180)
+    (message, _), (other, _) = results
+    assert message == other, results
+    assert message.startswith(f"cannot save checkpoint {save_dir}/iter_0000002: No space left on device (")
+    assert ".metadata" in message and "\n" not in message, message
+    assert [iteration for _, iteration in results] == [1, 1]
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
+
+
 def _abandoned_rank(rank, world, save_dir):
     """An asynchronous save whose writers never finish: the ranks exit (their daemon writer threads
     die with them) before ``finalize_pending_save``."""

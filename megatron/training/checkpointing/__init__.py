@@ -42,7 +42,10 @@ versions (every file hashed), load under any mode: a check the manifest has no h
 the training thread, writes the shards from a daemon thread, and returns; the checkpoint is
 completed (hashes, manifest, rename, latest pointer) by ``finalize_pending_save``, a collective
 that the next save and the end of the run call on every rank, so at most one save is in flight
-and the write-then-rename rule is the synchronous save's.
+and the write-then-rename rule is the synchronous save's. Both end the same way (``writer``):
+every rank's write, then rank 0's ``.metadata`` and ``metadata.json``, are agreed on before the
+next collective, so a failure of either is the same one-line error on every rank, not a hang, and
+the previous checkpoint and the latest pointer stay as they were.
 
 The RNG state saved per rank holds python's, numpy's, torch's and CUDA's generators and, when it
 has any, megatron-core's CUDA RNG tracker states (the tensor/expert-parallel streams dropout under

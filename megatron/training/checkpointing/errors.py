@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron.common import collectives
 
-__all__ = ["CheckpointError", "one_line_error", "broadcast_object", "from_rank0"]
+__all__ = ["CheckpointError", "one_line_error", "broadcast_object", "from_rank0", "agreed_on_rank0"]
 
 
 class CheckpointError(RuntimeError):
@@ -70,3 +70,21 @@ def from_rank0(fn, *, user_errors: bool = False):
     if status == "user":
         raise UserError(value)
     return value
+
+
+def agreed_on_rank0(fn, what: str) -> None:
+    """``fn()`` on rank 0, its outcome agreed before any rank goes on: whatever it raises (torch's
+    ``CheckpointException`` is a ``BaseException``) is the same one-line ``CheckpointError``
+    ``"{what}: {line}"`` on every rank, so no rank waits in a later collective for one that failed
+    (collective). For rank 0's writes that must not fail alone (a checkpoint's ``.metadata``)."""
+    error, cause = None, None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            error, cause = f"{what}: {one_line_error(e)}", e
+    error = broadcast_object(error)
+    if error:
+        raise CheckpointError(error) from cause

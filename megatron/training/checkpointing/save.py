@@ -1,5 +1,5 @@
 """``save_checkpoint``: a collective save into a temporary directory, published as ``iter_N`` by
-``writer.complete_save`` (now, or when an asynchronous save is finalized)."""
+``writer`` (now, or when an asynchronous save is finalized)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from megatron.training.checkpointing.hashing import verify_mode
 from megatron.training.checkpointing.manifest import MANIFEST, iter_name, new_lineage
 from megatron.training.checkpointing.retention import move_aside
 from megatron.training.checkpointing.state import sharded_state
-from megatron.training.checkpointing.writer import complete_save, finalize_pending_save, start_pending_save
+from megatron.training.checkpointing.writer import finalize_pending_save, start_pending_save, write_save
 from megatron.training.config import VerifyCheckpoint
 
 __all__ = ["save_checkpoint"]
@@ -55,9 +55,7 @@ def save_checkpoint(
     pruning) only when ``finalize_pending_save`` is called on every rank; the returned path does
     not exist before that. A save first finalizes the one in flight, so at most one is.
     """
-    from megatron.core import dist_checkpointing
-
-    from megatron.compat.dist_ckpt import in_process_save_strategy
+    from megatron.compat.dist_ckpt import start_save
 
     finalize_pending_save()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -93,16 +91,15 @@ def save_checkpoint(
                   keep_last=keep_last, mode=verify_mode(verify))
     try:
         try:
-            request = dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy(),
-                                              async_sharded_save=async_save)
+            request, finalize = start_save(state, tmp)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # torch's CheckpointException is a BaseException
             raise CheckpointError(f"cannot save checkpoint {final}: {one_line_error(e)}") from e
         if async_save:
-            start_pending_save(request, finish)
+            start_pending_save(request, finalize, finish)
             return final
-        complete_save(**finish)
+        write_save(request, finalize, finish)
     except BaseException:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

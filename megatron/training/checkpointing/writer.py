@@ -1,11 +1,12 @@
-"""From written shards to a published checkpoint, and the asynchronous writer.
-
-``complete_save`` is the collective end of every save: rank 0 lists the files, every rank hashes
-its share, and rank 0 writes the manifest, renames the temporary directory to ``iter_N``, points
-the latest file at it and prunes, in that order, so the pointer only ever names a complete
-checkpoint. An asynchronous save (``PendingSave``) writes this rank's shards from a daemon thread
-and reaches ``complete_save`` through ``finalize_pending_save``, which the next save and the end of
-the run call on every rank, so at most one save is in flight.
+"""From a planned save to a published checkpoint: this rank's shards written now (``write_save``)
+or by a daemon thread (``PendingSave``, ended by ``finalize_pending_save``, which the next save and
+the end of the run call on every rank, so at most one save is in flight), then the same collective
+end for both (``_end_save``). Each step's outcome is agreed before the next collective: every
+rank's write, then rank 0's ``.metadata`` and ``metadata.json`` (megatron-core's finalize,
+``compat.dist_ckpt.SaveFinalize``), then the hashes; so a failure anywhere is the same one-line
+``CheckpointError`` on every rank and nothing is published. Publishing is rank 0's manifest, the
+rename of the temporary directory to ``iter_N``, the latest pointer and pruning, in that order, so
+the pointer only ever names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import torch.distributed as dist
 
 from megatron.common import collectives
 from megatron.common.files import write_json
-from megatron.training.checkpointing.errors import CheckpointError, from_rank0, one_line_error
+from megatron.training.checkpointing.errors import CheckpointError, agreed_on_rank0, from_rank0, one_line_error
 from megatron.training.checkpointing.hashing import hash_files, hash_shares, hashed, list_files
 from megatron.training.checkpointing.manifest import MANIFEST, build_manifest, write_latest
 from megatron.training.checkpointing.retention import prune
 
-__all__ = ["PendingSave", "pending_save", "start_pending_save", "finalize_pending_save", "complete_save"]
+__all__ = ["PendingSave", "pending_save", "start_pending_save", "finalize_pending_save", "write_save"]
 
 _PENDING: Optional["PendingSave"] = None
 
@@ -38,16 +39,30 @@ def _copy_to_host(write_buckets: list) -> list:
             for file_name, key, (bytes_data, tensor_data) in write_buckets]
 
 
+def _write_shards(request, args: list) -> None:
+    """This rank's shards written by megatron-core's ``async_fn`` (the in-process writer of
+    ``compat.dist_ckpt``) with ``args``; raises the writer's failure."""
+    if request.async_fn is None:  # nothing to write on this rank
+        return
+    request.async_fn(*args, **request.async_fn_kwargs)
+    results = args[2]  # the in-process results queue (megatron/compat/dist_ckpt.py)
+    outcome = results.get_nowait()
+    results.put(outcome)  # SaveFinalize.gather reads it again
+    if isinstance(outcome, BaseException):
+        raise outcome
+
+
 class PendingSave:
     """An asynchronous save in flight (``save_checkpoint(..., async_save=True)``): this rank's
     shards written by a daemon thread from a host copy of the state (bytes items, ``common.pt``
     and the plan were made in the training thread). Nothing of it is a checkpoint until
     ``finalize_pending_save``; a process that dies first leaves only a ``.tmp-iter_*`` directory."""
 
-    def __init__(self, request, finish: dict):
+    def __init__(self, request, finalize, finish: dict):
         self.final: str = finish["final"]
         self.iteration: int = finish["iteration"]
         self.request = request
+        self.finalize = finalize
         self.finish = finish
         self.error: Optional[BaseException] = None
         self._args = list(request.async_fn_args)
@@ -59,14 +74,7 @@ class PendingSave:
 
     def _write(self) -> None:
         try:
-            if self.request.async_fn is None:  # nothing to write on this rank
-                return
-            self.request.async_fn(*self._args, **self.request.async_fn_kwargs)
-            results = self._args[2]  # the in-process results queue (megatron/compat/dist_ckpt.py)
-            outcome = results.get_nowait()
-            results.put(outcome)  # megatron-core's finalize reads it again
-            if isinstance(outcome, BaseException):
-                raise outcome
+            _write_shards(self.request, self._args)
         except BaseException as e:
             self.error = e
 
@@ -80,43 +88,43 @@ def pending_save() -> Optional[PendingSave]:
     return _PENDING
 
 
-def start_pending_save(request, finish: dict) -> None:
-    """Write megatron-core's save ``request`` in the background; ``finish``: ``complete_save``'s
-    arguments, for ``finalize_pending_save``. Call ``finalize_pending_save`` first."""
+def start_pending_save(request, finalize, finish: dict) -> None:
+    """Write a planned save (``compat.dist_ckpt.start_save``'s ``request`` and ``finalize``) in the
+    background; ``finish``: ``_complete_save``'s arguments. Call ``finalize_pending_save`` first."""
     global _PENDING
-    _PENDING = PendingSave(request, finish)
+    _PENDING = PendingSave(request, finalize, finish)
+
+
+def write_save(request, finalize, finish: dict) -> None:
+    """Write a planned save in this thread and complete it (collective); the synchronous save."""
+    args = list(request.async_fn_args)
+    if request.async_fn is not None and request.preload_fn is not None:
+        args[1] = request.preload_fn()  # the tensors staged in host memory (megatron-core's sync save)
+    error = None
+    try:
+        _write_shards(request, args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        error = e
+    _end_save(error, finalize, finish)
 
 
 def finalize_pending_save() -> Optional[str]:
     """Make the asynchronous save in flight a checkpoint; collective (every rank calls it, at the
     next save and at the end of the run). Waits for this rank's writer, agrees with the other ranks
-    that every write succeeded, lets megatron-core finish its files (rank 0 writes ``.metadata``
-    and ``metadata.json``), hashes, writes the manifest and renames: the write-then-rename rule of
-    a synchronous save. Returns the checkpoint's path, or None when none is in flight. A failed
-    write is the same one-line ``CheckpointError`` on every rank and the temporary directory is
-    removed."""
+    that every write succeeded, lets rank 0 finish megatron-core's files (``.metadata`` and
+    ``metadata.json``), hashes, writes the manifest and renames: the write-then-rename rule of a
+    synchronous save. Returns the checkpoint's path, or None when none is in flight. A failed
+    write or finish is the same one-line ``CheckpointError`` on every rank and the temporary
+    directory is removed."""
     global _PENDING
     pending, _PENDING = _PENDING, None
     if pending is None:
         return None
-    world = dist.get_world_size()
     try:
         pending.thread.join()
-        mine = None if pending.error is None else (
-            f"cannot save checkpoint {pending.final}: {one_line_error(pending.error)}")
-        gathered = [None] * world
-        collectives.all_gather_object(gathered, mine)
-        first = next((e for e in gathered if e), None)
-        if first:
-            raise CheckpointError(first)
-        try:
-            for fn in pending.request.finalize_fns:
-                fn()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # torch's CheckpointException is a BaseException
-            raise CheckpointError(f"cannot save checkpoint {pending.final}: {one_line_error(e)}") from e
-        complete_save(**pending.finish)
+        _end_save(pending.error, pending.finalize, pending.finish)
     except BaseException:
         tmp = pending.finish["tmp"]
         if dist.get_rank() == 0 and os.path.isdir(tmp):
@@ -125,8 +133,23 @@ def finalize_pending_save() -> Optional[str]:
     return pending.final
 
 
-def complete_save(*, save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
-                  tokenizer_files, lineage, keep_last, mode) -> None:
+def _end_save(write_error: Optional[BaseException], finalize, finish: dict) -> None:
+    """Collective, once this rank's writer is done (``write_error``: its failure): the ranks agree
+    that every write succeeded, rank 0 finishes megatron-core's files with its outcome agreed
+    (``finalize``: ``compat.dist_ckpt.SaveFinalize``), then ``_complete_save``."""
+    cannot = f"cannot save checkpoint {finish['final']}"
+    gathered = [None] * dist.get_world_size()
+    collectives.all_gather_object(gathered, None if write_error is None else f"{cannot}: {one_line_error(write_error)}")
+    first = next((e for e in gathered if e), None)
+    if first:
+        raise CheckpointError(first)
+    results = finalize.gather()
+    agreed_on_rank0(lambda: finalize.write(results), cannot)
+    _complete_save(**finish)
+
+
+def _complete_save(*, save_dir, tmp, final, iteration, consumed_samples, layout, configs, has_optimizer,
+                   tokenizer_files, lineage, keep_last, mode) -> None:
     """Collective, once every rank's shards are written: rank 0 copies the tokenizer files and lists
     the files, every rank hashes its share (``hash_shares``), and rank 0 writes the manifest and
     renames (``_publish``)."""
