@@ -5,8 +5,8 @@ their global index, tensor-parallel shards concatenated along their partition di
 ``linear_fc1`` halves gathered separately), and ``load_global_state_dict`` slices such a dict back
 into a model built at any layout. Tests use it to compare layouts; checkpoint conversion and the
 Sem-MoE placement pass use it as their interchange format. Checkpoints for training use
-megatron-core ``dist_checkpointing`` instead (``checkpointing.py``), which reshards without ever
-holding full tensors.
+megatron-core ``dist_checkpointing`` instead (``megatron.training.checkpointing``), which reshards
+without ever holding full tensors.
 
 Pipeline parallelism is not handled here: each stage holds different layers (names are global
 already via megatron-core's layer offsets); call this per stage.

@@ -19,11 +19,20 @@ the results go through a plain in-process queue. No process is created, so nothi
 under a save or outlive its rank. The checkpoint is as large and as fast to write on these CPU
 runs; on a GPU cluster the loss is the parallelism of ``thread_count`` writer processes per rank.
 
-``async_save`` returns megatron-core's ``AsyncRequest`` with the same in-process writer, for
-``checkpointing.save_checkpoint(async_save=True)`` to run in a thread (its finalize functions, which
-gather the write results and write ``.metadata``, stay collective calls of the training thread).
-The writer is called without megatron-core's ``_disable_gc`` wrapper: that guards forked CUDA
-children, and in a thread it would switch garbage collection off for the whole rank.
+``start_save`` plans a save and returns megatron-core's ``AsyncRequest`` with the same in-process
+writer, which ``checkpointing`` runs in the calling thread or (``async_save``) in another, and a
+``SaveFinalize`` that ends it. The writer is called without megatron-core's ``_disable_gc`` wrapper:
+that guards forked CUDA children, and in a thread it would switch garbage collection off for the
+whole rank.
+
+``SaveFinalize`` replaces megatron-core's two finalize functions, which a failure on rank 0 turns
+into a hang: ``save_state_dict_async_finalize`` (``state_dict_saver.py:213``) has rank 0 write
+``.metadata`` between a gather and a broadcast of the failure flag, and ``dist_checkpointing.save``'s
+``metadata_finalize_fn`` (``serialization.py:420``) has it write ``metadata.json`` before a barrier;
+an exception in either write skips rank 0's broadcast or barrier, and the other ranks wait in it
+until a timeout. ``SaveFinalize`` splits the same work where one rank can fail alone: ``gather``
+(every rank's write results to rank 0) is the collective, and ``write`` (rank 0's two files) has
+no collective after it, so the caller agrees on its outcome before any rank waits.
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ import contextlib
 import functools
 import queue
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
-__all__ = ["InProcessTorchDistSaveStrategy", "in_process_save_strategy"]
+__all__ = ["InProcessTorchDistSaveStrategy", "in_process_save_strategy", "start_save", "SaveFinalize"]
 
 
 @contextlib.contextmanager
@@ -72,6 +81,35 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
     global_results_queue.put(results)
 
 
+class SaveFinalize:
+    """The end of an in-process save, once every rank's writer is done: ``gather`` on every rank
+    (collective), then ``write`` on rank 0 with the gathered results (no collective; see the
+    module doc)."""
+
+    def __init__(self, storage_writer, global_metadata, dist_wrapper, config):
+        self._storage_writer = storage_writer
+        self._global_metadata = global_metadata  # None except on rank 0
+        self._dist_wrapper = dist_wrapper
+        self._config = config  # megatron-core's CheckpointingConfig, metadata.json's content
+
+    def gather(self) -> Optional[list]:
+        """Every rank's write results, on rank 0 (None elsewhere); collective."""
+        return self._dist_wrapper.gather_object(self._storage_writer.retrieve_write_results())
+
+    def write(self, all_results: list) -> None:
+        """Rank 0: raise the first failed rank's write error (torch's ``CheckpointException``), else
+        write ``.metadata`` (the storage writer's ``finish``) and ``metadata.json``."""
+        from megatron.core.dist_checkpointing.core import save_config
+        from torch.distributed.checkpoint import CheckpointException
+        from torch.distributed.checkpoint.utils import _get_failure_dict
+
+        failures = _get_failure_dict(all_results)
+        if failures:
+            raise CheckpointException("write", failures)
+        self._storage_writer.finish(self._global_metadata, all_results)
+        save_config(self._config, self._storage_writer.checkpoint_dir)
+
+
 def _strategy_class():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -93,8 +131,17 @@ def _strategy_class():
                 request = request._replace(async_fn=functools.partial(_write_buckets_in_process, *fn.args))
             return request
 
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            """megatron-core's request (torch.py:737) with a ``SaveFinalize`` for its finalize function."""
+            from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            finalize = SaveFinalize(*save_state_dict_ret, CheckpointingConfig(self.backend, self.version))
+            return request._replace(finalize_fns=[finalize])
+
         def save(self, sharded_state_dict, checkpoint_dir: Union[str, Path]):
-            self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+            raise NotImplementedError("an in-process save is started with start_save and ended with its "
+                                      "SaveFinalize, whose outcome the caller agrees on across ranks")
 
     return InProcessTorchDistSaveStrategy
 
@@ -108,6 +155,23 @@ def in_process_save_strategy():
     if _CLASS is None:
         _CLASS = _strategy_class()
     return _CLASS("torch_dist", 1)
+
+
+def start_save(sharded_state_dict, checkpoint_dir: str):
+    """Plan a ``torch_dist`` save of ``sharded_state_dict`` into ``checkpoint_dir`` (``common.pt`` is
+    written now). Returns ``(request, finalize)``: ``request.async_fn(*request.async_fn_args)``
+    writes this rank's shards (args ``(rank, write_buckets, results queue)``; ``None``: nothing to
+    write), then every rank calls ``finalize.gather()`` and rank 0 ``finalize.write(results)``. The
+    request has no finalize functions left: ``finalize`` does what megatron-core's did."""
+    from megatron.core import dist_checkpointing
+
+    request = dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy=in_process_save_strategy(),
+                                      async_sharded_save=True)
+    # [ours, metadata_finalize_fn] (serialization.py:437-438); ours writes metadata.json too
+    fns = request.finalize_fns
+    if len(fns) != 2 or not isinstance(fns[0], SaveFinalize):
+        raise RuntimeError("megatron-core's save finalize functions changed shape; review megatron/compat/dist_ckpt.py")
+    return request._replace(finalize_fns=[]), fns[0]
 
 
 def __getattr__(name):  # the class itself, built lazily (megatron-core imports are heavy)

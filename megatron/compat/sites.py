@@ -271,4 +271,15 @@ DIST_CKPT_WRITER_SITES = [
          "@_disable_gc()"),
     Site("dist_checkpointing/strategies/filesystem_async.py",
          "FileSystemWriterAsync.prepare_write_data._clone_if_needed", "return ten.clone() if is_view else ten"),
+    # SaveFinalize: the two finalize functions it replaces (rank 0 writes, then a broadcast or a
+    # barrier the other ranks wait in), the request it replaces them in, and where save appends
+    Site("dist_checkpointing/strategies/state_dict_saver.py", "save_state_dict_async_finalize",
+         "storage_writer.finish(global_metadata, all_results)"),
+    Site("dist_checkpointing/strategies/state_dict_saver.py", "save_state_dict_async_finalize",
+         "torch.distributed.broadcast("),
+    Site("dist_checkpointing/serialization.py", "save.metadata_finalize_fn", "save_config("),
+    Site("dist_checkpointing/serialization.py", "save.metadata_finalize_fn", "torch.distributed.barrier()"),
+    Site("dist_checkpointing/serialization.py", "save", "async_request.finalize_fns.append(metadata_finalize_fn)"),
+    Site("dist_checkpointing/strategies/torch.py", "TorchDistSaveShardedStrategy._get_save_and_finalize_callbacks",
+         "return AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn)"),
 ]

@@ -1,5 +1,5 @@
 """A corrupt or crafted checkpoint given to the server is a one-line error before anything is
-served (the restricted readers of ``checkpoint_safety``; issue 22)."""
+served (the restricted readers of ``checkpointing.safety``; issue 22)."""
 
 import pytest
 

@@ -45,6 +45,7 @@ def _verify_rank(rank, world, save_dir, mode, target, how):
     """Save with ``mode``, rank 0 damages ``target``, load with ``mode``; returns the files this rank
     hashed at save and at load, the manifest and the load's outcome."""
     import megatron.training.checkpointing as ck
+    import megatron.training.checkpointing.hashing as hashing
     from megatron.common import collectives
 
     model, layout = _rank_model(world)
@@ -52,13 +53,13 @@ def _verify_rank(rank, world, save_dir, mode, target, how):
     with open(tokenizer, "wb") as f:
         f.write(TOKENIZER_BYTES)
     hashed = []
-    real = ck._sha256
+    real = hashing._sha256
 
     def recording(path):
         hashed.append(path)
         return real(path)
 
-    ck._sha256 = recording
+    hashing._sha256 = recording
     final = ck.save_checkpoint(save_dir, 1, [model], layout=layout, configs={"model": {}}, verify=mode,
                                tokenizer_files={"tokenizer_model": tokenizer})
     on_save = sorted(os.path.relpath(p, _tmp_dir_of(p)) for p in hashed)
@@ -273,6 +274,54 @@ def _failing_writer_rank(rank, world, save_dir):
     return "finalized"
 
 
+def _failing_metadata_rank(rank, world, save_dir, async_save):
+    """Save iteration 1; then iteration 2 with rank 0's ``.metadata`` write failing (a full disk in
+    megatron-core's finalize, between its collectives); then load. Returns (the error, the
+    iteration loaded)."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    import megatron.training.checkpointing as ck
+
+    model, layout = _rank_model(world)
+    kw = dict(layout=layout, configs={"model": {}})
+    ck.save_checkpoint(save_dir, 1, [model], **kw)
+    real = FileSystemWriterAsync.finish
+    if rank == 0:
+        def failing(self, metadata, results):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(self.checkpoint_dir, ".metadata.tmp"))
+
+        FileSystemWriterAsync.finish = failing
+    try:
+        ck.save_checkpoint(save_dir, 2, [model], async_save=async_save, **kw)
+        ck.finalize_pending_save()
+        error = "saved"
+    except ck.CheckpointError as e:
+        error = str(e)
+    finally:
+        FileSystemWriterAsync.finish = real
+    return error, ck.load_checkpoint(save_dir, [model], layout=layout).iteration
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_metadata_write_on_rank0_is_one_line_on_every_rank(tmp_path, async_save):
+    """Rank 0 alone writes ``.metadata`` when a save is finalized; its failure is the same one-line
+    error on both ranks at once (the other rank used to wait for rank 0 in a collective until the
+    process group's timeout, far beyond this test's), nothing of the save is published, and the
+    previous checkpoint loads."""
+    save_dir = str(tmp_path / "c")
+    results = run_distributed(_failing_metadata_rank, 2, save_dir, async_save, timeout_s=180)
+    (message, _), (other, _) = results
+    assert message == other, results
+    assert message.startswith(f"cannot save checkpoint {save_dir}/iter_0000002: No space left on device (")
+    assert ".metadata" in message and "\n" not in message, message
+    assert [iteration for _, iteration in results] == [1, 1]
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
+
+
 def _abandoned_rank(rank, world, save_dir):
     """An asynchronous save whose writers never finish: the ranks exit (their daemon writer threads
     die with them) before ``finalize_pending_save``."""
@@ -335,7 +384,7 @@ def _rng_items(path):
     """``{fqn: object}`` of the checkpoint's ``rng_state`` items, read from the shards."""
     import torch
 
-    from megatron.training.checkpoint_safety import read_metadata
+    from megatron.training.checkpointing.safety import read_metadata
 
     metadata = read_metadata(path)
     out = {}
@@ -385,6 +434,80 @@ def test_cuda_rng_tracker_states_are_saved_per_rank_and_restored(tmp_path):
         assert sorted(restored) == sorted(TRACKER_NAMES)
         assert all(torch.equal(restored[n], states[n]) for n in TRACKER_NAMES), rank
     assert not torch.equal(results[0][2]["model-parallel-rng"], results[1][2]["model-parallel-rng"])
+
+
+def _seed_tracker_as_on_gpu(seed):
+    """Install the tracker ``parallel.set_seed`` leaves on a GPU (megatron-core's
+    ``model_parallel_cuda_manual_seed``: data-parallel stream ``seed``, tensor-parallel
+    ``seed + 2718 + tp_rank``, expert ``seed + 1024 + 100 * ep_rank + etp_rank``), its states made
+    by CPU generators; returns them."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+
+    seeds = {
+        "data-parallel-rng": seed,
+        "model-parallel-rng": seed + 2718 + parallel_state.get_tensor_model_parallel_rank(),
+        "expert-parallel-rng": seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
+        + parallel_state.get_expert_tensor_parallel_rank(),
+    }
+    tp_random.initialize_rng_tracker(force_reset=True)
+    states = {name: torch.Generator().manual_seed(s).get_state() for name, s in seeds.items()}
+    tp_random.get_cuda_rng_tracker().set_states(dict(states))
+    return states
+
+
+def _relayout_rank(rank, world, save_dir):
+    """Save at TP1 x DP2 (both ranks at TP rank 0 and EP rank 0: equal tensor-parallel and expert
+    streams) with seed 7, then load at TP2, at EP2 and at TP1 x DP2 again, each started with seed 8
+    as ``initialize_parallel`` and a GPU's ``set_seed`` start it. Returns the saved states and, per
+    load, (tracker states and the CPU generator's state before the load, after it)."""
+    import torch
+    from megatron.core.tensor_parallel import random as tp_random
+
+    import megatron.training.checkpointing as ck
+    from moe_variants.config import ParallelConfig
+    from tests.helpers import build_and_load, tiny_model_config
+
+    def start(parallel, seed):
+        # a padded vocabulary of 128 at TP1 and TP2 alike (96 padded to a multiple of 64 x TP)
+        model, _ = build_and_load(tiny_model_config(make_vocab_size_divisible_by=64), parallel, seed=seed)
+        return model, _seed_tracker_as_on_gpu(seed), ck.layout_of(parallel, None, world)
+
+    model, saved, layout = start(ParallelConfig(), 7)
+    ck.save_checkpoint(save_dir, 1, [model], layout=layout, configs={"model": {}})
+    out = {"saved": (saved, torch.get_rng_state())}
+    for name, parallel in [("tp2", ParallelConfig(tensor_model_parallel_size=2)),
+                           ("ep2", ParallelConfig(expert_model_parallel_size=2)), ("same", ParallelConfig())]:
+        model, seeded, layout = start(parallel, 8)
+        before = (seeded, torch.get_rng_state())
+        ck.load_checkpoint(save_dir, [model], layout=layout)
+        out[name] = (before, (tp_random.get_cuda_rng_tracker().get_states(), torch.get_rng_state()))
+    return out
+
+
+def test_rng_states_are_restored_only_at_the_saved_layout(tmp_path):
+    """Saved at TP1 x DP2 and loaded at TP2 (or EP2) with the same world size, the ranks' saved
+    streams are not theirs: restoring them would give both TP (EP) ranks one tensor-parallel
+    (expert) stream. Each rank keeps the states seeded for its new position; at the saved layout
+    every state is restored exactly."""
+    import torch
+
+    def equal(a, b):
+        return sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+    results = run_distributed(_relayout_rank, 2, str(tmp_path / "c"), timeout_s=300)
+    for stream, relayout in [("model-parallel-rng", "tp2"), ("expert-parallel-rng", "ep2")]:
+        assert torch.equal(results[0]["saved"][0][stream], results[1]["saved"][0][stream])  # TP1, EP1
+        after = [r[relayout][1][0] for r in results]
+        assert not torch.equal(after[0][stream], after[1][stream]), relayout
+        for r in results:
+            (seeded, cpu_before), (tracker, cpu_after) = r[relayout]
+            assert equal(tracker, seeded) and torch.equal(cpu_after, cpu_before), relayout
+    for r in results:
+        (tracker_saved, cpu_saved), ((seeded, cpu_before), (tracker, cpu_after)) = r["saved"], r["same"]
+        assert not equal(seeded, tracker_saved) and not torch.equal(cpu_before, cpu_saved)
+        assert equal(tracker, tracker_saved) and torch.equal(cpu_after, cpu_saved)
 
 
 def _pretrain_rank(rank, world, argv):

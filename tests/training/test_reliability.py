@@ -334,7 +334,7 @@ def test_weights_only_reader_refuses_a_crafted_common_pt(tmp_path):
     torch's default off."""
     import torch
 
-    from megatron.training.checkpoint_safety import UnsafeCheckpoint, _weights_only_load
+    from megatron.training.checkpointing.safety import UnsafeCheckpoint, _weights_only_load
 
     marker = tmp_path / "PWNED"
     torch.save({"x": _Payload(marker)}, tmp_path / "common.pt")
