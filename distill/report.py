@@ -1,7 +1,8 @@
 """FCSD before/after report: held-out perplexity and KL to the teacher for every model of a conversion.
 
     python -m distill.report --teacher CKPT --text HELDOUT.txt --out report.json \\
-        [--untrained all --untrained last:2] [--student "FCSD kl, all=RUN/best" ...] \\
+        [--untrained all --untrained last:2] [--farskip-connectivity paper-text] \\
+        [--student "FCSD kl, all=RUN/best" ...] \\
         [--unigram-data PREFIX ...] [--max-windows N] [--micro-batch-size B] \
         [--lm-eval-tasks T1,T2 --include-path examples/lm_eval_tasks --data-dir ../shared/data --lm-eval-limit N]
 
@@ -12,7 +13,8 @@ after the first scored once):
 * ``untrained <spec>``: the teacher's weights loaded with ``--farskip <spec>`` and no training
   (paper Fig. 3: the conversion alone breaks the model); ``<spec>@<mode>`` converts only one
   sub-block (``--farskip-mode attn-only``: only attention reads the earlier stream, ``mlp-only``:
-  only the MoE), which says which of the two costs;
+  only the MoE), which says which of the two costs; ``--farskip-connectivity`` picks their wiring
+  (default ``reference``; ``paper-text`` reproduces figures made before that option existed);
 * each ``--student LABEL=CKPT``: a distilled (or SFT) checkpoint with the connectivity it was
   saved with;
 * ``unigram``: token frequencies of ``--unigram-data`` (add-one smoothed), the floor a language
@@ -42,7 +44,7 @@ from megatron.training.parallel import single_process_group
 from megatron.common.cli import run_cli
 from megatron.common.files import write_json
 from distill.scoring import LMEvalSpec, heldout_kl, lm_eval_scores, main_metric, make_lm_eval_spec
-from moe_variants.farskip.config import FarSkipConfig
+from moe_variants.farskip.config import FarSkipConfig, FarSkipConnectivity
 
 __all__ = ["unigram_perplexity", "score_rows", "format_table", "main"]
 
@@ -96,8 +98,10 @@ def _untrained_spec(spec: str) -> tuple[str, Optional[str]]:
 @torch.no_grad()
 def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: list[tuple[str, str]],
                max_windows: Optional[int], micro_batch_size: int,
-               lm_eval_spec: Optional[LMEvalSpec] = None) -> tuple[list[dict], object]:
-    """Held-out rows for the teacher, the untrained conversions and the students (one rank)."""
+               lm_eval_spec: Optional[LMEvalSpec] = None,
+               connectivity: Optional[str] = None) -> tuple[list[dict], object]:
+    """Held-out rows for the teacher, the untrained conversions (``--farskip-connectivity
+    connectivity``, default the config's) and the students (one rank)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from moe_variants.config import ParallelConfig
@@ -124,8 +128,11 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
     for spec in untrained:
         layers, mode = _untrained_spec(spec)
         overrides = {"farskip": layers} if mode is None else {"farskip": layers, "farskip_mode": mode}
-        model, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides=overrides)
+        if connectivity is not None:
+            overrides["farskip_connectivity"] = connectivity
+        model, untrained_configs, *_ = load_model(teacher_path, parallel=ParallelConfig(), overrides=overrides)
         rows.append(row(f"untrained, farskip {spec}", model, layers))
+        rows[-1]["farskip_connectivity"] = FarSkipConfig.of(untrained_configs.model).farskip_connectivity.value
         if mode is not None:
             rows[-1]["farskip_mode"] = mode
         del model
@@ -170,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--untrained", action="append", default=[], metavar="SPEC",
                    help="score the teacher's weights with --farskip SPEC and no training (repeatable); "
                    "SPEC@MODE converts one sub-block only (attn-only, mlp-only)")
+    p.add_argument("--farskip-connectivity", choices=[c.value for c in FarSkipConnectivity], default=None,
+                   help="wiring of the --untrained conversions (default: reference; paper-text: the wiring of "
+                   "checkpoints and figures made before this option)")
     p.add_argument("--student", action="append", default=[], metavar="LABEL=CKPT",
                    help="a distilled checkpoint to score (repeatable)")
     p.add_argument("--unigram-data", nargs="+", default=None, metavar="PREFIX",
@@ -215,7 +225,8 @@ def main(argv=None) -> int:
         with single_process_group():
             rows, (windows, tokenizer) = score_rows(
                 args.teacher, args.text, untrained=args.untrained, students=students,
-                max_windows=args.max_windows, micro_batch_size=args.micro_batch_size, lm_eval_spec=spec)
+                max_windows=args.max_windows, micro_batch_size=args.micro_batch_size, lm_eval_spec=spec,
+                connectivity=args.farskip_connectivity)
         if args.unigram_data:
             counts = _token_counts(args.unigram_data, tokenizer.vocab_size)
             uni = unigram_perplexity(counts, windows[:, 1:].numpy())

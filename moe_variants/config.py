@@ -292,12 +292,15 @@ class ModelConfig:
     def from_dump(cls, configs: dict) -> "ModelConfig":
         """The ``ModelConfig`` of a stored config dump (``{section: {field: value}}``, as checkpoint
         manifests keep it): the ``model`` section plus the variants' sections. Dumps written before
-        the variants had sections keep their fields in ``model``; both read the same."""
+        the variants had sections keep their fields in ``model``; both read the same. Fields a dump
+        lacks because it predates them get the values it was written with
+        (``registry.stored_defaults``)."""
         from moe_variants import registry
 
         values = dict(configs.get("model", {}))
         for name in registry.config_sections():
             values.update(configs.get(name, {}))
+        values.update(registry.stored_defaults(values))
         return cls.from_flat(values)
 
     def flat(self) -> dict:

@@ -5,7 +5,8 @@ A variant is a :class:`Variant` subclass in ``moe_variants/<name>/variant.py``, 
 
 - its **config section**: a dataclass subclassing :class:`VariantConfig`, whose fields are flat
   Megatron-style flags (``bigmac_ratio`` is ``--bigmac-ratio`` and the YAML key ``bigmac_ratio``);
-  typed values are parsed once, in the dataclass (e.g. FarSkip's layer selection);
+  typed values are parsed once, in the dataclass (e.g. FarSkip's layer selection); what a stored
+  config written before a field existed meant (``VariantConfig.stored_defaults``);
 - **validation** (``validate``: ``ValueError`` naming the flag);
 - how it changes the **MoE layer's spec** (``moe_layer_spec``) or the **built model** (``apply``);
 - what it **refuses** (``export_refusal``: e.g. no Hugging Face equivalent);
@@ -44,6 +45,7 @@ __all__ = [
     "get",
     "enabled",
     "config_sections",
+    "stored_defaults",
     "moe_layer_choices",
     "moe_layer_owner",
     "STANDARD",
@@ -84,6 +86,13 @@ class VariantConfig:
     def of(cls, model):
         section = model.variants.get(cls.SECTION)
         return section if section is not None else cls()
+
+    @classmethod
+    def stored_defaults(cls, values: dict) -> dict:
+        """Values for this section's fields that ``values`` (a stored config's flat fields, e.g. a
+        checkpoint manifest's) lacks because it was written before they existed, chosen so that it
+        keeps the meaning it was written with. Default: none (a new field's default keeps it)."""
+        return {}
 
 
 class Application(str, enum.Enum):
@@ -440,6 +449,15 @@ def upstream_moe_configs(model) -> dict[str, dict]:
 def config_sections() -> dict[str, type]:
     """Section name -> config dataclass of every variant that has one."""
     return {v.name: v.config for v in variants() if v.config is not None}
+
+
+def stored_defaults(values: dict) -> dict:
+    """Every variant section's ``VariantConfig.stored_defaults`` for a stored config's flat
+    ``values``: what a loader adds before building the configs from it."""
+    out = {}
+    for cls in config_sections().values():
+        out.update(cls.stored_defaults(values))
+    return out
 
 
 def moe_layer_choices() -> list[str]:

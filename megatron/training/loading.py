@@ -26,9 +26,11 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
     """(Configs, manifest, checkpoint dir) of the newest checkpoint under ``path``.
 
     ``overrides`` replaces config fields (e.g. ``{"farskip": "all"}`` to load a model with another
-    connectivity, or parallel sizes).
+    connectivity, or parallel sizes). Fields the checkpoint lacks because it was written before
+    they existed get the values it was written with (``registry.stored_defaults``).
     """
     from megatron.training.arguments import configs_from_dict, option_names
+    from moe_variants import registry
 
     ckpt, manifest = find_checkpoint(path)
     values = {}
@@ -36,6 +38,7 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
         if section == "tokenizer":
             continue
         values.update(fields)
+    values.update(registry.stored_defaults(values))
     values.update(overrides or {})
     known = option_names()
     return configs_from_dict({k: v for k, v in values.items() if k in known}), manifest, ckpt

@@ -9,7 +9,9 @@ arrives as megatron-core's ``WrappedTensor`` and is unwrapped as ``TransformerBl
 layers then run attention through upstream's ``Attention.forward`` with that context.
 
 ``apply_farskip`` converts a built ``GPTModel`` in place: the block and the selected layers change
-class, no parameter changes, so any checkpoint loads with either connectivity.
+class, no parameter changes, so any checkpoint loads with either connectivity. With ``reference``
+connectivity the standard MoE layer right before the range (``FarSkipConfig.lead_in_layer``) also
+becomes a ``FarSkipTransformerLayer``, with standard connectivity but handing the range both streams.
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ class FarSkipTransformerBlock(TransformerBlock):
         return hidden_states
 
 
-def check_farskip_supported(config, farskip_layers, pipeline_size: int, num_layers: int) -> None:
+def check_farskip_supported(config, farskip_layers, pipeline_size: int, num_layers: int,
+                            lead_in=None) -> None:
     """Refuse what FarSkip cannot run correctly on this megatron-core ``TransformerConfig``, with a
-    one-line ``ValueError`` (settings of our own configs are checked by the variant's ``validate``)."""
+    one-line ``ValueError`` (settings of our own configs are checked by the variant's ``validate``).
+    ``lead_in``: the standard layer that hands the range two streams (``reference``), or None."""
     if config.recompute_granularity is not None:
         raise ValueError("--farskip cannot be combined with activation recompute: re-running a "
                          "layer's forward would issue its collectives twice")
@@ -111,21 +115,26 @@ def check_farskip_supported(config, farskip_layers, pipeline_size: int, num_laye
     if pipeline_size > 1:
         per_stage = num_layers // pipeline_size
         for first in range(per_stage, num_layers, per_stage):
-            if first in farskip_layers and first - 1 in farskip_layers:
+            if first in farskip_layers and (first - 1 in farskip_layers or first - 1 == lead_in):
+                what = "a FarSkip layer" if first - 1 in farskip_layers else "the MoE layer that hands it two streams"
                 raise ValueError(
-                    f"--farskip: layer {first} starts a pipeline stage but its predecessor is a "
-                    f"FarSkip layer on another stage (only one residual stream crosses a stage); "
-                    f"exclude layer {first} or use --pipeline-model-parallel-size 1"
+                    f"--farskip: layer {first} starts a pipeline stage but its predecessor is "
+                    f"{what} on another stage (only one residual stream crosses a stage); "
+                    f"exclude layer {first}, use --farskip-connectivity paper-text, or use "
+                    f"--pipeline-model-parallel-size 1"
                 )
 
 
-def apply_farskip(gpt, cfg: FarSkipConfig, num_layers: int):
-    """Switch a built ``GPTModel``'s selected layers (``cfg.farskip``) to FarSkip connectivity."""
+def apply_farskip(gpt, cfg: FarSkipConfig, moe_pattern: list):
+    """Switch a built ``GPTModel``'s selected layers (``cfg.farskip``) to FarSkip connectivity.
+    ``moe_pattern``: 1 for an MoE layer, 0 for a dense one, per layer of the whole model."""
+    num_layers = len(moe_pattern)
     selected = cfg.layers(num_layers)
     if not selected:
         return gpt
+    lead_in = cfg.lead_in_layer(moe_pattern)
     block = gpt.decoder
-    check_farskip_supported(block.config, selected, block.config.pipeline_model_parallel_size, num_layers)
+    check_farskip_supported(block.config, selected, block.config.pipeline_model_parallel_size, num_layers, lead_in)
     if type(block) is not TransformerBlock:
         raise ValueError(f"--farskip needs megatron-core's TransformerBlock, got {type(block).__name__}")
     block.__class__ = FarSkipTransformerBlock
@@ -134,10 +143,12 @@ def apply_farskip(gpt, cfg: FarSkipConfig, num_layers: int):
     block.farskip_async_tp = cfg.farskip_async_tp
     block.farskip_inference_split = cfg.farskip_inference_split
     for layer in block.layers:
-        if layer.layer_number - 1 in selected:
+        index = layer.layer_number - 1
+        if index in selected or index == lead_in:
             if type(layer) is not TransformerLayer:
                 raise ValueError(f"--farskip needs megatron-core's TransformerLayer, got {type(layer).__name__}")
             layer.__class__ = FarSkipTransformerLayer
+            layer.farskip_lead_in = index == lead_in
             if block.farskip_overlapped and cfg.farskip_defer_wgrad and layer.is_moe_layer:
                 defer_expert_wgrad(layer.mlp)
     if block.farskip_overlapped and cfg.farskip_defer_wgrad:

@@ -2,8 +2,8 @@
 
 Flags (flat, Megatron style; also YAML keys): ``--farskip none|all|first:N|last:N|A-B``,
 ``--farskip-impl simple|overlapped``, ``--farskip-mode full|attn-only|mlp-only``,
-``--[no-]farskip-defer-wgrad``. The layer selection is parsed once, here, into a
-:class:`LayerSelection`.
+``--farskip-connectivity reference|paper-text``, ``--[no-]farskip-defer-wgrad``. The layer
+selection is parsed once, here, into a :class:`LayerSelection`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from typing import Optional
+
 from moe_variants.config import coerce_enums
 from moe_variants.registry import VariantConfig
 
-__all__ = ["FarSkipConfig", "FarSkipImpl", "FarSkipMode", "LayerSelection"]
+__all__ = ["FarSkipConfig", "FarSkipConnectivity", "FarSkipImpl", "FarSkipMode", "LayerSelection"]
 
 
 class FarSkipMode(str, enum.Enum):
@@ -25,6 +27,21 @@ class FarSkipMode(str, enum.Enum):
     full = "full"
     attn_only = "attn-only"
     mlp_only = "mlp-only"
+
+
+class FarSkipConnectivity(str, enum.Enum):
+    """What the standard MoE layer right before a FarSkip range hands the range's first layer.
+
+    ``reference``: the authors' wiring (their Instella-MoE modelling, docs/farskip.md): its
+    routed-free stream as the attention stream and its full output as the full stream, so the
+    first FarSkip layer's attention skips that layer's routed experts like every other FarSkip
+    layer's. ``paper-text``: one collapsed stream (its full output), this project's first reading
+    of the paper; checkpoints written before this option were trained with it. The two differ only
+    for a range that starts right after an MoE layer (``last:N``, ``A-B``), and not in ``mlp-only``
+    mode (whose attention reads the full stream anyway)."""
+
+    reference = "reference"
+    paper_text = "paper-text"
 
 
 class FarSkipImpl(str, enum.Enum):
@@ -114,6 +131,12 @@ class FarSkipConfig(VariantConfig):
     farskip_mode: FarSkipMode = dataclasses.field(
         default=FarSkipMode.full, metadata={"help": "which sub-block reads the earlier activation"},
     )
+    farskip_connectivity: FarSkipConnectivity = dataclasses.field(
+        default=FarSkipConnectivity.reference,
+        metadata={"help": "reference: the authors' wiring (a standard MoE layer right before the FarSkip range "
+                          "hands the range its routed-free stream); paper-text: that layer hands on one "
+                          "collapsed stream (what checkpoints written before this option were trained with)"},
+    )
     # overlapped FarSkip: the local experts' and the output layer's weight gradients run while a
     # later gradient all-to-all flies (moe_variants/common/wgrad.py)
     farskip_defer_wgrad: bool = dataclasses.field(
@@ -141,6 +164,14 @@ class FarSkipConfig(VariantConfig):
         self.farskip = LayerSelection.parse(self.farskip)
         coerce_enums(self)
 
+    @classmethod
+    def stored_defaults(cls, values: dict) -> dict:
+        """A stored config with FarSkip layers but no ``farskip_connectivity`` was written before
+        the option existed: it was trained with ``paper-text``."""
+        if "farskip_connectivity" in values or LayerSelection.parse(values.get("farskip")).empty:
+            return {}
+        return {"farskip_connectivity": FarSkipConnectivity.paper_text.value}
+
     @property
     def overlapped(self) -> bool:
         return self.farskip_impl == FarSkipImpl.overlapped
@@ -148,3 +179,13 @@ class FarSkipConfig(VariantConfig):
     def layers(self, num_layers: int) -> frozenset[int]:
         return self.farskip.indices(num_layers)
 
+    def lead_in_layer(self, moe_pattern: list) -> Optional[int]:
+        """The standard MoE layer that hands the FarSkip range its routed-free stream (``reference``
+        connectivity, a range right after an MoE layer, not ``mlp-only``), or None.
+        ``moe_pattern``: 1 for an MoE layer, 0 for a dense one, per layer."""
+        selected = self.layers(len(moe_pattern))
+        if (self.farskip_connectivity != FarSkipConnectivity.reference or not selected
+                or self.farskip_mode == FarSkipMode.mlp_only):
+            return None
+        before = min(selected) - 1
+        return before if before >= 0 and moe_pattern[before] else None

@@ -10,8 +10,12 @@ A FarSkip MoE layer k, given A_{k-1} (attention stream) and o_{k-1} (full stream
     o_k = A_k + routed_k
 
 Dense layers inside a FarSkip range run their MLP in parallel on the same input and collapse the
-two streams (A_k = o_k). The layer has exactly ``TransformerLayer``'s parameters: FarSkip changes
-the forward only, so any checkpoint loads with either connectivity.
+two streams (A_k = o_k). With ``reference`` connectivity the standard MoE layer right before a range
+(its *lead-in*, ``farskip_lead_in``) runs the standard connectivity (attention and MoE on the full
+stream, the MoE after attention) but still hands on both streams, A_k = residual_k + shared_k and
+o_k = A_k + routed_k, so the range's first attention reads A_k as the authors' implementation does.
+The layer has exactly ``TransformerLayer``'s parameters: FarSkip changes the forward only, so any
+checkpoint loads with either connectivity.
 
 Two executions of the same math, with the same additions in the same order (so the forward is
 bit-identical):
@@ -82,6 +86,8 @@ def _noop():
 
 class FarSkipTransformerLayer(TransformerLayer):
     """``TransformerLayer`` with FarSkip connectivity; call ``farskip_forward``."""
+
+    farskip_lead_in: bool = False  # standard connectivity, two streams out (set by ``apply_farskip``)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.hidden_dropout and self.training:
@@ -242,14 +248,16 @@ class FarSkipTransformerLayer(TransformerLayer):
         With an ``inference_context`` (KV-cached generation), or precomputed rotary cos/sin (fused
         or flash-decode RoPE), attention runs whole through megatron-core's own
         ``Attention.forward``: ``overlapped`` then takes ``_inference_forward``'s schedule (the
-        ``full`` mode; the other modes block).
+        ``full`` mode; the other modes and a lead-in layer block).
         """
         attn = self.self_attention
         precomputed_rope = any(t is not None for t in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin))
         async_tp = async_tp and self.config.tensor_model_parallel_size > 1
         if async_tp and torch.is_grad_enabled():
             raise ValueError("--farskip-async-tp is for inference (forward only, no gradients)")
-        if overlapped and self.is_moe_layer and mode == FarSkipMode.full and (
+        attn_reads_a = mode in (FarSkipMode.full, FarSkipMode.attn_only) and not self.farskip_lead_in
+        moe_reads_pre = mode in (FarSkipMode.full, FarSkipMode.mlp_only) and not self.farskip_lead_in
+        if overlapped and self.is_moe_layer and attn_reads_a and moe_reads_pre and (
                 inference_context is not None or precomputed_rope or async_tp):
             return self._inference_forward(
                 state, attention_mask=attention_mask, inference_context=inference_context, async_tp=async_tp,
@@ -260,8 +268,6 @@ class FarSkipTransformerLayer(TransformerLayer):
             )
         split = can_split(attn) and inference_context is None and not precomputed_rope
         overlapped = overlapped and inference_context is None
-        attn_reads_a = mode in (FarSkipMode.full, FarSkipMode.attn_only)
-        moe_reads_pre = mode in (FarSkipMode.full, FarSkipMode.mlp_only)
 
         qkv = None
         early_core = None  # core attention of the first half of the micro-batch

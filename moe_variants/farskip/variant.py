@@ -40,9 +40,10 @@ class FarSkip(Variant):
             raise ValueError("--farskip-inference-split needs --farskip-impl overlapped and --farskip-mode full")
 
     def apply(self, gpt, model) -> None:
+        from moe_variants.config import moe_layer_pattern
         from moe_variants.farskip.block import apply_farskip
 
-        apply_farskip(gpt, self.section(model), model.num_layers)
+        apply_farskip(gpt, self.section(model), moe_layer_pattern(model))
 
     def export_refusal(self, model, target: str):
         return (f"--farskip {self.section(model).farskip}: FarSkip connectivity has no {target} equivalent "

@@ -12,7 +12,7 @@ import torch
 
 from moe_variants.config import ParallelConfig
 from tools.spawn import run_distributed
-from moe_variants.farskip.config import LayerSelection
+from moe_variants.farskip.config import FarSkipConfig, LayerSelection
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
 
 
@@ -36,6 +36,7 @@ CASES = [
     dict(farskip="all", moe_shared_expert_intermediate_size=None),
     dict(farskip="first:1", num_layers=3),
     dict(farskip="last:2", num_layers=3, moe_layer_freq=[0, 1, 1]),
+    dict(farskip="last:1"),  # reference connectivity: layer 0 is the range's lead-in
     dict(farskip="all", moe_layer_freq=[0, 1]),  # a dense layer inside the FarSkip range
     dict(farskip="all", moe_variant="bigmac", bigmac_ratio=0.25),
     dict(farskip="all", farskip_mode="attn-only"),
@@ -73,6 +74,53 @@ def test_layer_selection():
     for bad in ("last:5", "3-1", "half", "first:0"):
         with pytest.raises(ValueError, match="--farskip"):
             LayerSelection.parse(bad).indices(4)
+
+
+def test_lead_in_layer():
+    """With ``reference`` connectivity the standard MoE layer right before the range hands it two
+    streams; there is none for a range from layer 0 or right after a dense layer, in ``mlp-only``
+    mode (its attention reads the full stream) or with ``paper-text``."""
+    def lead_in(selection, pattern, **kw):
+        return FarSkipConfig(farskip=selection, **kw).lead_in_layer(pattern)
+
+    assert lead_in("last:2", [1, 1, 1, 1]) == 1
+    assert lead_in("last:2", [1, 1, 1, 1], farskip_mode="attn-only") == 1
+    assert lead_in("2-2", [0, 1, 1, 1]) == 1
+    for selection, pattern, kw in [("1-2", [0, 0, 1, 1], {}), ("first:2", [1, 1, 1, 1], {}), ("all", [0, 1, 1, 1], {}),
+                                   ("none", [1, 1, 1, 1], {}), ("last:2", [1, 1, 1, 1], {"farskip_mode": "mlp-only"}),
+                                   ("last:2", [1, 1, 1, 1], {"farskip_connectivity": "paper-text"})]:
+        assert lead_in(selection, pattern, **kw) is None, (selection, pattern, kw)
+
+
+def test_stored_configs_keep_their_connectivity():
+    """A stored config with FarSkip layers written before ``--farskip-connectivity`` existed loads as
+    ``paper-text``, the wiring it was trained with; one without FarSkip layers gets the default
+    ``reference`` (a standard teacher converted later takes today's wiring); a stored value stays."""
+    from moe_variants.config import ModelConfig
+
+    def connectivity(dump):
+        return FarSkipConfig.of(ModelConfig.from_dump(dump)).farskip_connectivity.value
+
+    assert FarSkipConfig().farskip_connectivity.value == "reference"
+    assert connectivity({"model": {"farskip": "last:1"}}) == "paper-text"  # before the variant registry
+    assert connectivity({"model": {}, "farskip": {"farskip": "last:1"}}) == "paper-text"
+    assert connectivity({"model": {}, "farskip": {"farskip": "none"}}) == "reference"
+    assert connectivity({"model": {}, "farskip": {"farskip": "last:1", "farskip_connectivity": "reference"}}) == "reference"
+    assert connectivity(tiny_model_config(farskip="last:1", farskip_connectivity="paper-text").dump()) == "paper-text"
+
+
+def test_lead_in_layer_on_the_previous_pipeline_stage_is_refused():
+    """Only one residual stream crosses a pipeline stage: a range whose lead-in layer sits on the
+    previous stage is refused (with ``paper-text`` it is not)."""
+    from types import SimpleNamespace
+
+    from moe_variants.farskip.block import check_farskip_supported
+
+    config = SimpleNamespace(recompute_granularity=None, cuda_graph_impl="none", overlap_moe_expert_parallel_comm=False,
+                             fp8=None, fp4=None, cpu_offloading=False)
+    check_farskip_supported(config, {2, 3}, 2, 4, lead_in=None)
+    with pytest.raises(ValueError, match="layer 2 starts a pipeline stage.*hands it two streams"):
+        check_farskip_supported(config, {2, 3}, 2, 4, lead_in=1)
 
 
 def _split_vs_whole(rank, world, overrides):
