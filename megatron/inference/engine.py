@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
+from moe_variants.registry import ServingModel
 
 __all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "STAT_FIELDS", "build_engine", "sampling_seed"]
 
@@ -340,9 +341,9 @@ class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
     def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1,
-                 routing_stats: bool = False, local_rows=None):
+                 routing_stats: bool = False, serving_model: Optional[ServingModel] = None):
         """``routing_stats``: count local activations (Sem-MoE's LAR; defined for attention-DP,
-        TP = 1, or where ``local_rows(layer, num_real)`` says which rows of an MoE layer's forward
+        TP = 1, or where a variant's ``serving_model`` says which rows of an MoE layer's forward
         are real tokens: ``ep_rank`` None turns it off). Off by default: the routers' observers
         read their top-k on the host in every MoE layer of every forward."""
         from moe_variants.common.moe_layer import comm_counters, moe_layers
@@ -361,7 +362,7 @@ class RankEngine:
         self.comm = {"a2a_bytes": 0, "a2a_calls": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested
         self.requests_added = 0
         self.activations = None  # LocalActivationCounter when counting and every router reports its top-k
-        self.local_rows = local_rows
+        self.serving_model = serving_model
         self._span_file = None  # record_spans: each step's all-to-alls, one JSON line per step
         self._timeline = None
         self._tp_calls = None  # GroupCollectives while recording the spans of a TP engine
@@ -507,8 +508,9 @@ class RankEngine:
         if any(t is None for t in last):  # a forward that routed nothing (e.g. no MoE layer ran)
             self.activations.recorder.last = [None] * len(last)
             return
-        if self.local_rows is not None:  # each layer's rows are its own share of the step's tokens
-            self.activations.count_layers([self.local_rows(layer, real_tokens) for layer in range(len(last))])
+        if self.serving_model is not None:  # each layer's rows are its own share of the step's tokens
+            rows = [self.serving_model.local_rows(layer, real_tokens) for layer in range(len(last))]
+            self.activations.count_layers(rows)
             return
         rows = int(last[0].shape[0])
         real = torch.zeros(1, rows, dtype=torch.bool)
