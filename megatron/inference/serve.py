@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -202,6 +203,7 @@ def serve(args) -> int:
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.frontend import Frontend, FrontendConfig
     from megatron.inference.loop import serve_loop
+    from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.protocol import Limits
     from megatron.inference.watchdog import Heartbeat, Watchdog, fatal_exit
     from megatron.training.loading import checkpoint_configs, load_model
@@ -254,11 +256,16 @@ def serve(args) -> int:
                                  ep_rank=dist.get_rank(pgc.ep) if tp1 or changed is not None else None,
                                  ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats,
                                  serving_model=changed)
+        counters = AllToAllCounters(model)
+        rank_engine.subscribe(counters)
         if args.a2a_spans:
             os.makedirs(args.a2a_spans, exist_ok=True)
-            rank_engine.record_spans(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"),
-                                     tp_group=None if tp1 else pgc.tp)
-            stack.callback(rank_engine.close_spans)
+            spans = stack.enter_context(open(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"), "a",
+                                             buffering=1, encoding="utf-8"))
+            recorder = SpanRecorder(counters, lambda record: spans.write(json.dumps(record) + "\n"),
+                                    tp_group=None if tp1 else pgc.tp)
+            stack.callback(recorder.close)
+            rank_engine.subscribe(recorder)
 
         stop = {"signal": None}
 

@@ -24,12 +24,12 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
     import torch
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.observability import AllToAllCounters
     from megatron.inference.sampling import RequestSampling
     from megatron.inference.serve import variant_load_overrides
     from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants.common.comm import TimelineRecorder
-    from moe_variants.common.moe_layer import comm_counters
     from moe_variants.config import ParallelConfig
     from tools.bench.overlap import collectives, events_from_timeline
 
@@ -39,6 +39,8 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
                                               pg_collection=pgc)
     cfg = EngineConfig(max_batch_tokens=prompt_len * per_rank, max_requests=per_rank + 1, kv_cache_gb=0.05)
     engine = RankEngine(*build_engine(model, configs, tokenizer, pgc, cfg), model)
+    counters = AllToAllCounters(model)  # reads (on a GPU: resolves into the timeline) and resets them each step
+    engine.subscribe(counters)
     gen = torch.Generator().manual_seed(seed + rank)
     ids = iter(range(10**9))
     steps = []
@@ -47,11 +49,11 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
             prompt = torch.randint(1, tokenizer.vocab_size, (prompt_len,), generator=gen).tolist()
             engine.add(next(ids), prompt, max_tokens=1, sampling=RequestSampling(), termination_id=-1)
         timeline = TimelineRecorder()
-        for counters in comm_counters([model]):
-            counters.timeline = timeline
+        for layer in counters.layers:
+            layer.timeline = timeline
         engine.step()
-        for counters in comm_counters([model]):
-            counters.timeline = None
+        for layer in counters.layers:
+            layer.timeline = None
         while engine.local_work():
             engine.step()
         if r:

@@ -15,14 +15,16 @@ all-to-alls cost little and their waits are subtracted), builds the server's eng
 * the serving loop's per-iteration exchange of commands, token updates and engine stats.
 
 A step's compute is its wall time minus the time the rank waited on all-to-alls (the dispatchers'
-counters), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
+counters, ``megatron.inference.observability.AllToAllCounters``), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
 squares as ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
-tokens come from the same counters. A tensor-parallel run (TP = EP = the ranks: one engine) is
-profiled in its layout; its TP collectives (``megatron.compat.tp_collectives``) are counted per
-step (all-reduces and their bytes per token, logit all-gathers and their bytes per request) and
-their loopback time is not compute. Writes
+tokens come from the same counters. Where the compute lies around a step's collectives comes from
+the records the server's ``--a2a-spans`` writes (``observability.SpanRecorder``, kept in memory
+here). A tensor-parallel run (TP = EP = the ranks: one engine) is profiled in its layout; its TP
+collectives (the records' ``"tp"``: ``megatron.compat.tp_collectives``) are counted per step
+(all-reduces and their bytes per token, logit all-gathers and their bytes per request) and their
+loopback time is not compute. Writes
 ``serving-compute-profile/1`` JSON with every measured point and the fit's relative errors.
 """
 
@@ -33,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 SCHEMA = "serving-compute-profile/1"
@@ -51,12 +52,13 @@ def _points(max_batch_tokens: int, max_requests: int, context: int) -> list:
     return out
 
 
-def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_dir, tp=1):
+def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.sampling import RequestSampling
     from megatron.inference.serve import variant_load_overrides
     from megatron.training.loading import load_model
@@ -73,6 +75,11 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
     engine, controller, context = build_engine(model, configs, tokenizer, pgc, cfg)
     eng = RankEngine(engine, controller, context, model, ep_rank=dist.get_rank(pgc.ep) if tp == 1 else None,
                      ep_size=dist.get_world_size(pgc.ep), routing_stats=tp == 1)  # TP peers route the same tokens
+    counters = AllToAllCounters(model)
+    records: list = []  # each step's collectives, as ``serve --a2a-spans`` writes them
+    recorder = SpanRecorder(counters, records.append, tp_group=pgc.tp if tp > 1 else None)
+    eng.subscribe(counters)
+    eng.subscribe(recorder)
     rng = np.random.default_rng(seed + dist.get_rank(pgc.dp))  # TP peers hold the same requests
     vocab = tokenizer.vocab_size
     ids = iter(range(10**9))
@@ -82,17 +89,18 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
         eng.add(next(ids), prompt, max_tokens=max_tokens, sampling=RequestSampling(), termination_id=-1)
 
     def timed(kind):
-        before = dict(eng.comm, tokens=eng.tokens_forwarded, requests=context.get_active_request_count()
-                      + len(engine.waiting_request_ids))
+        tokens, requests = eng.tokens_forwarded, context.get_active_request_count() + len(engine.waiting_request_ids)
+        recorded = len(records)
         t0 = time.perf_counter()
         eng.step() if kind != "dummy" else eng.dummy_step()
         wall = time.perf_counter() - t0
-        exposed = eng.comm["a2a_exposed_s"] - before["a2a_exposed_s"]
-        tp_ops = eng.last_tp_calls  # the step's TP collectives (record_spans): blocking on loopback, not compute
+        # the step's TP collectives: blocking on loopback, not compute
+        tp_ops = [call for record in records[recorded:] for call in record.get("tp", [])]
+        exposed = counters.last["a2a_exposed_s"]
         row = torch.tensor([wall - exposed - sum(e - s for _, _, s, e in tp_ops)], dtype=torch.float64)
         collectives.all_reduce(row, op=dist.ReduceOp.MAX)  # the step lasts as long as the slowest rank's compute
-        return {"kind": kind, "tokens": eng.tokens_forwarded - before["tokens"], "requests": before["requests"],
-                "compute_s": float(row[0]), "a2a_bytes": eng.comm["a2a_bytes"] - before["a2a_bytes"],  # this rank's
+        return {"kind": kind, "tokens": eng.tokens_forwarded - tokens, "requests": requests,
+                "compute_s": float(row[0]), "a2a_bytes": counters.last["a2a_bytes"],  # this rank's
                 **{f"tp_{op}_{what}": sum(b if what == "bytes" else 1 for o, b, _, _ in tp_ops if o == op)
                    for op in ("all_reduce", "all_gather") for what in ("bytes", "calls")}}
 
@@ -100,10 +108,6 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
         while eng.local_work():
             eng.step()
 
-    spans_path = os.path.join(spans_dir, f"spans_rank{rank}.jsonl")
-    eng.record_spans(spans_path, tp_group=pgc.tp if tp > 1 else None)  # where a step's calls fall (_compute_layout)
-    calls0 = eng.comm["a2a_calls"]
-    steps0 = eng.steps + eng.dummy_steps
     rows = []
     points = _points(cfg.max_batch_tokens, cfg.max_requests, context.max_sequence_length)
     for _ in range(repeats + 1):  # the first round warms up
@@ -122,10 +126,10 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, spans_
             drain()
         round_rows.append(timed("dummy"))
         rows.append(round_rows)
-    calls = eng.comm["a2a_calls"] - calls0
-    steps = eng.steps + eng.dummy_steps - steps0
-    eng.close_spans()
-    before, after, layouts = _compute_layout(spans_path, cfg.max_requests)
+    calls, steps = counters.totals["a2a_calls"], eng.steps + eng.dummy_steps
+    eng.unsubscribe(recorder)
+    recorder.close()
+    before, after, layouts = _compute_layout(records, cfg.max_requests)
     stats = eng.stats()
     return {"rows": [r for rr in rows[1:] for r in rr], "calls_per_step": calls / max(1, steps),
             "local": stats["local_activations"], "routed": stats["routed_activations"],
@@ -154,33 +158,31 @@ def _tp_collectives(rows: list, engine) -> dict:
             / max(1, sum(r["tp_all_gather_calls"] * r["requests"] for r in prefill))}
 
 
-def _compute_layout(spans_path: str, max_requests: int) -> tuple:
+def _compute_layout(records: list, max_requests: int) -> tuple:
     """Where a forward's compute lies around its calls, over this rank's profiled steps
-    (``RankEngine.record_spans`` lines): the median shares before its first all-to-all (embedding,
+    (``observability.SpanRecorder`` records): the median shares before its first all-to-all (embedding,
     the first attention) and after its last (the output layer, sampling, bookkeeping), and per kind
     of step (``decode``: at most ``max_requests`` tokens, else ``prefill``) the layout
     ``netsim.replay.compute_gaps`` reads: the median share of the compute before each collective
     (all-to-alls and a TP engine's all-reduces and gathers, in start order) and after the last,
     over the steps with the most common number of calls, normalised to sum to one."""
     before, after, shares = [], [], {"decode": {}, "prefill": {}}
-    with open(spans_path) as f:
-        for line in f:
-            step = json.loads(line)
-            if not step.get("tokens") or not step["spans"]:
-                continue
-            calls = sorted([(s, e) for _, s, e in step["spans"]] + [(c[2], c[3]) for c in step.get("tp", [])])
-            gaps = [max(0.0, g) for g in [calls[0][0] - step["t"]] + [b[0] - a[1] for a, b in zip(calls, calls[1:])]
-                    + [step["end"] - calls[-1][1]]]
-            if sum(gaps) > 0:
-                kind = "decode" if step["tokens"] <= max_requests else "prefill"
-                shares[kind].setdefault(len(calls), []).append([g / sum(gaps) for g in gaps])
-            spans = sorted(step["spans"], key=lambda x: x[1])
-            busy = step["end"] - step["t"]
-            in_flight = sum(e - s for _, s, e in spans)  # on loopback the calls do not overlap
-            compute = busy - in_flight
-            if compute > 0:
-                before.append((spans[0][1] - step["t"]) / compute)
-                after.append((step["end"] - max(e for _, _, e in spans)) / compute)
+    for step in records:
+        if not step.get("tokens") or not step["spans"]:
+            continue
+        calls = sorted([(s, e) for _, s, e in step["spans"]] + [(c[2], c[3]) for c in step.get("tp", [])])
+        gaps = [max(0.0, g) for g in [calls[0][0] - step["t"]] + [b[0] - a[1] for a, b in zip(calls, calls[1:])]
+                + [step["end"] - calls[-1][1]]]
+        if sum(gaps) > 0:
+            kind = "decode" if step["tokens"] <= max_requests else "prefill"
+            shares[kind].setdefault(len(calls), []).append([g / sum(gaps) for g in gaps])
+        spans = sorted(step["spans"], key=lambda x: x[1])
+        busy = step["end"] - step["t"]
+        in_flight = sum(e - s for _, s, e in spans)  # on loopback the calls do not overlap
+        compute = busy - in_flight
+        if compute > 0:
+            before.append((spans[0][1] - step["t"]) / compute)
+            after.append((step["end"] - max(e for _, _, e in spans)) / compute)
     layouts = {}
     for kind, by_count in shares.items():
         if by_count:
@@ -362,9 +364,8 @@ def main(argv=None) -> int:
         for v in variants:
             t0 = time.monotonic()
             preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
-            with tempfile.TemporaryDirectory(prefix="profile-spans-") as spans_dir:
-                per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes,
-                                           args.repeats, 1234, spans_dir, tp, timeout_s=1800, num_threads=threads)
+            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes, args.repeats, 1234, tp,
+                                       timeout_s=1800, num_threads=threads)
             rows = per_rank[0]["rows"]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
             entry = fit(rows, engine)
