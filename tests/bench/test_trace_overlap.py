@@ -1,4 +1,5 @@
-"""tools/bench/trace_overlap.py (scripts/trace_overlap.py): per-collective in-flight / window / exposed times from a bench trace."""
+"""tools/bench/trace_overlap.py (scripts/trace_overlap.py): per-collective in-flight / window /
+exposed times from a bench trace."""
 
 import json
 import os

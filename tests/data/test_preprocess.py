@@ -1,4 +1,5 @@
-"""tools/data/preprocess_data.py (scripts/preprocess_data.py): text/jsonl/HF inputs -> .bin/.idx, read back exactly, and bad input.
+"""tools/data/preprocess_data.py (scripts/preprocess_data.py): text/jsonl/HF inputs -> .bin/.idx,
+read back exactly, and bad input.
 
 Every check is exact: the tokens read back from the IndexedDataset must equal direct
 tokenization of each document (plus EOD when asked), document by document.

@@ -1,5 +1,6 @@
-"""tools/profile/netsim_compute.py (scripts/profile_netsim_compute.py) runs (CPU smoke mode, two cheap kinds) and writes a loadable
-table whose provenance says what it is; the GPU path cannot run in CI."""
+"""tools/profile/netsim_compute.py (scripts/profile_netsim_compute.py) runs (CPU smoke mode, two
+cheap kinds) and writes a loadable table whose provenance says what it is; the GPU path cannot run
+in CI."""
 
 import numpy as np
 

@@ -1,4 +1,5 @@
-"""tools/semmoe/prompts.py (scripts/semmoe_prompts.py): the domain prompt sets, the cap, the mix and the one-line errors."""
+"""tools/semmoe/prompts.py (scripts/semmoe_prompts.py): the domain prompt sets, the cap, the mix
+and the one-line errors."""
 
 import json
 

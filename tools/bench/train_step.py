@@ -49,7 +49,8 @@ def one_run(checkout: str, interval: int, args) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench_train_step.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="bench_train_step.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkout", action="append", required=True, metavar="NAME=DIR")
     ap.add_argument("--log-intervals", default="1,10")
     ap.add_argument("--runs", type=int, default=5)
