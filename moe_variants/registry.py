@@ -13,7 +13,8 @@ A variant is a :class:`Variant` subclass in ``moe_variants/<name>/variant.py``, 
 - its **benchmark presets** (``bench_presets``: name -> flat config overrides; ``off``: the overrides
   that turn it off, which together make the ``standard`` preset);
 - hooks for the **inference-side applications** (evaluate_lm, the server): extra command-line
-  options and a request scheduler (Sem-MoE's Algorithm 2);
+  options, a request scheduler (Sem-MoE's Algorithm 2) and a change to the served model
+  (:class:`ServingModel`: Sem-MoE's Algorithm 3);
 - hooks for the **benchmark tools**, so that they name no variant: run-time bench variants of the
   EP benchmark (``bench_runtimes``/``bench_runtime``: placement before DDP wraps the model, a
   per-step schedule), placed variants of the serving benchmark (``serve_placements``/
@@ -34,7 +35,10 @@ import dataclasses
 import enum
 import importlib
 import pkgutil
-from typing import Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Variant",
@@ -56,6 +60,7 @@ __all__ = [
     "check_runtime",
     "request_scheduler",
     "serving_model",
+    "ServingModel",
     "BenchContext",
     "BenchRuntime",
     "ServePlacement",
@@ -100,6 +105,21 @@ class Application(str, enum.Enum):
 
     EVALUATE_LM = "evaluate_lm"  # request schedulers only: it does not serve a changed model
     SERVE = "serve"  # request schedulers and serving-model changes
+
+
+@runtime_checkable
+class ServingModel(Protocol):
+    """What a variant's ``serving_model`` hook returns: the change it made to a served model, as the
+    server reads it. ``name`` is reported as the server's token scheduler; ``local_rows`` says which
+    rows of an MoE layer's last forward on this rank are real tokens where a rank's rows are not
+    the step's tokens in order (the engine counts local activations with it)."""
+
+    name: str
+
+    def local_rows(self, layer: int, num_real: int) -> torch.Tensor:
+        """[rows] bool of MoE layer ``layer``'s last forward on this rank, ``num_real`` real tokens
+        in the step (the engine packs them first, then pads)."""
+        ...
 
 
 @dataclasses.dataclass
@@ -212,11 +232,9 @@ class Variant:
         inference from the application's parsed ``args``, or None. Raise ``ValueError`` on bad input."""
         return None
 
-    def serving_model(self, args, manifest: dict, model, pg_collection):
-        """Change a model the server has built its engine on (``args``: the server's), or return
-        None. What it returns may offer ``local_rows(layer, num_real) -> [rows] bool``: which rows
-        of an MoE layer's last forward on this rank are real tokens (when the rows are not the
-        step's tokens in order)."""
+    def serving_model(self, args, manifest: dict, model, pg_collection) -> Optional[ServingModel]:
+        """Change a model the server has built its engine on (``args``: the server's) and return
+        the change (:class:`ServingModel`), or return None."""
         return None
 
     # -- the benchmark tools (bench_ep, bench_serve) ----------------------------------------------
@@ -340,10 +358,14 @@ def check_runtime(args, application: Application) -> None:
         v.check_runtime(args, application)
 
 
-def serving_model(args, manifest: dict, model, pg_collection):
+def serving_model(args, manifest: dict, model, pg_collection) -> Optional[ServingModel]:
     """The change a variant makes to a served model for these arguments, or None (at most one)."""
     found = [(v.name, c) for v in variants() for c in [v.serving_model(args, manifest, model, pg_collection)]
              if c is not None]
+    for name, change in found:
+        if not isinstance(change, ServingModel):
+            raise TypeError(f"variant {name}: serving_model returned a {type(change).__name__}, not a "
+                            "registry.ServingModel (name, local_rows)")
     if len(found) > 1:
         raise ValueError(f"two variants change the served model ({found[0][0]} and {found[1][0]}): choose one")
     return found[0][1] if found else None

@@ -210,7 +210,7 @@ SERVING_SITES = [
          "result = self.stop_word_finished_request_ids & set(active_request_ids)"),
 ]
 # tp_collectives.GroupCollectives wraps the entry points megatron-core's TP mappings reduce and gather
-# through (counting a served step's TP collectives for scripts/profile_serving_compute.py).
+# through (counting a served step's TP collectives: megatron.inference.observability.SpanRecorder).
 TP_COLLECTIVE_SITES = [
     Site("tensor_parallel/mappings.py", MODULE, "dist_all_gather_func = torch.distributed.all_gather_into_tensor"),
     Site("tensor_parallel/mappings.py", MODULE, "dist_reduce_scatter_func = torch.distributed.reduce_scatter_tensor"),

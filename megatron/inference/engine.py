@@ -31,16 +31,17 @@ each request as it asked (``megatron.inference.sampling``):
 ``RankEngine`` wraps the engine for the serving loop: add (refusing what can never be served:
 ids outside the vocabulary, more tokens than the context or the KV cache holds) and cancel
 requests, step, run the dummy forward of an idle expert-parallel rank, and report per-request
-token deltas with their log-probs and the rank's KV-cache, all-to-all and (``routing_stats``)
-local-activation counters (Sem-MoE's LAR: the (token, routed expert) pairs of real tokens whose
-expert sits on this rank, counted from the routers' top-k; padding and dummy forwards are not
-counted).
+token deltas with their log-probs and the rank's KV-cache and (``routing_stats``) local-activation
+counters (Sem-MoE's LAR: the (token, routed expert) pairs of real tokens whose expert sits on this
+rank, counted from the routers' top-k; padding and dummy forwards are not counted). What else is
+measured around a step subscribes to it (``subscribe``: a ``StepObserver`` is told each step's
+``StepInfo`` before and after its forward and may add counters to ``stats()``): the server's
+all-to-all counters and span recording are ``megatron.inference.observability``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from typing import Optional
@@ -48,8 +49,10 @@ from typing import Optional
 import torch
 
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
+from moe_variants.registry import ServingModel
 
-__all__ = ["EngineConfig", "RankEngine", "TokenUpdate", "STAT_FIELDS", "build_engine", "sampling_seed"]
+__all__ = ["EngineConfig", "RankEngine", "StepInfo", "StepObserver", "TokenUpdate", "STAT_FIELDS", "build_engine",
+           "sampling_seed"]
 
 MLA_BLOCK_SIZE = 64  # FlashMLA's block size; DynamicInferenceContext asserts it for the latent cache
 
@@ -336,41 +339,71 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
     return engine, controller, context
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One engine step as its observers see it: ``start`` and ``end`` in ``time.perf_counter()``
+    seconds (``end`` is None before the forward), ``real_tokens`` the requests' tokens it forwards
+    (0 for a dummy forward, or for a step whose requests all wait and which runs none), ``dummy``
+    for the forward of an idle expert-parallel rank."""
+
+    start: float
+    real_tokens: int
+    dummy: bool = False
+    end: Optional[float] = None
+
+
+class StepObserver:
+    """What ``RankEngine.subscribe`` takes: told of every step and dummy forward, in subscription
+    order. The defaults do nothing."""
+
+    def step_start(self, step: StepInfo) -> None:
+        """Before the step's forward (``step.end`` is None)."""
+
+    def step_end(self, step: StepInfo) -> None:
+        """After it: the same step with its ``end``."""
+
+    def stats(self) -> dict:
+        """Counters this observer adds to ``RankEngine.stats()`` (plain numbers)."""
+        return {}
+
+
 class RankEngine:
     """One rank's engine as the serving loop drives it (see the module docstring)."""
 
     def __init__(self, engine, controller, context, model, *, ep_rank: Optional[int] = 0, ep_size: int = 1,
-                 routing_stats: bool = False, local_rows=None):
+                 routing_stats: bool = False, serving_model: Optional[ServingModel] = None):
         """``routing_stats``: count local activations (Sem-MoE's LAR; defined for attention-DP,
-        TP = 1, or where ``local_rows(layer, num_real)`` says which rows of an MoE layer's forward
+        TP = 1, or where a variant's ``serving_model`` says which rows of an MoE layer's forward
         are real tokens: ``ep_rank`` None turns it off). Off by default: the routers' observers
         read their top-k on the host in every MoE layer of every forward."""
-        from moe_variants.common.moe_layer import comm_counters, moe_layers
+        from moe_variants.common.moe_layer import moe_layers
 
         self.model = model
         self.engine = engine
         self.controller = controller
         self.context = context
-        self.counters = comm_counters([model])
+        self.observers: list[StepObserver] = []
         self.sent: dict[int, int] = {}  # request id -> tokens already reported
         self.failed: set = set()  # requests reported failed whose engine entry is still finishing
         self.tokens_forwarded = 0  # real (unpadded) tokens through the model
         self.steps = 0
         self.dummy_steps = 0
         self.busy_s = 0.0  # wall time inside engine steps and dummy forwards
-        self.comm = {"a2a_bytes": 0, "a2a_calls": 0, "a2a_time_s": 0.0, "a2a_exposed_s": 0.0}  # harvested
         self.requests_added = 0
         self.activations = None  # LocalActivationCounter when counting and every router reports its top-k
-        self.local_rows = local_rows
-        self._span_file = None  # record_spans: each step's all-to-alls, one JSON line per step
-        self._timeline = None
-        self._tp_calls = None  # GroupCollectives while recording the spans of a TP engine
-        self.last_tp_calls: list = []  # the last step's TP collectives [(op, bytes, start, end)] (record_spans)
+        self.serving_model = serving_model
         layers = moe_layers(model)
         if routing_stats and ep_rank is not None and layers and all(hasattr(m.router, "routing_observer") for m in layers):
             from moe_variants.common.routing import LocalActivationCounter
 
             self.activations = LocalActivationCounter(model, ep_rank, ep_size).__enter__()
+
+    def subscribe(self, observer: StepObserver) -> None:
+        """Tell ``observer`` of every step from now on (after the observers subscribed before it)."""
+        self.observers.append(observer)
+
+    def unsubscribe(self, observer: StepObserver) -> None:
+        self.observers.remove(observer)
 
     @property
     def max_request_tokens(self) -> int:
@@ -440,11 +473,12 @@ class RankEngine:
         start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
         real_tokens = int(self.context.active_token_count)
+        step = self._start(StepInfo(start, real_tokens))
         self.tokens_forwarded += real_tokens
         result = engine.step_modern()
         forwarded = real_tokens > 0
         self.steps += int(forwarded)
-        self._harvest(start, real_tokens)
+        self._end(step)
         if forwarded:
             self._count_activations(real_tokens)
         failed_now = dict(self.controller.failed)
@@ -492,11 +526,23 @@ class RankEngine:
     def dummy_step(self) -> None:
         """The forward an idle expert-parallel rank runs while its peers have work (upstream's
         ``run_engine_with_coordinator`` does the same: ``controller.dummy_forward()``)."""
-        start = time.perf_counter()
+        step = self._start(StepInfo(time.perf_counter(), 0, dummy=True))
         self.controller.dummy_forward()
         self.dummy_steps += 1
-        self._harvest(start, 0)
+        self._end(step)
         self._count_activations(0)
+
+    def _start(self, step: StepInfo) -> StepInfo:
+        for observer in self.observers:
+            observer.step_start(step)
+        return step
+
+    def _end(self, step: StepInfo) -> None:
+        end = time.perf_counter()
+        self.busy_s += end - step.start
+        step = dataclasses.replace(step, end=end)
+        for observer in self.observers:
+            observer.step_end(step)
 
     def _count_activations(self, real_tokens: int) -> None:
         """Count the last forward's routes: its first ``real_tokens`` tokens are requests' tokens
@@ -507,72 +553,24 @@ class RankEngine:
         if any(t is None for t in last):  # a forward that routed nothing (e.g. no MoE layer ran)
             self.activations.recorder.last = [None] * len(last)
             return
-        if self.local_rows is not None:  # each layer's rows are its own share of the step's tokens
-            self.activations.count_layers([self.local_rows(layer, real_tokens) for layer in range(len(last))])
+        if self.serving_model is not None:  # each layer's rows are its own share of the step's tokens
+            rows = [self.serving_model.local_rows(layer, real_tokens) for layer in range(len(last))]
+            self.activations.count_layers(rows)
             return
         rows = int(last[0].shape[0])
         real = torch.zeros(1, rows, dtype=torch.bool)
         real[0, :min(real_tokens, rows)] = True
         self.activations.count(real)
 
-    def _harvest(self, start: float, real_tokens: int) -> None:
-        """Add the step's wall time and its all-to-all counters to the rank's totals and reset the
-        layers' counters: their in-flight union keeps every interval, so summing the whole history
-        at each ``stats()`` would cost more every step."""
-        from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
-
-        end = time.perf_counter()
-        self.busy_s += end - start
-        if self.counters:
-            step = comm_totals([self.model])
-            sent = int(step["bytes_dispatch"] + step["bytes_combine"] + step["bytes_meta"])
-            self.comm["a2a_bytes"] += sent
-            self.comm["a2a_calls"] += int(step["calls"])
-            self.comm["a2a_time_s"] += float(step["time_fwd_s"])
-            self.comm["a2a_exposed_s"] += float(step["exposed_fwd_s"])
-            reset_comm_counters([self.model])
-            if self._span_file is not None:
-                self._write_spans(start, end, real_tokens, sent)
-
-    def record_spans(self, path: str, tp_group=None) -> None:
-        """Append every step's expert all-to-alls to ``path``, one JSON line per step with any:
-        ``{"t": step start, "end": step end, "tokens": real tokens (0: a dummy forward), "bytes":
-        off-rank all-to-all bytes sent, "spans": [[name, start, end], ...]}`` (``perf_counter``
-        seconds, launch order). The serving benchmark matches them across ranks to split the all-to-all time into
-        transfer and rank-skew wait (``tools.bench.overlap.transfer_skew``). With ``tp_group`` (TP > 1)
-        a line also has ``"tp": [[op, bytes, start, end], ...]``, the step's tensor-parallel
-        all-reduces and gathers (``megatron.compat.tp_collectives``)."""
-        from megatron.compat.tp_collectives import GroupCollectives
-        from moe_variants.common.comm import TimelineRecorder
-
-        self._tp_calls = GroupCollectives(tp_group).__enter__() if tp_group is not None else None
-        self._timeline = TimelineRecorder()
-        for counters in self.counters:
-            counters.timeline = self._timeline
-        self._span_file = open(path, "a", buffering=1, encoding="utf-8")
-
-    def close_spans(self) -> None:
-        if self._span_file is not None:
-            self._span_file.close()
-            self._span_file = None
-        if self._tp_calls is not None:
-            self._tp_calls.__exit__(None, None, None)
-            self._tp_calls = None
-
-    def _write_spans(self, start: float, end: float, real_tokens: int, sent: int) -> None:
-        events, self._timeline.events = self._timeline.events, []
-        spans = [[n, s, e] for n, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
-        self.last_tp_calls = self._tp_calls.take() if self._tp_calls is not None else []
-        tp = {"tp": [list(c) for c in self.last_tp_calls]} if self._tp_calls is not None else {}
-        if spans:
-            self._span_file.write(json.dumps({"t": start, "end": end, "tokens": real_tokens, "bytes": sent,
-                                              "spans": spans, **tp}) + "\n")
-
     # --- counters ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """This rank's engine and all-to-all counters (``STAT_FIELDS``, plain numbers)."""
+        """This rank's engine counters and its observers' (``STAT_FIELDS``, plain numbers; a field
+        no observer reports is 0, e.g. the all-to-all counters of an engine nothing watches)."""
         allocator = self.context.block_allocator
-        return {
+        stats = dict.fromkeys(STAT_FIELDS, 0)
+        for observer in self.observers:
+            stats.update(observer.stats())
+        return stats | {
             "requests_active": int(self.context.get_active_request_count()),
             "requests_waiting": len(self.engine.waiting_request_ids),
             "kv_blocks_total": int(allocator.total_count - 1),  # one block is the engine's dummy block
@@ -584,7 +582,6 @@ class RankEngine:
             "requests_added": self.requests_added,
             "local_activations": int(self.activations.local.sum()) if self.activations else 0,
             "routed_activations": int(self.activations.total.sum()) if self.activations else 0,
-            **self.comm,
         }
 
     def routing_matrix(self) -> list:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -203,6 +204,7 @@ def serve(args) -> int:
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.frontend import Frontend, FrontendConfig
     from megatron.inference.loop import serve_loop
+    from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.protocol import Limits
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
@@ -248,21 +250,25 @@ def serve(args) -> int:
             from moe_variants.common.dispatcher import use_replicated_experts
 
             use_replicated_experts(model, pgc)
-        rows = getattr(changed, "local_rows", None)
         tp1 = args.tensor_model_parallel_size == 1
-        if not tp1 and args.routing_stats and rows is None:
+        if not tp1 and args.routing_stats and changed is None:
             raise ValueError("--routing-stats counts local activations of attention data-parallel layouts "
                              "(TP = 1) or of Sem-MoE's Algorithm 3: with plain TP > 1 every rank of a TP group "
                              "routes the same tokens")
         rank_engine = RankEngine(engine, controller, context, model,
-                                 ep_rank=dist.get_rank(pgc.ep) if tp1 or rows is not None else None,
+                                 ep_rank=dist.get_rank(pgc.ep) if tp1 or changed is not None else None,
                                  ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats,
-                                 local_rows=rows)
+                                 serving_model=changed)
+        counters = AllToAllCounters(model)
+        rank_engine.subscribe(counters)
         if args.a2a_spans:
             os.makedirs(args.a2a_spans, exist_ok=True)
-            rank_engine.record_spans(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"),
-                                     tp_group=None if tp1 else pgc.tp)
-            stack.callback(rank_engine.close_spans)
+            spans = stack.enter_context(open(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"), "a",
+                                             buffering=1, encoding="utf-8"))
+            recorder = SpanRecorder(counters, lambda record: spans.write(json.dumps(record) + "\n"),
+                                    tp_group=None if tp1 else pgc.tp)
+            stack.callback(recorder.close)
+            rank_engine.subscribe(recorder)
 
         stop = {"signal": None}
 
@@ -297,7 +303,7 @@ def serve(args) -> int:
                     "max_request_tokens": rank_engine.max_request_tokens,
                     "routing_stats": rank_engine.activations is not None,
                     "request_scheduler": scheduler.name if scheduler is not None else "round-robin",
-                    "token_scheduler": type(changed).__name__ if changed is not None else None}
+                    "token_scheduler": changed.name if changed is not None else None}
             if args.ready_file:
                 from megatron.common.files import write_json
 

@@ -27,9 +27,9 @@ TP group is an EP group) and tables for that many devices. Tables without a toke
 contiguous and EPLB baselines) give every rank its natural contiguous slice: the
 sequence-parallel split, which ``tools.semmoe lar --mode tp`` measures them with. The real tokens
 of a forward are the engine's ``active_token_count`` (the dynamic context packs them first), or
-``num_real`` set by the caller of a plain forward. ``install`` wires it into a model;
-``AttentionTP.local_rows(layer, n_real)`` tells which of a rank's rows in that MoE layer are real
-tokens (for counting local activations).
+``num_real`` set by the caller of a plain forward. ``install`` wires it into a model and returns
+its state, the ``registry.ServingModel`` the server reads: ``AttentionTP.local_rows(layer, n_real)``
+tells which of a rank's rows in that MoE layer are real tokens (for counting local activations).
 
 Shape legend: ``T`` tokens of the step (padded by the engine; all TP ranks hold the same ``T``),
 ``W`` TP = EP ranks, ``H`` hidden.
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron.compat.transformer_layer import wrap_forward_mlp
 from moe_variants.common.moe_layer import moe_layers
 from moe_variants.common.tp import unreduced
+from moe_variants.registry import ServingModel
 
 from .scheduling import rebatch_tokens, routed_devices, shuffle_local, shuffled_all_gather, shuffled_reduce_scatter
 from .tables import Tables
@@ -53,9 +54,11 @@ from .tables import Tables
 __all__ = ["AttentionTP", "install"]
 
 
-class AttentionTP:
+class AttentionTP(ServingModel):
     """Algorithm 3's state in one served model: the step's token ids and each MoE layer's
     permutation (see the module docstring)."""
+
+    name = "semmoe-algorithm-3"
 
     def __init__(self, tables: Tables, group):
         self.tables = tables

@@ -1,11 +1,10 @@
 """docs/figures keeps what the docs' tables and plots are computed from, not raw dumps: no
-benchmark JSON holds its per-request or per-rank lists (``scripts/figure_summary.py`` writes the
+benchmark JSON holds its per-request or per-rank lists (``python -m tools.figure_summary`` writes the
 summary), no step-span dump is there, and the serving runs netsim replays are gzipped
 (docs/figures/README.md). The checker is tried on hand-made files first."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,10 +15,9 @@ FIGURES = REPO / "docs" / "figures"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("figure_summary", REPO / "scripts" / "figure_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools import figure_summary
+
+    return figure_summary
 
 
 def test_the_checker_finds_raw_lists_and_the_summary_drops_them(tmp_path):

@@ -1,17 +1,10 @@
-"""scripts/deepspeed_modes.py: its summary of hand-made bench JSONs (exact) and its one-line errors."""
+"""tools/bench/deepspeed_modes.py: its summary of hand-made bench JSONs (exact) and its one-line errors."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-from tools import repo_root
-
-_spec = importlib.util.spec_from_file_location("deepspeed_modes",
-                                               os.path.join(repo_root(), "scripts", "deepspeed_modes.py"))
-deepspeed_modes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(deepspeed_modes)
+from tools.bench import deepspeed_modes
 
 
 def _bench(path, steps_ms, losses, kept):

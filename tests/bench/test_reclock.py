@@ -1,18 +1,14 @@
-"""tools/bench/reclock.py and scripts/ttq_reclock.py on hand-made curves (figures worked out by hand)."""
+"""tools/bench/reclock.py (its figures and its command, scripts/ttq_reclock.py) on hand-made curves
+(figures worked out by hand)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-from tools import repo_root
+from tools.bench import reclock
 from tools.bench.reclock import compare_pair, ppl_at_clock, reclocked_points, summarize_pairs
 from tools.bench.ttq import Curve
-
-_spec = importlib.util.spec_from_file_location("ttq_reclock", os.path.join(repo_root(), "scripts", "ttq_reclock.py"))
-ttq_reclock = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ttq_reclock)
 
 
 def _curve(ppls, every=100):
@@ -94,7 +90,7 @@ def test_cli_uses_the_link_clock_and_clock_of(tmp_path, capsys):
         _metrics(pattern.format(seed=seed, variant="bigmac"), [420, 320, 200, 180])
         _metrics(pattern.format(seed=seed, variant="plain"), [420, 320, 260, 230])
     out = tmp_path / "r.json"
-    assert ttq_reclock.main(["--clock", str(clock), "--pattern", pattern, "--seeds", "1,2",
+    assert reclock.main(["--clock", str(clock), "--pattern", pattern, "--seeds", "1,2",
                              "--variants", "standard,bigmac,plain", "--clock-of", "plain=bigmac", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     bm = res["variants"]["bigmac"]["summary"]
@@ -111,7 +107,7 @@ def test_cli_uses_the_link_clock_and_clock_of(tmp_path, capsys):
     for seed in (1, 2):
         _metrics(longer.format(seed=seed), [420, 320, 260, 230, 210, 195])  # 200 at step 566.7: 283.3 s
     png = tmp_path / "p.png"
-    assert ttq_reclock.main(["--clock", str(clock), "--pattern", pattern, "--seeds", "1,2", "--variants", "standard,long",
+    assert reclock.main(["--clock", str(clock), "--pattern", pattern, "--seeds", "1,2", "--variants", "standard,long",
                              "--clock-of", "long=bigmac", "--pattern-of", f"long={longer}", "--json", str(out),
                              "--plot", str(png)]) == 0
     long = json.loads(out.read_text())["variants"]["long"]["summary"]
@@ -124,22 +120,22 @@ def test_cli_names_a_missing_clock_or_run(tmp_path, capsys):
     clock = tmp_path / "ttq.json"
     clock.write_text(json.dumps({"variants": {"standard": {"mean_step_s": 1.0}}}))
     with pytest.raises(SystemExit):
-        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
+        reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
                           "--variants", "standard,bigmac"])
     assert "no step time for 'bigmac'" in capsys.readouterr().err
     clock.write_text(json.dumps({"variants": {"standard": {"mean_step_s": 1.0}, "bigmac": {"mean_step_s": 0.5}}}))
     with pytest.raises(SystemExit):
-        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
+        reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
                           "--variants", "standard,bigmac"])
     assert "no metrics for standard seed 1" in capsys.readouterr().err
     bad = tmp_path / "1standard"
     bad.write_text("{not json\n")
     (tmp_path / "1bigmac").write_text("")
     with pytest.raises(SystemExit):
-        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
+        reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", "1",
                           "--variants", "standard,bigmac"])
     assert "unreadable metrics" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        ttq_reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", ",",
+        reclock.main(["--clock", str(clock), "--pattern", str(tmp_path / "{seed}{variant}"), "--seeds", ",",
                           "--variants", "standard,bigmac"])
     assert "--seeds: comma-separated integers" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""scripts/trace_overlap.py: per-collective in-flight / window / exposed times from a bench trace."""
+"""tools/bench/trace_overlap.py (scripts/trace_overlap.py): per-collective in-flight / window /
+exposed times from a bench trace."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,16 +9,11 @@ import sys
 import pytest
 
 from moe_variants.common.comm import TimelineRecorder
+from tools.bench.overlap import summarize
+from tools.bench.trace_overlap import load_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "trace_overlap.py")
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("_script_trace_overlap", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _trace(tmp_path):
@@ -45,8 +40,7 @@ def _trace(tmp_path):
 
 
 def test_summary_splits_in_flight_into_window_and_exposed(tmp_path):
-    mod = _module()
-    s = mod.summarize(mod._load(str(_trace(tmp_path))))
+    s = summarize(load_trace(str(_trace(tmp_path))))
     assert s["step_ms"] == pytest.approx(100.0)
     kinds = s["kinds"]
     assert kinds["dispatch"]["count"] == 2 and kinds["dispatch"]["exposed_count"] == 1

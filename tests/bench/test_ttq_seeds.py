@@ -1,15 +1,8 @@
-"""scripts/ttq_seeds.py's figures and intervals on hand-made ttq.json summaries (exact)."""
-
-import importlib.util
-import os
+"""tools/bench/ttq_seeds.py's figures and intervals on hand-made ttq.json summaries (exact)."""
 
 import pytest
 
-from tools import repo_root
-
-_spec = importlib.util.spec_from_file_location("ttq_seeds", os.path.join(repo_root(), "scripts", "ttq_seeds.py"))
-ttq_seeds = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ttq_seeds)
+from tools.bench import ttq_seeds
 
 
 def _ttq(std_ppls, var_ppls, speedup, var_step=0.8):

@@ -1,11 +1,9 @@
-"""Fixtures for the data-layer tests: paths to the shared data, the scripts as modules, and a
-small synthetic indexed dataset."""
+"""Fixtures for the data-layer tests: paths to the shared data and a small synthetic indexed
+dataset."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,25 +16,6 @@ requires_shared_data = pytest.mark.skipif(
     not (SHARED_DATA / "pretrain").is_dir(),
     reason=f"shared data directory {SHARED_DATA} is absent (set SHARED_DATA_DIR to use another)",
 )
-
-
-def load_script(name: str):
-    """Import ``scripts/<name>.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # so worker processes can unpickle its functions
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="session")
-def preprocess_script():
-    return load_script("preprocess_data")
-
-
-@pytest.fixture(scope="session")
-def train_tokenizer_script():
-    return load_script("train_tokenizer")
 
 
 @pytest.fixture(scope="session")

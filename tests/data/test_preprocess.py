@@ -1,4 +1,5 @@
-"""scripts/preprocess_data.py: text/jsonl/HF inputs -> .bin/.idx, read back exactly, and bad input.
+"""tools/data/preprocess_data.py (scripts/preprocess_data.py): text/jsonl/HF inputs -> .bin/.idx,
+read back exactly, and bad input.
 
 Every check is exact: the tokens read back from the IndexedDataset must equal direct
 tokenization of each document (plus EOD when asked), document by document.
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+from tools.data import preprocess_data
 
 from .conftest import REPO, SHARED_DATA, requires_shared_data
 
@@ -41,10 +43,10 @@ def write_text(path, blocks, separator="\n\n\n  \n"):
     return str(path)
 
 
-def test_text_round_trip_with_eod(tmp_path, preprocess_script, tiny_tokenizer):
+def test_text_round_trip_with_eod(tmp_path, tiny_tokenizer):
     src = write_text(tmp_path / "in.txt", DOCS)
     out = str(tmp_path / "out")
-    assert preprocess_script.main(["--input", src, "--output-prefix", out, "--append-eod"] + TOK_ARGS) == 0
+    assert preprocess_data.main(["--input", src, "--output-prefix", out, "--append-eod"] + TOK_ARGS) == 0
     docs = read_documents(out + "_text_document")
     assert docs == [tiny_tokenizer.tokenize(d) + [tiny_tokenizer.eod] for d in DOCS]
     # EOD exactly once per document, at its end (the corpus has no EOD string of its own)
@@ -55,7 +57,7 @@ def test_text_round_trip_with_eod(tmp_path, preprocess_script, tiny_tokenizer):
     assert sorted(os.listdir(tmp_path)) == ["in.txt", "out_text_document.bin", "out_text_document.idx"]
 
 
-def test_text_per_file_documents_without_eod(tmp_path, preprocess_script, tiny_tokenizer):
+def test_text_per_file_documents_without_eod(tmp_path, tiny_tokenizer):
     texts = ["One file.\n\nStill the same document.\n", "Second file, one line."]
     files = []
     for i, t in enumerate(texts):
@@ -63,11 +65,11 @@ def test_text_per_file_documents_without_eod(tmp_path, preprocess_script, tiny_t
         files.append(str(tmp_path / f"f{i}.txt"))
     out = str(tmp_path / "out")
     args = ["--input", *files, "--output-prefix", out, "--document-boundary", "file"] + TOK_ARGS
-    assert preprocess_script.main(args) == 0
+    assert preprocess_data.main(args) == 0
     assert read_documents(out + "_text_document") == [tiny_tokenizer.tokenize(t) for t in texts]
 
 
-def test_jsonl_keys_workers_and_null_tokenizer(tmp_path, preprocess_script, tiny_tokenizer):
+def test_jsonl_keys_workers_and_null_tokenizer(tmp_path, tiny_tokenizer):
     """Two keys -> two datasets; --workers 2 writes byte-identical files to --workers 1; a
     record with an empty field is skipped for that key (no lone EOD), as in Megatron-LM."""
     records = [{"text": d, "title": f"doc {i}", "id": i} for i, d in enumerate(DOCS * 150)]
@@ -79,7 +81,7 @@ def test_jsonl_keys_workers_and_null_tokenizer(tmp_path, preprocess_script, tiny
         out = str(tmp_path / f"w{workers}")
         args = ["--input", str(src), "--json-keys", "text", "title", "--output-prefix", out,
                 "--append-eod", "--workers", str(workers)] + TOK_ARGS
-        assert preprocess_script.main(args) == 0
+        assert preprocess_data.main(args) == 0
         outs[workers] = out
     eod = [tiny_tokenizer.eod]
     assert read_documents(outs[1] + "_text_document") == [tiny_tokenizer.tokenize(r["text"]) + eod for r in records]
@@ -96,11 +98,11 @@ def test_jsonl_keys_workers_and_null_tokenizer(tmp_path, preprocess_script, tiny
     out = str(tmp_path / "null")
     args = ["--input", str(null_src), "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "10", "--append-eod"]
-    assert preprocess_script.main(args) == 0
+    assert preprocess_data.main(args) == 0
     assert read_documents(out + "_text_document") == [[5, 6, 7, 10], [9, 10]]
 
 
-def test_hf_datasets_parquet(tmp_path, preprocess_script, tiny_tokenizer):
+def test_hf_datasets_parquet(tmp_path, tiny_tokenizer):
     pytest.importorskip("datasets", reason="HF datasets is optional (pip install datasets)")
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -110,16 +112,16 @@ def test_hf_datasets_parquet(tmp_path, preprocess_script, tiny_tokenizer):
     out = str(tmp_path / "out")
     args = ["--input", str(path), "--hf-dataset-format", "parquet", "--json-keys", "content",
             "--output-prefix", out, "--append-eod"] + TOK_ARGS
-    assert preprocess_script.main(args) == 0
+    assert preprocess_data.main(args) == 0
     assert read_documents(out + "_content_document") == [tiny_tokenizer.tokenize(d) + [tiny_tokenizer.eod] for d in DOCS]
     bad = ["--input", str(path), "--hf-dataset-format", "parquet", "--json-keys", "text",
            "--output-prefix", str(tmp_path / "bad")] + TOK_ARGS
-    assert preprocess_script.main(bad) == 2
+    assert preprocess_data.main(bad) == 2
     assert not any(p.name.startswith(("bad", ".bad")) for p in tmp_path.iterdir())
 
 
 @requires_shared_data
-def test_gpt2_preprocess_on_shared_data(tmp_path, preprocess_script):
+def test_gpt2_preprocess_on_shared_data(tmp_path):
     """TinyStories sample with GPT-2 files: its own <|endoftext|> markers are EOD tokens, and
     the 50257-id vocabulary fits uint16."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -131,17 +133,17 @@ def test_gpt2_preprocess_on_shared_data(tmp_path, preprocess_script):
     args = ["--input", str(src), "--output-prefix", out, "--document-boundary", "file",
             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "encoder.json"),
             "--merge-file", str(gpt2 / "vocab.bpe")]
-    assert preprocess_script.main(args) == 0
+    assert preprocess_data.main(args) == 0
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "encoder.json"), merge_file=str(gpt2 / "vocab.bpe"))
     (doc,) = read_documents(out + "_text_document")
     assert doc == tok.tokenize(src.read_text(encoding="utf-8")) and doc.count(tok.eod) == 5
     assert IndexedDataset(out + "_text_document").index.dtype == np.uint16
 
 
-def test_bad_input_errors_and_existing_outputs_untouched(tmp_path, preprocess_script, capsys):
+def test_bad_input_errors_and_existing_outputs_untouched(tmp_path, capsys):
     src = write_text(tmp_path / "in.txt", DOCS)
     out = str(tmp_path / "out")
-    assert preprocess_script.main(["--input", src, "--output-prefix", out] + TOK_ARGS) == 0
+    assert preprocess_data.main(["--input", src, "--output-prefix", out] + TOK_ARGS) == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     other = write_text(tmp_path / "other.txt", ["completely different text"])
     before["other.txt"] = (tmp_path / "other.txt").read_bytes()
@@ -166,14 +168,14 @@ def test_bad_input_errors_and_existing_outputs_untouched(tmp_path, preprocess_sc
         (["--input", other, str(no_key), "--output-prefix", str(tmp_path / "x")] + TOK_ARGS, "mixes"),
     ]
     for args, message in cases:
-        assert preprocess_script.main(args) == 2, args
+        assert preprocess_data.main(args) == 2, args
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     # nothing was written or changed: the old outputs are byte-identical, no temp files remain
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
     # --overwrite replaces them (renamed into place, not edited)
-    assert preprocess_script.main(["--input", other, "--output-prefix", out, "--overwrite"] + TOK_ARGS) == 0
+    assert preprocess_data.main(["--input", other, "--output-prefix", out, "--overwrite"] + TOK_ARGS) == 0
     assert (tmp_path / "out_text_document.bin").read_bytes() != before["out_text_document.bin"]
     assert len(read_documents(out + "_text_document")) == 1
 

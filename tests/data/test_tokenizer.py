@@ -18,6 +18,7 @@ from megatron.training.tokenizer import (
     NullTokenizer,
     build_tokenizer,
 )
+from tools.data import train_tokenizer
 
 from .conftest import REPO, SHARED_DATA, requires_shared_data
 
@@ -46,11 +47,11 @@ def test_embedded_tokenizer_round_trip_and_interface(tiny_tokenizer):
     json.dumps(tok.unique_identifiers)  # part of GPTDataset's cache key: must serialize
 
 
-def test_embedded_tokenizer_is_what_train_tokenizer_makes(train_tokenizer_script):
+def test_embedded_tokenizer_is_what_train_tokenizer_makes():
     """The committed tiny_bpe.json equals a fresh training run on the committed corpus."""
     from tokenizers import Tokenizer
 
-    fresh = train_tokenizer_script.train_bpe([DEFAULT_CORPUS], 2048)
+    fresh = train_tokenizer.train_bpe([DEFAULT_CORPUS], 2048)
     assert fresh.to_str() == Tokenizer.from_file(DEFAULT_TOKENIZER_MODEL).to_str()
 
 
@@ -63,21 +64,21 @@ def test_embedded_corpus_matches_attribution():
     assert re.search(r"public domain", readme, re.IGNORECASE)
 
 
-def test_train_tokenizer_deterministic_and_safe(tmp_path, train_tokenizer_script):
+def test_train_tokenizer_deterministic_and_safe(tmp_path):
     src = tmp_path / "corpus.txt"
     with open(DEFAULT_CORPUS, encoding="utf-8") as f:
         src.write_text(f.read(60000))
     outs = [tmp_path / "one.json", tmp_path / "two.json"]
     for out in outs:
-        assert train_tokenizer_script.main(["--input", str(src), "--vocab-size", "400", "--output", str(out)]) == 0
+        assert train_tokenizer.main(["--input", str(src), "--vocab-size", "400", "--output", str(out)]) == 0
     assert outs[0].read_bytes() == outs[1].read_bytes()
     tok = build_tokenizer("HuggingFaceTokenizer", str(outs[0]))
     assert tok.vocab_size == 400 and tok.eod == 0
     assert tok.detokenize(tok.tokenize(MIXED_TEXT)) == MIXED_TEXT  # byte-level: nothing unknown
     before = outs[0].read_bytes()
-    assert train_tokenizer_script.main(["--input", str(src), "--vocab-size", "300", "--output", str(outs[0])]) == 2
+    assert train_tokenizer.main(["--input", str(src), "--vocab-size", "300", "--output", str(outs[0])]) == 2
     assert outs[0].read_bytes() == before
-    assert train_tokenizer_script.main(["--input", str(tmp_path / "nope.txt"), "--vocab-size", "300",
+    assert train_tokenizer.main(["--input", str(tmp_path / "nope.txt"), "--vocab-size", "300",
                                         "--output", str(tmp_path / "x.json")]) == 2
     assert not (tmp_path / "x.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "one.json", "two.json"]  # no temp files

@@ -1,5 +1,5 @@
 """The FCSD report (held-out rows for teacher / untrained conversion / students, unigram floor)
-and the sweep script's selection logic."""
+and the sweep's selection logic (distill/sweep.py)."""
 
 import json
 import math
@@ -12,9 +12,9 @@ import pytest
 
 from distill.report import format_table, unigram_perplexity
 
+from distill import sweep
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import fcsd_sweep  # noqa: E402
 
 # end-to-end runs of python -m distill.report on trained checkpoints
 pytestmark = pytest.mark.slow
@@ -132,19 +132,19 @@ def test_sweep_training_loss_and_batch(tmp_path):
     records = [{"step": i, "loss": float(10 - i)} for i in range(1, 7)]
     records.insert(3, {"event": "valid", "step": 3, "loss": 99.0})  # evaluations are not training steps
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    assert fcsd_sweep.training_loss(str(path), 2) == (pytest.approx(4.5), False)
+    assert sweep.training_loss(str(path), 2) == (pytest.approx(4.5), False)
     with open(path, "a") as f:
         f.write(json.dumps({"event": "summary", "step": 6}) + "\n")
     kd = tmp_path / "kd.jsonl"  # distillation runs are selected by their distillation loss
     kd.write_text(json.dumps({"step": 1, "loss": 5.0, "kd_loss": 0.25}) + "\n")
-    assert fcsd_sweep.training_loss(str(kd), 1)[0] == 0.25
-    assert fcsd_sweep.training_loss(str(path), 3)[1] is True
-    assert fcsd_sweep.global_batch_size(4096, 128, 4, 2) == 32
+    assert sweep.training_loss(str(kd), 1)[0] == 0.25
+    assert sweep.training_loss(str(path), 3)[1] is True
+    assert sweep.global_batch_size(4096, 128, 4, 2) == 32
     with pytest.raises(ValueError, match="multiple"):
-        fcsd_sweep.global_batch_size(1000, 128, 4, 2)
+        sweep.global_batch_size(1000, 128, 4, 2)
 
 
 def test_sweep_bad_input(tmp_path, capsys):
-    assert fcsd_sweep.main(["--load", str(tmp_path / "none"), "--root", str(tmp_path / "s")]) == 2
+    assert sweep.main(["--load", str(tmp_path / "none"), "--root", str(tmp_path / "s")]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()

@@ -1,22 +1,16 @@
-"""scripts/profile_netsim_compute.py runs (CPU smoke mode, two cheap kinds) and writes a loadable
-table whose provenance says what it is; the GPU path cannot run in CI."""
-
-import importlib.util
-from pathlib import Path
+"""tools/profile/netsim_compute.py (scripts/profile_netsim_compute.py) runs (CPU smoke mode, two
+cheap kinds) and writes a loadable table whose provenance says what it is; the GPU path cannot run
+in CI."""
 
 import numpy as np
 
 from netsim.compute import default_table, load_table
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_netsim_compute.py"
+from tools.profile import netsim_compute
 
 
 def test_cpu_smoke_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("profile_netsim_compute", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = tmp_path / "t.json"
-    rc = mod.main(["--device", "cpu", "--kinds", "router,elementwise", "--max-points", "2", "--replays", "1",
+    rc = netsim_compute.main(["--device", "cpu", "--kinds", "router,elementwise", "--max-points", "2", "--replays", "1",
                    "--warmup", "0", "--out", str(out)])  # fmt: skip
     assert rc == 0
     t = load_table(out)

@@ -1,16 +1,11 @@
-"""scripts/semmoe_prompts.py: the domain prompt sets, the cap, the mix and the one-line errors."""
+"""tools/semmoe/prompts.py (scripts/semmoe_prompts.py): the domain prompt sets, the cap, the mix
+and the one-line errors."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "semmoe_prompts", os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "semmoe_prompts.py")
-)
-prompts = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(prompts)
+from tools.semmoe import prompts
 
 
 def _write(path, rows):

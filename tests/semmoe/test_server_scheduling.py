@@ -159,7 +159,7 @@ def test_algorithm_3_in_the_server_keeps_tokens_and_reaches_the_predicted_lar(ti
     plain, info, _ = _serve(tiny_model.placed2, tmp_path, prompts, tp[:2], routing=False)
     alg3, info3, _ = _serve(tiny_model.placed2, tmp_path, prompts, [*tp[:2], "--semmoe-tables", tiny_model.tables2])
     base, _, _ = _serve(tiny_model.placed2, tmp_path, prompts)
-    assert info3["token_scheduler"] == "AttentionTP" and info["token_scheduler"] is None
+    assert info3["token_scheduler"] == "semmoe-algorithm-3" and info["token_scheduler"] is None
     assert alg3 == plain == base
 
     from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
@@ -191,7 +191,7 @@ def test_unscheduled_tables_serve_algorithm_3_layout_on_contiguous_slices(tiny_m
     served, info = _served_lar(tiny_model.ckpt, tmp_path, prompts,
                                ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                                 "--semmoe-tables", str(tmp_path / "contiguous2")])
-    assert info["token_scheduler"] == "AttentionTP"
+    assert info["token_scheduler"] == "semmoe-algorithm-3"
     predicted = evaluate(tables, profile, "tp", None, 2, 0).lar
     assert abs(served - predicted) <= 0.05 and abs(served - 0.5) <= 0.1, (served, predicted)
     import argparse

@@ -1,0 +1,8 @@
+"""Profilers whose output feeds netsim's serving model and the overlap analysis:
+
+* ``serving_compute``  the compute of served engine steps per variant (``python -m netsim predict``);
+* ``netsim_compute``   netsim's per-layer compute table measured on a GPU;
+* ``replay_steps``     a served run's all-to-alls beside netsim's replay, step by step;
+* ``overlap_windows``  where each all-to-all of a served prefill step finds its window.
+
+Each is a command: ``python -m tools.profile.<name>`` (``scripts/`` keeps the documented names)."""
