@@ -61,7 +61,8 @@ def test_document_round_trip(tmp_path):
     doc = _traffic_doc()
     assert doc["schema"] == SCHEMA and doc["num_ranks"] == 4 and doc["units"]["traffic"] == "bytes/token"
     assert np.diagonal(np.array(doc["traffic"])).tolist() == [0.0] * 4  # what stays local is not traffic
-    assert doc["link_seconds_per_token"] == pytest.approx(float((np.array(doc["traffic"]) * np.array(doc["cost"])).sum()))
+    traffic, cost = np.array(doc["traffic"]), np.array(doc["cost"])
+    assert doc["link_seconds_per_token"] == pytest.approx(float((traffic * cost).sum()))
     path = write_cost_document(doc, tmp_path / "c.json")
     assert read_cost_document(path) == json.loads(json.dumps(doc))
 
@@ -120,7 +121,8 @@ def test_ep_costs_command_without_torch(tmp_path):
 
 
 def test_ep_costs_command_errors(tmp_path, capsys):
-    assert main(["ep-costs", "--topology", "scale-up", "--num-xpus", "4", "--ep", "8", "--out", str(tmp_path / "c")]) == 2
+    assert main(["ep-costs", "--topology", "scale-up", "--num-xpus", "4", "--ep", "8",
+                 "--out", str(tmp_path / "c")]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "8 EP ranks do not fit a network of 4 XPUs" in err and err.count("\n") == 1
     assert main(["ep-costs", "--topology", "scale-out", "--num-xpus", "12", "--ep", "4", "--out",

@@ -128,8 +128,8 @@ def test_bench_serve_compares_placements(tiny_model, tmp_path):
     subprocess.run(["cp", "-r", tiny_model.tables2, str(tables / "semmoe")], check=True)
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "scripts/bench_serve.py", "--load", tiny_model.ckpt, "--semmoe-tables",
-                           str(tables), "--variants", "standard,eplb,affinity-eplb,semmoe", "--no-netns", "--ranks", "2",
-                           "--prompts", tiny_model.prompts, "--input-len", "24", "--output-len", "4",
+                           str(tables), "--variants", "standard,eplb,affinity-eplb,semmoe", "--no-netns",
+                           "--ranks", "2", "--prompts", tiny_model.prompts, "--input-len", "24", "--output-len", "4",
                            "--request-rates", "inf", "--num-requests", "6", "--warmup-requests", "0", "--runs", "1",
                            "--json", str(out), "--no-plots", "--work-dir", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -73,7 +73,8 @@ def _check(args, methods: dict) -> None:
     for flag, names in (("--methods", args.methods), ("--scheduled", args.scheduled)):
         unknown = [m for m in names if m not in methods]
         if unknown:
-            raise ValueError(f"{flag}: unknown method(s) {', '.join(unknown)}; choose from {', '.join(sorted(methods))}")
+            raise ValueError(f"{flag}: unknown method(s) {', '.join(unknown)}; "
+                             f"choose from {', '.join(sorted(methods))}")
     if not args.methods:
         raise ValueError("--methods is empty")
     if args.heldout is None and not 0.0 < args.fraction < 1.0:
@@ -91,8 +92,12 @@ def _run_figures(result, num_tokens: int) -> dict:
 
 
 def _summary(runs: list[dict]) -> dict:
-    return {key: {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v))}
-            for key in runs[0] for v in [[r[key] for r in runs]]}  # fmt: skip
+    """Each figure's median, min and max over the runs."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        out[key] = {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+    return out
 
 
 @command("compare", "placements side by side on held-out requests over seeds: LAR, imbalance, bytes", _configure)
