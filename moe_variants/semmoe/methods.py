@@ -26,7 +26,7 @@ import numpy as np
 from .affinity import affinity_placement, coactivation_counts, coactivation_kept
 from .baselines import balanced_packing, contiguous_placement, milp_coclustering
 from .profile import Profile
-from .solver import SolverConfig, sequence_tables, solve, token_mass_tables
+from .solver import SolverConfig, copy_to_extended_tokens, sequence_tables, solve, token_mass_tables
 from .tables import Tables
 
 __all__ = ["METHODS", "register_method", "place", "with_schedule"]
@@ -67,9 +67,7 @@ def with_schedule(tables: Tables, profile: Profile, lookback: int = 2) -> Tables
     for l in range(num_layers):
         t, tp = token_mass_tables(profile.confidence(l), e2d[l], d)
         t_all[l], tp_all[l] = t, tp
-    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
-    t_all[:, ext] = t_all[:, profile.nn_source[ext]]
-    tp_all[:, ext] = tp_all[:, profile.nn_source[ext]]
+    copy_to_extended_tokens(profile, t_all, tp_all)
     seq, seq_conf = sequence_tables(profile.routes, e2d, d, lookback)
     meta = {**tables.meta, "schedule": "token_mass"}
     return Tables(tables.method, d, e2d, t_all, tp_all, seq, seq_conf, lookback, meta)
@@ -130,9 +128,7 @@ def _milp(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -
         local = cp.data * (res.expert2device[cp.indices] == res.token2device[rows])
         tp_all[l] = np.bincount(rows, weights=local, minlength=v)
         per_layer.append({"objective": res.objective, "optimal": res.optimal, "mip_gap": res.mip_gap})
-    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
-    t_all[:, ext] = t_all[:, profile.nn_source[ext]]
-    tp_all[:, ext] = tp_all[:, profile.nn_source[ext]]
+    copy_to_extended_tokens(profile, t_all, tp_all)
     seq, seq_conf = sequence_tables(profile.routes, e2d, num_devices, config.lookback)
     meta = {"seed": seed, "config": asdict(config), "milp": per_layer, "solve_seconds": time.perf_counter() - t0}
     return Tables("milp", num_devices, e2d, t_all, tp_all, seq, seq_conf, config.lookback, meta)
