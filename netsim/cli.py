@@ -6,6 +6,7 @@
 * ``compute-table``      write a roofline-estimate compute table, or project one to a GPU generation
 * ``serve``              best layout, batch, TPOT and throughput for one network and scenario
 * ``cost``               cost breakdown of one network
+* ``ep-costs``           per-EP-rank cost matrix of one network as ``moe-ep-cost/1`` JSON (``netsim.ep_costs``)
 * ``sweep``              the full design-space sweep: JSON, PNG plots and a summary table
 * ``predict``            TTFT, TPOT and throughput of a bench_serve run's workload, from the run's
                          calibrated link and the profiled compute of the served model (``netsim.replay``)
@@ -405,6 +406,33 @@ def _cost(args) -> int:
           f"({b.total_per_month / n:,.0f} $ per XPU)")  # fmt: skip
     print(f"normalised cost per XPU (1 = a bare XPU): {normalized_cost_per_xpu(net, cc):.4f}; network share of CapEx "
           f"{b.network_capex / b.total_capex * 100:.1f}%")  # fmt: skip
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ ep-costs
+
+
+def _configure_ep_costs(p):
+    _network_args(p)
+    p.add_argument("--ep", type=positive_int, required=True, help="EP ranks: the network's first EP XPUs")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="scale-out: XPUs per node")
+    p.add_argument("--node-bandwidth-gbps", type=positive_float, default=450.0,
+                   help="scale-out: intra-node (NVLink) bandwidth per XPU, GB/s one direction")  # fmt: skip
+    p.add_argument("--out", required=True, help="moe-ep-cost/1 JSON to write")
+
+
+@command("ep-costs", "per-EP-rank cost matrix of one network (moe-ep-cost/1 JSON)", _configure_ep_costs)
+def _ep_costs(args) -> int:
+    from .collectives import GB
+    from .ep_costs import cost_document, write_cost_document
+
+    net = replace(_network(args), gpus_per_node=args.gpus_per_node, node_bandwidth=args.node_bandwidth_gbps * GB)
+    doc = cost_document(net, args.ep)
+    write_cost_document(doc, args.out)
+    cost = doc["cost"]
+    off = [c for i, row in enumerate(cost) for j, c in enumerate(row) if i != j]
+    print(f"{net.topology.value}, {args.ep} EP ranks on {net.num_xpus} XPUs: cost per byte "
+          f"{min(off, default=0) * 1e12:.3f}-{max(off, default=0) * 1e12:.3f} ps/byte (link-seconds) -> {args.out}")
     return 0
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Sem-MoE in the server, end to end: profile a checkpoint's routing on ShareGPT's profiling split,
-# solve EPLB-style and Sem-MoE placements for EP ranks, predict their LAR on the held-out split,
-# then serve the held-out prompts with bench_serve.py: standard (contiguous, round-robin), eplb
-# (placed, round-robin) and semmoe (placed, Algorithm 2 request scheduling; with TP = EP,
-# attention tensor-parallel with Algorithm 3 token re-batching). docs/semmoe.md.
+# solve EPLB-style, affinity-aware EPLB and Sem-MoE placements for EP ranks, predict their LAR on
+# the held-out split, then serve the held-out prompts with bench_serve.py: standard (contiguous,
+# round-robin), eplb and affinity-eplb (placed, round-robin) and semmoe (placed, Algorithm 2
+# request scheduling; with TP = EP, attention tensor-parallel with Algorithm 3 token re-batching,
+# the EPLB baselines on contiguous slices). docs/semmoe.md.
 #
 #   sudo CKPT=runs/corpus_moe8_cpu EP=2 scripts/semmoe_serving.sh runs/semmoe_serve
 #   sudo CKPT=runs/corpus_moe8_cpu EP=2 TP=2 scripts/semmoe_serving.sh runs/semmoe_serve_tp
+#   sudo CKPT=runs/corpus_moe8_cpu EP=2 VARIANTS=standard,eplb,affinity-eplb,semmoe scripts/semmoe_serving.sh runs/semmoe_serve_aff
 #
 # Environment: CKPT (a trained checkpoint), EP (ranks, default 2), TP (attention tensor
 # parallelism: 1, or EP for Algorithm 3 on the same ranks; default 1), RATES (default 2,4,8),
@@ -39,12 +41,13 @@ for part in profile eval; do
   [ -f "$OUT/sharegpt_$part.npz" ] || $PY -m tools.semmoe profile --load "$CKPT" \
     --data "$PROMPTS/sharegpt_$part.jsonl" --out "$OUT/sharegpt_$part.npz" --batch-tokens 4096
 done
-for m in contiguous eplb semmoe; do
+for m in contiguous eplb affinity-eplb semmoe; do
   [ -d "$OUT/tables/$m" ] || $PY -m tools.semmoe solve --profile "$OUT/sharegpt_profile.npz" --ep "$EP" \
     --method "$m" --out "$OUT/tables/$m"
 done
 [ -f "$OUT/evaluation.json" ] || $PY -m tools.semmoe evaluate --tables "$OUT/tables/contiguous" \
-  "$OUT/tables/eplb" "$OUT/tables/semmoe" --profile "$OUT/sharegpt_eval.npz" --mode both --out "$OUT/evaluation.json"
+  "$OUT/tables/eplb" "$OUT/tables/affinity-eplb" "$OUT/tables/semmoe" --profile "$OUT/sharegpt_eval.npz" --mode both \
+  --out "$OUT/evaluation.json"
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants "$VARIANTS" \
   --ranks "$EP" --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
   "${LINK[@]}" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \

@@ -4,11 +4,15 @@
 * ``contiguous``: megatron-core's default split, no scheduling.
 * ``eplb``: EPLB-style load balancing without replicas (greedy LPT, equal experts per device) on
   the profile's per-layer expert loads, no scheduling.
+* ``affinity-eplb``: affinity-aware EPLB (module ``affinity``): co-activated experts grouped on one
+  device under EPLB's load cap plus ``balance_slack``, with EPLB's replica budget (none: tables
+  place every expert once), no scheduling.
 * ``milp``: the exact co-clustering optimum per layer (HiGHS), for small profiles only; its token
   table is the optimal token assignment with ``Tp`` = the token's predicted local share.
 
 A new method is a function ``(profile, num_devices, seed, config) -> Tables`` registered with
-:func:`register_method`.
+:func:`register_method`. :func:`with_schedule` gives a baseline placement Sem-MoE's token and
+sequence tables, to compare placements under the same scheduling.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from typing import Callable
 
 import numpy as np
 
+from .affinity import affinity_placement, coactivation_counts, coactivation_kept
 from .baselines import balanced_packing, contiguous_placement, milp_coclustering
 from .profile import Profile
-from .solver import SolverConfig, sequence_tables, solve
+from .solver import SolverConfig, copy_to_extended_tokens, sequence_tables, solve, token_mass_tables
 from .tables import Tables
 
-__all__ = ["METHODS", "register_method", "place"]
+__all__ = ["METHODS", "register_method", "place", "with_schedule"]
 
 PlacementFn = Callable[[Profile, int, int, SolverConfig], Tables]
 METHODS: dict[str, PlacementFn] = {}
@@ -51,6 +56,23 @@ def place(
     return METHODS[method](profile, num_devices, seed, config)
 
 
+def with_schedule(tables: Tables, profile: Profile, lookback: int = 2) -> Tables:
+    """``tables``' placement with the tables Sem-MoE builds for its own (token -> the device with the
+    largest share of the token's activations in ``profile``, unseen tokens by their nearest
+    neighbour; the App. B.1 sequence table), so that Algorithms 2 and 3 schedule tokens to it."""
+    e2d, d = tables.expert2device, tables.num_devices
+    num_layers, v = profile.num_layers, profile.vocab_size
+    t_all = np.full((num_layers, v), -1, dtype=np.int16)
+    tp_all = np.zeros((num_layers, v), dtype=np.float32)
+    for l in range(num_layers):
+        t, tp = token_mass_tables(profile.confidence(l), e2d[l], d)
+        t_all[l], tp_all[l] = t, tp
+    copy_to_extended_tokens(profile, t_all, tp_all)
+    seq, seq_conf = sequence_tables(profile.routes, e2d, d, lookback)
+    meta = {**tables.meta, "schedule": "token_mass"}
+    return Tables(tables.method, d, e2d, t_all, tp_all, seq, seq_conf, lookback, meta)
+
+
 def _expert_loads(profile: Profile) -> np.ndarray:
     """[L, N] activations per expert in the profile."""
     return np.stack([np.asarray(c.sum(axis=0)).ravel() for c in profile.counts]).astype(np.float64)
@@ -73,6 +95,19 @@ def _eplb(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -
     return Tables("eplb", num_devices, e2d, meta={"seed": seed})
 
 
+@register_method("affinity-eplb")
+def _affinity_eplb(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
+    n = profile.num_experts
+    coact = np.stack([coactivation_counts(profile.routes[l], n) for l in range(profile.num_layers)])
+    weight = np.stack([np.diagonal(c) for c in coact]).astype(np.float64)
+    phy2log, _, _ = affinity_placement(weight, coact, n, num_devices, config.balance_slack, seed)
+    e2d = np.empty_like(phy2log)
+    np.put_along_axis(e2d, phy2log, np.broadcast_to(np.arange(n) // (n // num_devices), phy2log.shape), axis=1)
+    kept = [coactivation_kept(c, row) for c, row in zip(coact, e2d)]
+    meta = {"seed": seed, "load_slack": config.balance_slack, "coactivation_kept": kept}
+    return Tables("affinity-eplb", num_devices, e2d, meta=meta)
+
+
 @register_method("milp")
 def _milp(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -> Tables:
     config.validate(num_devices)
@@ -93,9 +128,7 @@ def _milp(profile: Profile, num_devices: int, seed: int, config: SolverConfig) -
         local = cp.data * (res.expert2device[cp.indices] == res.token2device[rows])
         tp_all[l] = np.bincount(rows, weights=local, minlength=v)
         per_layer.append({"objective": res.objective, "optimal": res.optimal, "mip_gap": res.mip_gap})
-    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
-    t_all[:, ext] = t_all[:, profile.nn_source[ext]]
-    tp_all[:, ext] = tp_all[:, profile.nn_source[ext]]
+    copy_to_extended_tokens(profile, t_all, tp_all)
     seq, seq_conf = sequence_tables(profile.routes, e2d, num_devices, config.lookback)
     meta = {"seed": seed, "config": asdict(config), "milp": per_layer, "solve_seconds": time.perf_counter() - t0}
     return Tables("milp", num_devices, e2d, t_all, tp_all, seq, seq_conf, config.lookback, meta)

@@ -5,9 +5,12 @@ Metrics (paper §4.5-4.6):
 * LAR, local activation rate: token-expert activations computed on the token's own device /
   all activations; reported globally and as p25/p50/p75 over requests (Table 3 uses p50).
 * load imbalance: max / median of the per-device expert load (activations its experts compute),
-  per layer; mean and max over layers.
+  per layer; mean and max over layers. ``peak_to_mean`` is the same with max / mean.
 * predicted all-to-all bytes: remote activations x hidden x bytes per element (one direction,
-  the dispatch; the combine moves the same amount back).
+  the dispatch; the combine moves the same amount back), as this stack's dispatcher sends every
+  (token, expert) pair. ``remote_sends`` counts instead, per token and layer, the distinct other
+  devices among its experts' devices: what a dispatcher that sends a token once per destination
+  device (DeepEP's) moves, which co-locating co-activated experts lowers.
 
 A token's device follows the deployment mode. ``DP`` (attention data parallel): whole requests
 sit on one rank; scheduled tables use Algorithm 2 in arrival order, baselines round-robin.
@@ -31,7 +34,10 @@ from .profile import Profile
 from .scheduling import align_to_ranks, predict_token_devices, routed_devices, schedule_requests
 from .tables import Tables
 
-__all__ = ["DeploymentMode", "EvalResult", "evaluate", "token_devices_dp", "token_devices_tp", "tp_batches"]
+__all__ = [
+    "DeploymentMode", "EvalResult", "evaluate", "token_devices", "token_devices_dp", "token_devices_tp", "tp_batches",
+    "rank_traffic",
+]  # fmt: skip
 
 
 class DeploymentMode(str, enum.Enum):
@@ -51,9 +57,13 @@ class EvalResult:
     lar_p75: float
     imbalance_mean: float
     imbalance_max: float
+    peak_to_mean: float
+    peak_to_mean_max: float
     total_activations: int
     remote_activations: int
+    remote_sends: int
     a2a_bytes: float | None
+    a2a_bytes_per_device: float | None
     tp_batch_tokens: int
     lar_per_layer: list[float]
     by_group: dict[str, dict] | None = None
@@ -130,6 +140,34 @@ def token_devices_tp(tables: Tables, profile: Profile, batch_tokens: int = 0) ->
     return out
 
 
+def token_devices(tables: Tables, profile: Profile, mode: DeploymentMode | str, tp_batch_tokens: int = 0) -> np.ndarray:
+    """[L, S] device of every occurrence before each MoE layer in deployment ``mode``."""
+    if DeploymentMode(mode) is DeploymentMode.DP:
+        req_dev = token_devices_dp(tables, profile)
+        return np.broadcast_to(np.repeat(req_dev, profile.request_lengths()), (profile.num_layers, profile.num_tokens))
+    return token_devices_tp(tables, profile, tp_batch_tokens)
+
+
+def rank_traffic(
+    tables: Tables, profile: Profile, mode: DeploymentMode | str, tp_batch_tokens: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Who sends what to whom. Returns pairs [L, D, D] int64 (activations whose token sits on device
+    i and whose expert on device j, the dispatch direction; the diagonal stays local) and
+    source_expert [L, D, N] int64 (activations of expert e by tokens on device s)."""
+    _check_compatible(tables, profile)
+    d, n = tables.num_devices, profile.num_experts
+    occ_dev = token_devices(tables, profile, mode, tp_batch_tokens)
+    pairs = np.empty((profile.num_layers, d, d), dtype=np.int64)
+    source_expert = np.empty((profile.num_layers, d, n), dtype=np.int64)
+    for l in range(profile.num_layers):
+        routes = profile.routes[l].astype(np.int64)
+        src = np.broadcast_to(occ_dev[l][:, None], routes.shape)
+        dst = tables.expert2device[l][routes]
+        pairs[l] = np.bincount((src * d + dst).ravel(), minlength=d * d).reshape(d, d)
+        source_expert[l] = np.bincount((src * n + routes).ravel(), minlength=d * n).reshape(d, n)
+    return pairs, source_expert
+
+
 def evaluate(
     tables: Tables,
     profile: Profile,
@@ -153,16 +191,13 @@ def evaluate(
     d, num_layers, k = tables.num_devices, profile.num_layers, profile.top_k
     lengths = profile.request_lengths()
     starts = profile.request_offsets[:-1]
-    if mode is DeploymentMode.DP:
-        req_dev = token_devices_dp(tables, profile)
-        occ_dev = np.broadcast_to(np.repeat(req_dev, lengths), (num_layers, profile.num_tokens))
-    else:
-        occ_dev = token_devices_tp(tables, profile, tp_batch_tokens)
+    occ_dev = token_devices(tables, profile, mode, tp_batch_tokens)
 
     groups = {name: np.asarray(idx, dtype=np.int64) for name, idx in (groups or {}).items()}
     occ_group = {name: np.isin(profile.request_of_token(), idx) for name, idx in groups.items()}
     local_req = np.zeros(profile.num_requests)
-    lar_layer, imbalance = [], []
+    lar_layer, imbalance, peak = [], [], []
+    sends = 0
     group_imbalance = {name: [] for name in groups}
     for l in range(num_layers):
         exp_dev = tables.expert2device[l][profile.routes[l]]  # [S, K]
@@ -170,6 +205,9 @@ def evaluate(
         local_req += np.add.reduceat(local, starts)
         lar_layer.append(float(local.sum()) / (profile.num_tokens * k))
         imbalance.append(_imbalance(exp_dev, d))
+        load = np.bincount(exp_dev.ravel(), minlength=d)
+        peak.append(float(load.max() / load.mean()))
+        sends += _remote_devices(exp_dev, occ_dev[l], d)
         for name, mask in occ_group.items():
             group_imbalance[name].append(_imbalance(exp_dev[mask], d))
     lar_req = local_req / (lengths * k * num_layers)
@@ -202,13 +240,26 @@ def evaluate(
         lar_p75=float(p75),
         imbalance_mean=float(np.mean(imbalance)),
         imbalance_max=float(np.max(imbalance)),
+        peak_to_mean=float(np.mean(peak)),
+        peak_to_mean_max=float(np.max(peak)),
         total_activations=int(total),
         remote_activations=int(remote),
+        remote_sends=int(sends),
         a2a_bytes=float(remote) * hidden_size * bytes_per_element if hidden_size else None,
+        a2a_bytes_per_device=float(sends) * hidden_size * bytes_per_element if hidden_size else None,
         tp_batch_tokens=tp_batch_tokens if mode is DeploymentMode.TP else 0,
         lar_per_layer=lar_layer,
         by_group=by_group,
     )
+
+
+def _remote_devices(exp_dev: np.ndarray, token_dev: np.ndarray, num_devices: int) -> int:
+    """Sum over occurrences of the distinct devices other than the token's among its experts'
+    devices. exp_dev: [S, K]; token_dev: [S]."""
+    hit = np.zeros((len(token_dev), num_devices), dtype=bool)
+    hit[np.arange(len(token_dev))[:, None], exp_dev] = True
+    hit[np.arange(len(token_dev)), token_dev] = False
+    return int(hit.sum())
 
 
 def _imbalance(exp_dev: np.ndarray, num_devices: int) -> float:

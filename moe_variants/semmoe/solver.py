@@ -67,6 +67,7 @@ __all__ = [
     "sequence_tables",
     "token_vote_tables",
     "token_mass_tables",
+    "copy_to_extended_tokens",
 ]
 
 MAX_SEQUENCE_CONTEXTS = 1 << 22
@@ -332,6 +333,14 @@ def majority_device(routes_l: np.ndarray, expert2device: np.ndarray) -> np.ndarr
     return dev[np.arange(len(dev)), best]
 
 
+def copy_to_extended_tokens(profile: Profile, *tables: np.ndarray) -> None:
+    """In place: tokens the vocabulary extension covers (never seen, with a nearest neighbour) take
+    their neighbour's entries in every [L, V] table."""
+    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
+    for table in tables:
+        table[:, ext] = table[:, profile.nn_source[ext]]
+
+
 def sequence_tables(
     routes: np.ndarray, expert2device: np.ndarray, num_devices: int, lookback: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -430,10 +439,7 @@ def solve(
             log(f"layer {l}: J={obj.total:.4f} remote={obj.remote:.4f} tok_bal={obj.token_balance:.4f} "
                 f"overload={obj.expert_balance:.4f} ({time.perf_counter() - t0:.1f}s)")
 
-    # Tokens covered by the vocabulary extension take their nearest seen neighbour's entries.
-    ext = np.flatnonzero((profile.token_freq == 0) & (profile.nn_source >= 0))
-    t_all[:, ext] = t_all[:, profile.nn_source[ext]]
-    tp_all[:, ext] = tp_all[:, profile.nn_source[ext]]
+    copy_to_extended_tokens(profile, t_all, tp_all)
 
     seq, seq_conf = sequence_tables(profile.routes, e2d_all, d, config.lookback)
     meta = {

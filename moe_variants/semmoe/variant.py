@@ -11,9 +11,10 @@ checkpoint (MoE layers x experts, its applied placement) and the layout.
 
 For the benchmark tools: bench_ep's run-time variant ``semmoe`` places a freshly built model's
 experts by a profile of validation samples and schedules every step's samples by Algorithm 2
-(``bench.py``); bench_serve's placed variants ``eplb`` and ``semmoe`` serve ``--load`` placed by
-``--semmoe-tables DIR/<name>`` (``semmoe`` also schedules requests by Algorithm 2; with TP > 1 both
-run Algorithm 3's layout, ``eplb`` on contiguous slices).
+(``bench.py``); bench_serve's placed variants ``eplb``, ``affinity-eplb`` and ``semmoe`` serve
+``--load`` placed by ``--semmoe-tables DIR/<name>`` (``semmoe`` also schedules requests by
+Algorithm 2; with TP > 1 all run Algorithm 3's layout, the two EPLB baselines on contiguous
+slices).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 from moe_variants.registry import Application, ServePlacement, Variant, register
 
 # bench_serve's placed variants: tables of ``python -m tools.semmoe solve --method <name>``
-_PLACED = ("eplb", "semmoe")
+_PLACED = ("eplb", "affinity-eplb", "semmoe")
 _REQUEST_SCHEDULER = "semmoe-algorithm-2"  # scheduling.RequestScheduler.name
 
 
@@ -128,9 +129,9 @@ class SemMoE(Variant):
 
     def add_serve_bench_arguments(self, group) -> None:
         group.add_argument("--semmoe-tables", metavar="DIR",
-                           help="with --load: DIR/eplb and DIR/semmoe hold tables (tools.semmoe solve --ep RANKS) for "
-                                "the variants eplb and semmoe (placed checkpoints; semmoe also schedules requests by "
-                                "Algorithm 2)")
+                           help="with --load: DIR/<variant> holds the tables (tools.semmoe solve --method <variant> "
+                                "--ep RANKS) of the placed variants eplb, affinity-eplb and semmoe (placed checkpoints; "
+                                "semmoe also schedules requests by Algorithm 2)")
 
     def check_serve_bench(self, args, variants: list, manifest) -> None:
         """``--semmoe-tables DIR``: DIR/<variant> are tables for --load's experts at D = --ranks, and

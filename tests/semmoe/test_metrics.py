@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moe_variants.semmoe.metrics import evaluate, tp_batches
+from moe_variants.semmoe.metrics import evaluate, rank_traffic, tp_batches
 from moe_variants.semmoe.profile import profile_from_traces
 from moe_variants.semmoe.tables import Tables
 
@@ -31,6 +31,21 @@ def test_contiguous_dp_and_tp_by_hand():
     # r0: 2 + 1 + 2 + 1 = 6; r1: 0 + 2 + 2 + 2 = 6 -> 12 of 16.
     tp = evaluate(t, p, "tp", hidden_size=10)
     assert tp.lar == pytest.approx(12 / 16)
+
+
+def test_per_device_sends_peak_to_mean_and_rank_traffic_by_hand():
+    p = _profile()
+    t = Tables("contiguous", 2, np.array([[0, 0, 1, 1]]))
+    dp = evaluate(t, p, "dp", hidden_size=10, bytes_per_element=2)
+    # expert devices per token: r0 (on rank 0) [0,0] [0,1] [1,1] [1,0] -> other devices 0 + 1 + 1 + 1;
+    # r1 (on rank 1) [1,1] [0,0] [1,1] [1,1] -> 0 + 1 + 0 + 0: 4 sends against 6 remote activations
+    assert dp.remote_sends == 4 and dp.a2a_bytes_per_device == 4 * 10 * 2
+    assert dp.peak_to_mean == pytest.approx(10 / 8) and dp.peak_to_mean_max == pytest.approx(10 / 8)
+    pairs, source_expert = rank_traffic(t, p, "dp")
+    # rank 0's tokens: 4 activations on rank 0, 4 on rank 1; rank 1's: 2 on rank 0, 6 local
+    assert pairs.tolist() == [[[4, 4], [2, 6]]]
+    assert pairs[0].sum() - np.trace(pairs[0]) == dp.remote_activations
+    assert source_expert.tolist() == [[[2, 2, 2, 2], [1, 1, 3, 3]]]
 
 
 def test_groups_report_their_own_requests_served_together():

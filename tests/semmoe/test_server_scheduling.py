@@ -114,20 +114,22 @@ def test_tables_of_another_layout_are_refused(tiny_model):
 
 @pytest.mark.slow
 def test_bench_serve_compares_placements(tiny_model, tmp_path):
-    """bench_serve --semmoe-tables: standard (contiguous, round-robin), eplb (placed) and semmoe
-    (placed + Algorithm 2) served one after another; each reports its LAR and load imbalance."""
+    """bench_serve --semmoe-tables: standard (contiguous, round-robin), eplb and affinity-eplb
+    (placed) and semmoe (placed + Algorithm 2) served one after another; each reports its LAR and
+    load imbalance."""
     from moe_variants.semmoe.methods import place
     from moe_variants.semmoe.profile import load_profile
     from moe_variants.semmoe.tables import save_tables
 
     tables = tmp_path / "tables"
     tables.mkdir()
-    save_tables(place("eplb", load_profile(tiny_model.profile_path), 2, seed=0), str(tables / "eplb"))
+    for method in ("eplb", "affinity-eplb"):
+        save_tables(place(method, load_profile(tiny_model.profile_path), 2, seed=0), str(tables / method))
     subprocess.run(["cp", "-r", tiny_model.tables2, str(tables / "semmoe")], check=True)
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "scripts/bench_serve.py", "--load", tiny_model.ckpt, "--semmoe-tables",
-                           str(tables), "--variants", "standard,eplb,semmoe", "--no-netns", "--ranks", "2",
-                           "--prompts", tiny_model.prompts, "--input-len", "24", "--output-len", "4",
+                           str(tables), "--variants", "standard,eplb,affinity-eplb,semmoe", "--no-netns",
+                           "--ranks", "2", "--prompts", tiny_model.prompts, "--input-len", "24", "--output-len", "4",
                            "--request-rates", "inf", "--num-requests", "6", "--warmup-requests", "0", "--runs", "1",
                            "--json", str(out), "--no-plots", "--work-dir", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -135,7 +137,9 @@ def test_bench_serve_compares_placements(tiny_model, tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["checkpoints"]["standard"] == tiny_model.ckpt
     assert data["config"]["checkpoints"]["semmoe"].endswith("placed-semmoe/ckpt")
-    for name, scheduler in (("standard", "round-robin"), ("eplb", "round-robin"), ("semmoe", "semmoe-algorithm-2")):
+    assert data["config"]["checkpoints"]["affinity-eplb"].endswith("placed-affinity-eplb/ckpt")
+    for name, scheduler in (("standard", "round-robin"), ("eplb", "round-robin"), ("affinity-eplb", "round-robin"),
+                            ("semmoe", "semmoe-algorithm-2")):
         v = data["variants"][name]
         assert v["request_scheduler"] == scheduler and 0 < v["lar"] < 1 and v["load_imbalance"]["max"] >= 1
         assert v["routed_activations"] == v["tokens_forwarded"] * 2 * 2

@@ -97,4 +97,4 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_commands_are_registered():
-    assert {"solve", "evaluate", "synth", "split"} <= set(COMMANDS.commands)
+    assert {"solve", "evaluate", "compare", "export-costs", "synth", "split"} <= set(COMMANDS.commands)

@@ -5,6 +5,9 @@ Commands are registered in ``commands.COMMANDS``; each gets an argparse sub-pars
 
 * ``solve``     profile -> tables for one placement method and EP size
 * ``evaluate``  tables (one or more) x held-out profile -> LAR / imbalance / bytes table + JSON
+* ``compare``   placements side by side on held-out requests over seeds (``compare.py``)
+* ``export-costs`` a placement's per-rank traffic beside a network's per-EP-rank cost matrix
+  (``moe-ep-cost/1`` JSON, ``export_costs.py``)
 * ``synth``     write a synthetic profile with planted token-expert affinity
 * ``split``     split a profile's requests into a profiling part and a held-out part
 * ``stats``     routing statistics of profiles: Table 1 per layer, domain-expert mutual information
@@ -22,7 +25,7 @@ from megatron.training.checkpointing import CheckpointError
 from megatron.common.cli import positive_int
 from megatron.common.files import write_json
 
-from . import model_commands  # noqa: F401  (registers profile, apply, lar)
+from . import compare, export_costs, model_commands  # noqa: F401  (register their commands)
 from .commands import COMMANDS, command
 
 __all__ = ["main"]

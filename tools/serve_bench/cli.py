@@ -21,8 +21,8 @@ The model: ``--load CKPT`` (one checkpoint; variants must keep its parameters: c
 presets such as ``farskip``), or ``--config YAML`` / the default tiny model trained briefly
 (``--train-steps``) with ``pretrain_gpt``, one checkpoint per variant, same seed and data.
 Expert placements (Sem-MoE's serving comparison): with ``--load CKPT --semmoe-tables DIR`` the
-variants ``eplb`` and ``semmoe`` serve CKPT placed by ``DIR/eplb`` resp. ``DIR/semmoe`` (tables of
-``python -m tools.semmoe solve --ep RANKS``, applied here with ``tools.semmoe apply``); ``semmoe``
+placed variants (``eplb``, ``affinity-eplb``, ``semmoe``) serve CKPT placed by ``DIR/<variant>`` (tables of
+``python -m tools.semmoe solve --method <variant> --ep RANKS``, applied here with ``tools.semmoe apply``); ``semmoe``
 also schedules requests by Algorithm 2 (``serve --semmoe-tables``); ``standard`` is CKPT as it is
 (megatron-core's contiguous placement, round-robin). Every variant reports its LAR and the expert
 load imbalance.
