@@ -488,7 +488,10 @@ class Frontend:
         cut = next((k for k, t in enumerate(new) if t in req.stop_token_ids), None)
         if cut is not None:
             new, finish = new[:cut], "stop"
-        entries = entries[:len(new)]
+        # the token that ended the choice (EOD, a stop token id) is not in the text or token ids, but
+        # keeps its log-prob entry, as OpenAI's and vLLM's: echo scoring (lm-eval's) reads one entry
+        # past the prompt and would otherwise lose the prompt's last one
+        entries = entries[:len(new) + (finish == "stop")]
         start = len(choice.tokens)
         choice.tokens.extend(new)
         choice.logprobs.extend(entries)

@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node=N -m megatron.training.evaluate_lm --load CKPT --tasks T1,T2 \\
         [--limit K] [--include-path DIR] [--data-dir DIR] [--num-fewshot K] [--batch-size B] \\
-        [--tensor-model-parallel-size N --expert-model-parallel-size N] [--semmoe-tables TABLES] \
-        --output results.json
+        [--tensor-model-parallel-size N --expert-model-parallel-size N] [--semmoe-tables TABLES] \\
+        [--log-samples] --output results.json
     python -m megatron.training.evaluate_lm ...        (one process, TP = EP = 1)
 
 ``--semmoe-tables`` assigns requests to data-parallel ranks by Sem-MoE's Algorithm 2 (docs/semmoe.md);
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write lm-eval's per-document samples (requests, log-likelihoods, metrics) under "
+                        "'samples' in --output")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens the model reads at once (default: the checkpoint's seq_length); lm-eval's API "
                         "models keep two tokens back: --max-length L-2 scores as local-completions with max_length=L")
@@ -232,7 +235,7 @@ def evaluate(args, manager) -> dict:
         with counter if counter is not None else contextlib.nullcontext():
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=task_list(args.tasks), num_fewshot=args.num_fewshot, limit=_limit(args.limit),
-                task_manager=manager, log_samples=False, bootstrap_iters=args.bootstrap_iters,
+                task_manager=manager, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
                 random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
                 fewshot_random_seed=args.seed,
             )
@@ -246,7 +249,7 @@ def evaluate(args, manager) -> dict:
             moe["lar"] = None
             moe["lar_not_counted"] = no_lar
         payload = {k: results[k] for k in ("results", "groups", "group_subtasks", "configs", "versions",
-                                           "n-shot", "higher_is_better", "n-samples") if k in results}
+                                           "n-shot", "higher_is_better", "n-samples", "samples") if k in results}
         payload["model"] = {
             "checkpoint": os.path.abspath(ckpt),
             "iteration": manifest.get("iteration"),

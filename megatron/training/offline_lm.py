@@ -74,9 +74,11 @@ def scoring_window(context: Sequence[int], continuation: Sequence[int], max_leng
 
 def continuation_score(logits_SV: torch.Tensor, targets_S: torch.Tensor) -> tuple[float, bool]:
     """Sum of the targets' log-probabilities under ``logits_SV`` (fp32 log-softmax over V) and
-    whether every target is the argmax (lm-eval's ``is_greedy``). Row s predicts ``targets_S[s]``."""
+    whether every target is the argmax (lm-eval's ``is_greedy``). Row s predicts ``targets_S[s]``.
+    The sum is taken in fp64, as lm-eval sums a served model's per-token log-probs: in fp32 a
+    500-token window's sum is off by ~1e-4 nats (its rounding step at ~-2500)."""
     logp_SV = F.log_softmax(logits_SV.float(), dim=-1)
-    score = logp_SV.gather(-1, targets_S[:, None]).sum()
+    score = logp_SV.gather(-1, targets_S[:, None]).double().sum()
     greedy = bool((logp_SV.argmax(-1) == targets_S).all())
     return float(score), greedy
 

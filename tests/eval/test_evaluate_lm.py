@@ -116,7 +116,8 @@ def test_local_task_loaders_read_the_shared_layout(tmp_path):
 
 def _evaluate(ckpt, out, data, nproc):
     base = ["--load", ckpt, "--tasks", "local_arc_easy,local_wikitext", "--include-path", TASKS_DIR,
-            "--data-dir", data, "--limit", 4, "--batch-size", 3, "--bootstrap-iters", 0, "--output", out]
+            "--data-dir", data, "--limit", 4, "--batch-size", 3, "--bootstrap-iters", 0, "--log-samples",
+            "--output", out]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron.training.evaluate_lm", *map(str, base)]
     else:
@@ -140,6 +141,12 @@ def test_local_tasks_end_to_end_two_ranks_equal_one(ckpt_dir, tmp_path):
     arc2, arc1 = two["results"]["local_arc_easy"], one["results"]["local_arc_easy"]
     assert arc2["sample_len"] == 4
     assert arc2["acc,none"] == arc1["acc,none"] and arc2["acc_norm,none"] == arc1["acc_norm,none"]
+    # --log-samples: each document's requests and log-likelihoods (one per choice)
+    samples2, samples1 = two["samples"]["local_arc_easy"], one["samples"]["local_arc_easy"]
+    assert [s["doc_id"] for s in samples2] == [s["doc_id"] for s in samples1] == [0, 1, 2, 3]
+    assert [r[0] for s in samples2 for r in s["filtered_resps"]] == pytest.approx(
+        [r[0] for s in samples1 for r in s["filtered_resps"]], abs=1e-4)
+    assert all(len(s["arguments"]) == len(s["filtered_resps"]) == 4 for s in samples1)
     wiki2, wiki1 = two["results"]["local_wikitext"], one["results"]["local_wikitext"]
     assert wiki2["sample_len"] == 3  # three generated articles (--limit 4)
     assert 1 < wiki2["word_perplexity,none"] < float("inf")

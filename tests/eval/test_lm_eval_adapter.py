@@ -247,6 +247,13 @@ def test_pure_helpers():
     want = float(torch.log_softmax(logits, -1)[0, 1] + torch.log_softmax(logits, -1)[1, 0])
     assert score == pytest.approx(want, abs=1e-6) and greedy
     assert not continuation_score(logits, torch.tensor([1, 2]))[1]
+    # a long window sums its fp32 log-probs in fp64, as lm-eval sums a served model's: an fp32 sum of
+    # these 2000 is 5e-4 off (its rounding step near -15700 is 1e-3)
+    logits = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0)) * 3
+    targets = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(1))
+    per_token = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    assert continuation_score(logits, targets)[0] == pytest.approx(sum(per_token.tolist()), abs=1e-9)
+    assert abs(float(per_token.sum()) - sum(per_token.tolist())) > 1e-5  # what an fp32 sum would give
     assert greedy_stop("abc\n\ndef", ["\n\n"]) == ("abc", True)
     assert greedy_stop("abcdef", ["x", "", "cd"]) == ("ab", True)
     assert greedy_stop("abc", ["x"]) == ("abc", False)

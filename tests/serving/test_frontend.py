@@ -247,6 +247,41 @@ def test_batched_prompts_echo_and_logprobs(frontend):
     assert [c["token"] for c in chat["choices"][0]["logprobs"]["content"]] == ["x", "y"]
 
 
+def _stream_logprobs(url, body):
+    """The streamed choice's text and its log-prob tokens, chunks joined."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        choices = [c for line in resp.read().decode().splitlines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"]]
+    return "".join(c["text"] for c in choices), [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+
+
+def test_the_token_that_ends_a_choice_keeps_its_logprob_entry(frontend):
+    """lm-eval's echo scoring (``max_tokens: 1``, ``token_logprobs[ctxlen:-1]``) needs one entry past
+    the prompt also when the generated token is EOD; without it the prompt's last log-prob was dropped."""
+    f = frontend(_echo_tokens(chr(EOD)))
+    body = {"prompt": "ab", "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0, "return_token_ids": True}
+    choice = _request(f.url, "/v1/completions", body)[1]["choices"][0]
+    assert choice["text"] == "ab" and choice["finish_reason"] == "stop" and choice["token_ids"] == []
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "<eod>"] and lp["token_logprobs"] == [None, -1.0, -0.5]
+    assert lp["text_offset"] == [0, 1, 2]
+    assert _stream_logprobs(f.url, body) == ("ab", ["a", "b", "<eod>"])
+    chat = _request(f.url, "/v1/chat/completions", {"messages": [{"role": "u", "content": "hi"}], "max_tokens": 1,
+                                                    "logprobs": True})[1]["choices"][0]
+    assert chat["message"]["content"] == "" and [c["token"] for c in chat["logprobs"]["content"]] == ["<eod>"]
+    # a stop token id ends the text and token ids before it, and keeps its entry too
+    g = frontend(_echo_tokens("xcy"))
+    choice = _request(g.url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "logprobs": 0, "return_token_ids": True,
+                                                 "stop_token_ids": [ord("c")]})[1]["choices"][0]
+    assert choice["text"] == "x" and choice["token_ids"] == [ord("x")] and choice["logprobs"]["tokens"] == ["x", "c"]
+    # with ignore_eos the EOD is an ordinary token of the output
+    h = frontend(_echo_tokens(chr(EOD) + "z"))
+    choice = _request(h.url, "/v1/completions", {"prompt": "a", "max_tokens": 2, "logprobs": 0, "ignore_eos": True})[1]
+    assert choice["choices"][0]["logprobs"]["tokens"] == ["<eod>", "z"]
+
+
 def test_tokenizer_endpoints(frontend):
     f = frontend(_echo_tokens("z"), enable_tokenizer_info=True)
     status, body, _ = _request(f.url, "/tokenize", {"prompt": "ab", "add_special_tokens": False,
