@@ -4,14 +4,16 @@ A user error is one line, never a traceback; anything else keeps its traceback.
 
 A ``UserError`` (a ``ValueError``) is raised by argument, config and data validation; code that
 validates with plain ``ValueError``s marks its calls with ``with user_input():``, which re-raises
-them (and ``FileNotFoundError``) as ``UserError``. Long-running commands (training) pass
-``user_errors=(UserError, ...)`` so that a ``ValueError`` from deep inside a run, a shape bug at
-step 10,000, is not mistaken for bad input: it keeps its traceback on the rank where it happened.
+them (and ``FileNotFoundError``) as ``UserError``. Only ``UserError`` (and exceptions that mean bad
+input by their type, such as a corrupt checkpoint's) is reported as bad input: a plain
+``ValueError`` from deep inside a command, a shape bug in a forward or at step 10,000, keeps its
+traceback on the rank where it happened and exits 1.
 
 ``run_cli(prog, body)`` runs ``body()``; argparse's own exits (``--help``, a malformed flag, which
-argparse already reported in one line) return their code; an exception in ``user_errors`` prints
-``prog: error: <first line>`` on rank 0 only (under torchrun every rank raises the same error) and
-returns 2; ``cleanup`` runs in every case. Standard library only, so torch-free tools use it too.
+argparse already reported in one line) return their code; an exception in ``user_errors`` (default:
+``UserError``) prints ``prog: error: <first line>`` on rank 0 only and returns 2; ``cleanup`` runs
+in every case (under torchrun every rank raises the same error). Standard library only, so
+torch-free tools use it too.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def run_cli(
     prog: str,
     body: Callable[[], Optional[int]],
     *,
-    user_errors: tuple = (ValueError,),
+    user_errors: tuple = (UserError,),
     cleanup: Optional[Callable[[], None]] = None,
 ) -> int:
     """Run a command's body and map its outcome to an exit code (0, argparse's code, or 2)."""
@@ -168,7 +170,7 @@ class Subcommands:
             cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
         return parser
 
-    def main(self, argv: list, *, user_errors: tuple = (ValueError,),
+    def main(self, argv: list, *, user_errors: tuple = (UserError,),
              prepare: Optional[Callable[[argparse.Namespace], None]] = None) -> int:
         def body():
             args = self.parser().parse_args(argv)

@@ -47,6 +47,7 @@ import time
 import traceback
 from typing import Optional
 
+from megatron.common.cli import UserError
 from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
@@ -160,7 +161,7 @@ class Frontend:
             sock.bind((host, port))
         except OSError as err:
             sock.close()
-            raise ValueError(f"--host {host} --port {port}: cannot bind ({err.strerror})") from None
+            raise UserError(f"--host {host} --port {port}: cannot bind ({err.strerror})") from None
         sock.listen(128)
         self.port = sock.getsockname()[1]
         self._fd = sock.detach()  # hypercorn owns (and closes) the listening socket from here

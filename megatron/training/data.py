@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 from megatron.common import collectives
+from megatron.common.cli import UserError
 
 __all__ = [
     "DOCUMENT_BOUNDARIES",
@@ -580,15 +581,15 @@ def build_heldout_windows(text_path: str, tokenizer, seq_length: int) -> torch.T
     the first is scored exactly once; the tail shorter than a window is dropped.
     """
     if seq_length < 1:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        raise UserError(f"--seq-length must be positive, got {seq_length}")
     if not os.path.isfile(text_path):
-        raise ValueError(f"held-out text: no such file: {text_path}")
+        raise UserError(f"held-out text: no such file: {text_path}")
     with open(text_path, encoding="utf-8", newline="") as f:
         text = f.read()
     ids = torch.tensor(tokenizer.tokenize(text), dtype=torch.long)
     num_windows = (ids.numel() - 1) // seq_length
     if num_windows < 1:
-        raise ValueError(
+        raise UserError(
             f"held-out text {text_path} has {ids.numel()} tokens, fewer than one window of {seq_length + 1}"
         )
     return ids.unfold(0, seq_length + 1, seq_length)[:num_windows].contiguous()

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 import scipy.sparse as sp
 
+from megatron.common.cli import user_input
 from moe_variants.semmoe.npz import load_npz, save_npz
 
 __all__ = [
@@ -299,8 +300,9 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     save_npz(path, arrays, meta)
 
 
+@user_input()
 def load_profile(path: str | os.PathLike) -> Profile:
-    """Read a profile written by :func:`save_profile`; a missing or corrupt file is a one-line ``ValueError``."""
+    """Read a profile written by :func:`save_profile`; a missing or corrupt file is a one-line ``UserError``."""
     required = (
         "token_ids", "request_offsets", "routes", "token_freq", "nn_source",
         "counts_indptr", "counts_indices", "counts_data", "counts_nnz",

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.common.cli import positive_int
+from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import atomic_write
 
 from .commands import command
@@ -68,13 +68,14 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 def _check_output_file(out: str) -> None:
     path = Path(out)
     if path.is_dir():
-        raise ValueError(f"--out {out}: is a directory, expected a file path")
+        raise UserError(f"--out {out}: is a directory, expected a file path")
     if path.exists():
-        raise ValueError(f"--out {out}: exists; refusing to overwrite (choose a new path)")
+        raise UserError(f"--out {out}: exists; refusing to overwrite (choose a new path)")
     if not path.parent.is_dir():
-        raise ValueError(f"--out {out}: parent directory {path.parent} does not exist")
+        raise UserError(f"--out {out}: parent directory {path.parent} does not exist")
 
 
+@user_input()
 def _check_run_inputs(args: argparse.Namespace, nproc: int):
     """Prompts readable, checkpoint present, layout valid for ``nproc`` ranks; returns the manifest."""
     from moe_variants.config import ModelConfig, validate
@@ -236,9 +237,9 @@ def _requests_of(profile, request_ids: list, path: str):
     index = {r: i for i, r in enumerate(ids or [])}
     missing = [r for r in request_ids if r not in index]
     if ids is None:
-        raise ValueError(f"--profile {path} records no request ids; profile the same prompts file")
+        raise UserError(f"--profile {path} records no request ids; profile the same prompts file")
     if missing:
-        raise ValueError(f"--profile {path} lacks {len(missing)} of the measured prompts (e.g. id {missing[0]!r})")
+        raise UserError(f"--profile {path} lacks {len(missing)} of the measured prompts (e.g. id {missing[0]!r})")
     import numpy as np
 
     return profile.select_requests(np.array([index[r] for r in request_ids]))
