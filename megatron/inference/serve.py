@@ -125,9 +125,15 @@ def _check_args(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.api_key is not None and not all(args.api_key):
         raise UserError("--api-key must not be empty")
+    if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
+        raise UserError(f"--ready-file {args.ready_file}: its directory does not exist")
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
+    if os.environ.get("RANK", "0") == "0":  # the rank that serves HTTP, before any rank starts
+        from megatron.inference.frontend import check_address
+
+        check_address(args.host, args.port)
 
 
 def _init_distributed(stack) -> None:

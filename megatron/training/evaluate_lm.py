@@ -264,15 +264,12 @@ def evaluate(args, manager) -> dict:
         payload["moe"] = moe
         if scheduler is not None:
             payload["moe"].update(scheduler.report())
-        status = [None]
-        if rank == 0:
-            try:
+
+        def write():
+            with user_input(OSError):  # an unwritable --output
                 write_json_atomic(args.output, payload, overwrite=args.overwrite)
-            except (OSError, ValueError) as err:
-                status = [str(err)]
-        collectives.broadcast_object_list(status, src=0)  # every rank exits with rank 0's outcome
-        if status[0] is not None:
-            raise UserError(status[0])
+
+        collectives.agreed(write, src=0)  # rank 0 writes; every rank exits with its outcome
         if rank == 0:
             from lm_eval.utils import make_table
 

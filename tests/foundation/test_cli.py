@@ -73,3 +73,87 @@ def test_a_command_with_a_bug_exits_1_with_the_traceback(call):
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "ValueError: shape mismatch deep inside a forward"
     assert "error:" not in proc.stderr
+
+
+# ------------------------------------------------------------------- several ranks (collectives.agreed)
+
+
+def _agreed_outcomes(rank, world):
+    """What each rank gets from ``agreed`` when one rank fails alone (2 gloo ranks)."""
+    from megatron.common.collectives import PeerFailed, agreed
+
+    def fails_on(bad_rank, exc):
+        def fn():
+            if rank == bad_rank:
+                raise exc
+            return rank
+
+        return fn
+
+    out = {"own": agreed(lambda: rank * 10), "rank0s": agreed(lambda: {"written": rank}, src=0)}
+    for name, fn, kwargs in (
+        ("user_on_1", fails_on(1, UserError("--data x.jsonl: no such file")), {}),
+        ("user_on_0_alone", fails_on(0, UserError("--out y exists")), {"src": 0}),
+        ("bug_on_0", fails_on(0, ValueError("shape mismatch")), {}),
+    ):
+        try:
+            out[name] = ("returned", agreed(fn, **kwargs))
+        except UserError as e:
+            out[name] = ("UserError", str(e))
+        except PeerFailed as e:
+            out[name] = ("PeerFailed", str(e))
+        except ValueError as e:
+            out[name] = ("ValueError", str(e))
+    return out
+
+
+def test_agreed_makes_every_rank_fail_with_the_real_error():
+    """A failure on one rank is agreed before any rank goes on: a user error is the same
+    ``UserError`` on every rank (rank 0 prints it), a bug keeps its own exception on the rank that
+    raised it and is ``PeerFailed`` naming it on the others; results come back as they were."""
+    from tools.spawn import run_distributed
+
+    r0, r1 = run_distributed(_agreed_outcomes, 2)
+    assert (r0["own"], r1["own"]) == (0, 10)
+    assert r0["rank0s"] == r1["rank0s"] == {"written": 0}
+    assert r0["user_on_1"] == ("UserError", "--data x.jsonl: no such file (rank 1)")
+    assert r1["user_on_1"] == ("UserError", "--data x.jsonl: no such file")
+    assert r0["user_on_0_alone"] == r1["user_on_0_alone"] == ("UserError", "--out y exists")
+    assert r0["bug_on_0"] == ("ValueError", "shape mismatch")
+    assert r1["bug_on_0"] == ("PeerFailed", "rank 0 failed (ValueError: shape mismatch); its traceback is in its output")
+
+
+RANK_SCRIPT = """
+import os, sys, time
+from megatron.common.cli import UserError, run_cli
+
+def body():
+    rank = int(os.environ["RANK"])
+    if {case!r} == "everywhere":  # every rank raises it; rank 0 a little later
+        time.sleep(1.5 if rank == 0 else 0)
+        raise UserError("--data x.jsonl: no such file")
+    if rank == 1:  # rank 1 alone, unagreed; rank 0 stands in a collective that never returns
+        raise UserError("--data x.jsonl: no such file on this node")
+    time.sleep(120)
+
+sys.exit(run_cli("prog", body))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,expected", [
+    ("everywhere", "prog: error: --data x.jsonl: no such file"),
+    ("rank1", "prog: error: rank 1: --data x.jsonl: no such file on this node"),
+])
+def test_under_torchrun_the_error_line_is_printed_once_and_never_lost(case, expected, tmp_path):
+    """torchrun stops every rank as soon as one exits. A user error every rank raises is printed
+    once, by rank 0, even when another rank gets there first; one that rank 1 raised alone is
+    printed by rank 1. (Before, rank 1 exited silently at once and torchrun ended rank 0 before it
+    printed: no error line at all.)"""
+    script = tmp_path / "cmd.py"
+    script.write_text(RANK_SCRIPT.format(case=case))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [expected], proc.stderr[-3000:]

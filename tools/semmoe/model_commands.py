@@ -126,12 +126,15 @@ def _profile(args: argparse.Namespace) -> int:
     if in_torchrun():
         t0 = time.perf_counter()
         profile = profile_rank(opts)
-        if profile is not None:
+
+        def write():  # rank 0 alone: the others wait for its outcome, not in a barrier it never reaches
             save_profile(profile, args.out)
             print(f"profile: {profile.num_requests} requests, {profile.num_tokens} tokens, {profile.num_layers} "
                   f"MoE layers x {profile.num_experts} experts (top-{profile.top_k}), "
                   f"{profile.meta.get('vocab_extended', 0)} unseen tokens mapped by embedding nearest neighbour, "
                   f"{time.perf_counter() - t0:.1f}s -> {args.out}", flush=True)  # fmt: skip
+
+        collectives.agreed(write, src=0)
         _finish_rank()
         return 0
     nproc = args.nproc or args.tensor_model_parallel_size * args.expert_model_parallel_size
@@ -209,8 +212,8 @@ def _lar(args: argparse.Namespace) -> int:
     opts = _run_options(args)
     if in_torchrun():
         result = lar_rank(opts, args.tables, args.mode)
-        if result is not None:
-            _report_lar(args, tables, result, atomic_write)
+        # rank 0 reports alone (a --profile of other prompts is found here): the others wait for its outcome
+        collectives.agreed(lambda: _report_lar(args, tables, result, atomic_write), src=0)
         _finish_rank()
         return 0
     if args.out:
