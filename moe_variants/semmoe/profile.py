@@ -112,14 +112,18 @@ class Profile:
 
     def select_requests(self, indices: np.ndarray) -> "Profile":
         """Profile of a subset of requests, in the given order; counts are recomputed from the routes
-        (a vocabulary extension is dropped, since it referred to the full set's seen tokens)."""
+        (a vocabulary extension is dropped, since it referred to the full set's seen tokens) and the
+        recorded ``request_ids`` are the selected requests'."""
         indices = np.asarray(indices, dtype=np.int64)
         lengths = self.request_lengths()[indices]
         starts = self.request_offsets[indices]
         occ = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        meta = dict(self.meta)
+        if meta.get("request_ids") is not None:
+            meta["request_ids"] = [meta["request_ids"][i] for i in indices]
         return profile_from_arrays(
-            self.token_ids[occ], offsets, self.routes[:, occ], self.vocab_size, self.num_experts, dict(self.meta)
+            self.token_ids[occ], offsets, self.routes[:, occ], self.vocab_size, self.num_experts, meta
         )
 
     def validate(self) -> None:
