@@ -454,8 +454,9 @@ def check_serve_bench(args, variants_: list, manifest: Optional[dict]) -> None:
         v.check_serve_bench(args, variants_, manifest)
 
 
+@user_input()
 def serve_placement(name: str, args) -> ServePlacement:
-    """How bench_serve serves placed variant ``name``; ``ValueError`` naming what is missing."""
+    """How bench_serve serves placed variant ``name``; ``UserError`` naming what is missing."""
     owners = _owners("serve_placements")
     if name not in owners:
         raise ValueError(f"{name!r} is not a placed variant (known: {', '.join(owners)})")

@@ -5,7 +5,8 @@ with no traceback. A ``ValueError`` there would turn every bug that raises one (
 deep in a forward, from torch or megatron-core) into a one-line "user error"; bad input is a
 ``UserError`` (``megatron.common.cli``). The AST check below finds ``ValueError`` in any
 ``user_errors`` tuple: a keyword argument, a parameter default, or what a function named
-``user_errors`` returns. It is tested on snippets first, so a broken checker cannot pass silently.
+``user_errors`` returns; and the same mistake written by hand, an ``except ValueError`` that prints
+an ``error:`` line itself. It is tested on snippets first, so a broken checker cannot pass silently.
 """
 
 from __future__ import annotations
@@ -71,13 +72,44 @@ def test_checker_finds_value_error_in_user_errors(snippet, expected):
     assert [name for _, name in broad_user_errors(snippet)] == expected
 
 
+def hand_rolled_reports(source: str) -> list[int]:
+    """Lines of ``except`` handlers that catch ``ValueError`` (or broader) and print an ``error:``
+    line themselves."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ExceptHandler) or node.type is None or not _broad(node.type):
+            continue
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+            texts = [c.value for a in call.args for c in ast.walk(a) if isinstance(c, ast.Constant)]
+            if name in ("print", "write") and any(isinstance(t, str) and "error:" in t for t in texts):
+                found.append(node.lineno)
+                break
+    return found
+
+
+@pytest.mark.parametrize("snippet,expected", [
+    ("try:\n    run()\nexcept ValueError as e:\n    print(f'prog: error: {e}', file=sys.stderr)", [3]),
+    ("try:\n    run()\nexcept (ValueError, OSError) as e:\n    sys.stderr.write('prog: error: ' + str(e))", [3]),
+    ("try:\n    run()\nexcept UserError as e:\n    print(f'prog: error: {e}', file=sys.stderr)", []),
+    ("try:\n    run()\nexcept ValueError:\n    log.warning('skipped a bad line')", []),
+])
+def test_checker_finds_hand_rolled_value_error_reports(snippet, expected):
+    assert hand_rolled_reports(snippet) == expected
+
+
 def project_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py"))
 
 
 def offenders(root: pathlib.Path) -> list[str]:
-    return [f"{p.relative_to(root)}:{line}: {name} in user_errors"
-            for p in project_files(root) for line, name in broad_user_errors(p.read_text())]
+    out = []
+    for p in project_files(root):
+        source = p.read_text()
+        out += [f"{p.relative_to(root)}:{line}: {name} in user_errors" for line, name in broad_user_errors(source)]
+        out += [f"{p.relative_to(root)}:{line}: except ValueError printing an error: line"
+                for line in hand_rolled_reports(source)]
+    return out
 
 
 def test_no_command_reports_a_value_error_as_bad_input():
