@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 from scipy.stats import t as student_t
 
-from megatron.common.cli import positive_int, run_cli
+from megatron.common.cli import UserError, one_line, positive_int, run_cli
 from megatron.common.files import write_text
 
 __all__ = ["PAPER_TABLE2", "PAPER_COLUMNS", "DEFAULT_ROW", "table2_markdown", "fig3_markdown", "split_seed", "rows_by_seed",
@@ -71,8 +71,11 @@ _SEED = re.compile(r"^(.*) \(seed (\d+)\)$")
 def _load(path: Optional[str]) -> Optional[dict]:
     if not path or not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as err:
+        raise UserError(f"{path}: not a JSON report ({one_line(err)})") from None
 
 
 def _paper_key(label: str) -> str:
@@ -161,13 +164,13 @@ def rows_by_seed(reports: Sequence[dict]) -> dict[str, dict[Optional[int], dict]
         rows = report.get("rows", [])
         seeds = {split_seed(r["model"])[1] for r in rows} - {None}
         if len(seeds) > 1:
-            raise ValueError(f"a report holds students of several seeds {sorted(seeds)}; give one report per seed")
+            raise UserError(f"a report holds students of several seeds {sorted(seeds)}; give one report per seed")
         report_seed = next(iter(seeds), None)
         for row in rows:
             label, seed = split_seed(row["model"])
             seed = report_seed if seed is None else seed
             if seed in out.setdefault(label, {}):
-                raise ValueError(f"two rows for {label!r} at seed {seed}")
+                raise UserError(f"two rows for {label!r} at seed {seed}")
             out[label][seed] = row
     return out
 
@@ -433,10 +436,10 @@ def main(argv=None) -> int:
             mixed = [f for f, v in (("--table2", args.table2), ("--fig3", args.fig3), ("--json", args.json),
                                     ("--plot", args.plot), ("--convergence", args.convergence)) if v]  # fmt: skip
             if mixed:
-                raise ValueError(f"--runs prints only the runs' convergence; drop {', '.join(mixed)}")
+                raise UserError(f"--runs prints only the runs' convergence; drop {', '.join(mixed)}")
             missing = [d for d in args.runs if not os.path.isdir(d)]
             if missing:
-                raise ValueError(f"--runs: no such run directory {missing[0]}")
+                raise UserError(f"--runs: no such run directory {missing[0]}")
             text = ("### Convergence: held-out KL to the teacher (the early-stopping proxy) per evaluation\n\n"
                     + runs_convergence_markdown(args.runs) + "\n")
             if args.out:
@@ -459,9 +462,9 @@ def main(argv=None) -> int:
                 plot(table, _load(args.fig3), args.num_layers, args.plot)
         else:
             if len(args.table2 or []) > 1:
-                raise ValueError("several --table2 reports need students labelled '... (seed N)', one seed per report")
+                raise UserError("several --table2 reports need students labelled '... (seed N)', one seed per report")
             if args.json or args.convergence or args.plot:
-                raise ValueError("--json, --plot and --convergence need seeded reports (students labelled '... (seed N)')")
+                raise UserError("--json, --plot and --convergence need seeded reports (students labelled '... (seed N)')")
             text = head + table2_markdown(reports[0] if reports else None, args.num_layers)
         text += (f"\n\n### Fig. 3: untrained conversion of the first N vs the last N layers (ours, {args.num_layers} layers)\n\n"
                  + fig3_markdown(_load(args.fig3), args.num_layers) + "\n")  # fmt: skip

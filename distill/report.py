@@ -40,8 +40,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron.training.checkpointing import CheckpointError
 from megatron.training.parallel import single_process_group
-from megatron.common.cli import run_cli
+from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.files import write_json
 from distill.scoring import LMEvalSpec, heldout_kl, lm_eval_scores, main_metric, make_lm_eval_spec
 from moe_variants.farskip.config import FarSkipConfig, FarSkipConnectivity
@@ -65,7 +66,7 @@ def _token_counts(prefixes: list[str], vocab_size: int) -> np.ndarray:
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
-                raise ValueError(f"--unigram-data {prefix}: no such file {prefix + suffix}")
+                raise UserError(f"--unigram-data {prefix}: no such file {prefix + suffix}")
         dtype = IndexedDataset(prefix).index.dtype
         ids = np.fromfile(prefix + ".bin", dtype=dtype)
         counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
@@ -75,9 +76,9 @@ def _token_counts(prefixes: list[str], vocab_size: int) -> np.ndarray:
 def _parse_student(spec: str) -> tuple[str, str]:
     label, sep, path = spec.rpartition("=")
     if not sep or not label or not path:
-        raise ValueError(f"--student {spec!r}: expected LABEL=CHECKPOINT")
+        raise UserError(f"--student {spec!r}: expected LABEL=CHECKPOINT")
     if not os.path.exists(path):
-        raise ValueError(f"--student {label}: no such checkpoint {path}")
+        raise UserError(f"--student {label}: no such checkpoint {path}")
     return label, path
 
 
@@ -86,12 +87,13 @@ def _untrained_spec(spec: str) -> tuple[str, Optional[str]]:
     from moe_variants.farskip.config import FarSkipMode, LayerSelection
 
     layers, _, mode = spec.partition("@")
-    LayerSelection.parse(layers)  # a bad layer spec is its one-line error before any model is loaded
+    with user_input():
+        LayerSelection.parse(layers)  # a bad layer spec is its one-line error before any model is loaded
     if not mode:
         return layers, None
     modes = [m.value for m in FarSkipMode]
     if mode not in modes:
-        raise ValueError(f"--untrained {spec}: unknown FarSkip mode {mode!r} (one of {', '.join(modes)})")
+        raise UserError(f"--untrained {spec}: unknown FarSkip mode {mode!r} (one of {', '.join(modes)})")
     return layers, mode
 
 
@@ -139,8 +141,8 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
     for label, path in students:
         model, student_configs, *_ = load_model(path, parallel=ParallelConfig())
         if student_configs.model.seq_length != configs.model.seq_length:
-            raise ValueError(f"--student {label}: seq_length {student_configs.model.seq_length} "
-                             f"differs from the teacher's {configs.model.seq_length}")
+            raise UserError(f"--student {label}: seq_length {student_configs.model.seq_length} "
+                            f"differs from the teacher's {configs.model.seq_length}")
         rows.append({**row(label, model, str(FarSkipConfig.of(student_configs.model).farskip)), "checkpoint": path})
         del model
     teacher_ppl = rows[0]["ppl"]
@@ -215,13 +217,14 @@ def main(argv=None) -> int:
     def body():
         args = build_parser().parse_args(argv)
         if not os.path.exists(args.teacher):
-            raise ValueError(f"--teacher {args.teacher}: no such checkpoint")
+            raise UserError(f"--teacher {args.teacher}: no such checkpoint")
         if not os.path.isfile(args.text):
-            raise ValueError(f"--text {args.text}: no such file")
+            raise UserError(f"--text {args.text}: no such file")
         students = [_parse_student(s) for s in args.student]
         for spec in args.untrained:
             _untrained_spec(spec)
-        spec = _lm_eval_spec(args)
+        with user_input():
+            spec = _lm_eval_spec(args)
         with single_process_group():
             rows, (windows, tokenizer) = score_rows(
                 args.teacher, args.text, untrained=args.untrained, students=students,
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
         print(json.dumps(payload))
         print(format_table(rows))
 
-    return run_cli("distill.report", body, user_errors=(ValueError, FileNotFoundError))
+    # a missing, corrupt or mismatched checkpoint is one line too
+    return run_cli("distill.report", body, user_errors=(UserError, CheckpointError))
 
 
 if __name__ == "__main__":

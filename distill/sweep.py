@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from megatron.common.cli import float_list
+from megatron.common.cli import UserError, float_list, one_line, user_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs start from the checkout
 
@@ -67,8 +67,8 @@ def global_batch_size(batch_tokens: int, seq_length: int, micro_batch_size: int,
     """Global batch (sequences) for a token budget; must be a whole number of micro-batches per rank."""
     gbs, rem = divmod(batch_tokens, seq_length)
     if rem or gbs % (micro_batch_size * data_parallel):
-        raise ValueError(f"--batch-tokens {batch_tokens} is not a multiple of seq_length {seq_length} x "
-                         f"micro-batch {micro_batch_size} x data-parallel {data_parallel}")
+        raise UserError(f"--batch-tokens {batch_tokens} is not a multiple of seq_length {seq_length} x "
+                        f"micro-batch {micro_batch_size} x data-parallel {data_parallel}")
     return gbs
 
 
@@ -109,12 +109,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.fcsd_args = fcsd_args
     try:
+        from megatron.training.checkpointing import CheckpointError
         from megatron.training.loading import checkpoint_configs
 
         if not os.path.exists(args.load):
-            raise ValueError(f"--load {args.load}: no such checkpoint")
+            raise UserError(f"--load {args.load}: no such checkpoint")
         if args.steps < 1 or args.nproc < 1 or args.select_window < 1:
-            raise ValueError("--steps, --nproc and --select-window must be positive")
+            raise UserError("--steps, --nproc and --select-window must be positive")
         configs, _, _ = checkpoint_configs(args.load)
         seq = configs.model.seq_length
         mbs = args.micro_batch_size or configs.training.micro_batch_size
@@ -122,15 +123,16 @@ def main(argv=None) -> int:
             args.fcsd_args += ["--micro-batch-size", str(mbs)]
         for flag in ("--train-iters", "--global-batch-size", "--lr", "--save"):
             if flag in args.fcsd_args:
-                raise ValueError(f"{flag} is set by the sweep; remove it from the distill.fcsd flags")
+                raise UserError(f"{flag} is set by the sweep; remove it from the distill.fcsd flags")
         tp = configs.parallel.tensor_model_parallel_size
         for i, a in enumerate(args.fcsd_args):
             if a == "--tensor-model-parallel-size":
-                tp = int(args.fcsd_args[i + 1])
+                with user_input():
+                    tp = int(args.fcsd_args[i + 1])
         dp = args.nproc // tp
         gbs = {bt: global_batch_size(bt, seq, mbs, dp) for bt in args.batch_tokens}
-    except ValueError as e:
-        print(f"fcsd_sweep: error: {e}", file=sys.stderr)
+    except (UserError, CheckpointError) as e:
+        print(f"fcsd_sweep: error: {one_line(e)}", file=sys.stderr)
         return 2
     os.makedirs(args.root, exist_ok=True)
 

@@ -2,7 +2,7 @@
 
 Field names are Megatron-LM's flag names with ``-`` -> ``_`` so a user's ``--moe-router-topk 8``
 and a YAML ``moe_router_topk: 8`` land on the same field. ``validate`` checks a config against a
-world size once, raising ``ValueError`` that names the offending setting.
+world size once, raising ``UserError`` (a ``ValueError``) that names the offending setting.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import enum
 import functools
 import typing
 from typing import Optional, Union
+
+from megatron.common.cli import user_input
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,8 +365,9 @@ def moe_layer_pattern(model: ModelConfig) -> list[int]:
     return _moe_layer_pattern(model)
 
 
+@user_input()
 def validate(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[int] = None) -> None:
-    """Raise ``ValueError`` naming the first inconsistent setting."""
+    """Raise ``UserError`` naming the first inconsistent setting (the variants' checks included)."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     ep = parallel.expert_model_parallel_size

@@ -7,7 +7,9 @@ A variant is a :class:`Variant` subclass in ``moe_variants/<name>/variant.py``, 
   Megatron-style flags (``bigmac_ratio`` is ``--bigmac-ratio`` and the YAML key ``bigmac_ratio``);
   typed values are parsed once, in the dataclass (e.g. FarSkip's layer selection); what a stored
   config written before a field existed meant (``VariantConfig.stored_defaults``);
-- **validation** (``validate``: ``ValueError`` naming the flag);
+- **validation** (``validate``: ``ValueError`` naming the flag; the hooks that check input,
+  ``validate``, ``check_runtime``, ``request_scheduler``, ``check_serve_bench``, run under
+  ``megatron.common.cli.user_input``, so their ``ValueError`` is the user's one-line ``UserError``);
 - how it changes the **MoE layer's spec** (``moe_layer_spec``) or the **built model** (``apply``);
 - what it **refuses** (``export_refusal``: e.g. no Hugging Face equivalent);
 - its **benchmark presets** (``bench_presets``: name -> flat config overrides; ``off``: the overrides
@@ -36,6 +38,8 @@ import enum
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+
+from megatron.common.cli import UserError, user_input
 
 if TYPE_CHECKING:
     import torch
@@ -234,7 +238,8 @@ class Variant:
 
     def serving_model(self, args, manifest: dict, model, pg_collection) -> Optional[ServingModel]:
         """Change a model the server has built its engine on (``args``: the server's) and return
-        the change (:class:`ServingModel`), or return None."""
+        the change (:class:`ServingModel`), or return None. Bad input is a ``UserError`` (this hook
+        also changes the model: a ``ValueError`` from it is a bug and keeps its traceback)."""
         return None
 
     # -- the benchmark tools (bench_ep, bench_serve) ----------------------------------------------
@@ -352,8 +357,9 @@ def add_runtime_arguments(parser) -> None:
         v.add_runtime_arguments(parser)
 
 
+@user_input()
 def check_runtime(args, application: Application) -> None:
-    """Every variant's refusals of its run-time options in ``application``."""
+    """Every variant's refusals of its run-time options in ``application`` (``UserError``)."""
     for v in variants():
         v.check_runtime(args, application)
 
@@ -367,16 +373,17 @@ def serving_model(args, manifest: dict, model, pg_collection) -> Optional[Servin
             raise TypeError(f"variant {name}: serving_model returned a {type(change).__name__}, not a "
                             "registry.ServingModel (name, local_rows)")
     if len(found) > 1:
-        raise ValueError(f"two variants change the served model ({found[0][0]} and {found[1][0]}): choose one")
+        raise UserError(f"two variants change the served model ({found[0][0]} and {found[1][0]}): choose one")
     return found[0][1] if found else None
 
 
+@user_input()
 def request_scheduler(args, manifest: dict, world_size: int):
     """The request scheduler a variant offers for these arguments, or None (round-robin).
-    ``ValueError`` on bad input, or when two variants would both schedule."""
+    ``UserError`` on bad input, or when two variants would both schedule."""
     found = [(v.name, s) for v in variants() for s in [v.request_scheduler(args, manifest, world_size)] if s is not None]
     if len(found) > 1:
-        raise ValueError(f"two request schedulers asked for ({found[0][0]} and {found[1][0]}): choose one")
+        raise UserError(f"two request schedulers asked for ({found[0][0]} and {found[1][0]}): choose one")
     return found[0][1] if found else None
 
 
@@ -440,14 +447,16 @@ def add_serve_bench_arguments(group) -> None:
         v.add_serve_bench_arguments(group)
 
 
+@user_input()
 def check_serve_bench(args, variants_: list, manifest: Optional[dict]) -> None:
-    """Every variant's checks of bench_serve's arguments (``Variant.check_serve_bench``)."""
+    """Every variant's checks of bench_serve's arguments (``Variant.check_serve_bench``; ``UserError``)."""
     for v in variants():
         v.check_serve_bench(args, variants_, manifest)
 
 
+@user_input()
 def serve_placement(name: str, args) -> ServePlacement:
-    """How bench_serve serves placed variant ``name``; ``ValueError`` naming what is missing."""
+    """How bench_serve serves placed variant ``name``; ``UserError`` naming what is missing."""
     owners = _owners("serve_placements")
     if name not in owners:
         raise ValueError(f"{name!r} is not a placed variant (known: {', '.join(owners)})")
@@ -510,9 +519,10 @@ def bench_presets() -> dict[str, dict]:
     return out
 
 
+@user_input()
 def preset_overrides(name: str, extra: tuple = ()) -> dict[str, Any]:
     """Flat overrides of a ``+``-combined preset name (``bigmac+farskip``); ``extra`` lists names
-    that are valid but handled by the caller (they add nothing). ValueError names an unknown part."""
+    that are valid but handled by the caller (they add nothing). ``UserError`` names an unknown part."""
     presets = bench_presets()
     out: dict[str, Any] = {}
     for part in name.split("+"):

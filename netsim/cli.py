@@ -12,7 +12,7 @@
                          calibrated link and the profiled compute of the served model (``netsim.replay``)
 * ``validate``           the same next to what the run measured: relative error per figure and mean
 
-User errors (``ValueError``) print one line and exit with status 2. Bandwidths on the command line
+User errors (``UserError``: a flag, a file) print one line and exit with status 2. Bandwidths on the command line
 are GB/s (1e9 bytes/s) per XPU, one direction; times are printed in microseconds or milliseconds.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from megatron.common.cli import Subcommands, float_list, int_list, positive_float, positive_int
+from megatron.common.cli import Subcommands, UserError, float_list, int_list, positive_float, positive_int, user_input
 
 __all__ = ["main", "COMMANDS"]
 
@@ -46,6 +46,7 @@ def _constants_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-constants", metavar="JSON", help="fitted constants for scale-out NICs")
 
 
+@user_input()
 def _load_constants(path: Optional[str], default):
     if not path:
         return default
@@ -53,14 +54,15 @@ def _load_constants(path: Optional[str], default):
 
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--constants {path}: no such file")
+        raise UserError(f"--constants {path}: no such file")
     try:
         d = json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
+        raise UserError(f"{path}: not JSON ({e})") from None
     return AlphaBeta.from_dict(d.get("constants", d))
 
 
+@user_input()
 def _network(args, bandwidth_gbps: Optional[float] = None):
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA, GB, Network
 
@@ -142,10 +144,10 @@ def _parse_algorithm(s: str) -> dict:
     out = {}
     for part in s.split(","):
         if "=" not in part:
-            raise ValueError(f"--algorithm: expected op=name pairs or 'auto', got {part!r}")
+            raise UserError(f"--algorithm: expected op=name pairs or 'auto', got {part!r}")
         op, name = part.split("=", 1)
         if op.strip() not in ("all_to_all", "all_reduce"):
-            raise ValueError(f"--algorithm: unknown op {op!r}")
+            raise UserError(f"--algorithm: unknown op {op!r}")
         out[op.strip()] = name.strip()
     return out
 
@@ -156,24 +158,28 @@ def _fit(args) -> int:
     from .fit import check_rows, fit_constants, fit_per_op, read_bench_sidecar, read_nccl_tests, read_sidecar_bandwidth
 
     if not args.csv and not args.nccl:
-        raise ValueError("fit: give at least one --csv or --nccl file")
-    rows = []
-    for f in args.csv:
-        rows += read_bench_sidecar(f, args.statistic)
+        raise UserError("fit: give at least one --csv or --nccl file")
     if args.statistic != "median" and args.nccl:
-        raise ValueError("--statistic applies to bench_ep CSVs only")
-    for f in args.nccl:
-        rows += read_nccl_tests(f, args.op, args.ranks)
-    check_rows(rows)
-    bw = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None
-    bw_src = "--bandwidth-gbps"
-    if bw is None:
+        raise UserError("--statistic applies to bench_ep CSVs only")
+    with user_input():  # the measurement files
+        rows = []
         for f in args.csv:
-            bw = read_sidecar_bandwidth(f)
-            if bw:
-                bw_src = f"sidecar of {f}"
-                break
-    burst = args.burst if args.burst == "auto" else float(args.burst)
+            rows += read_bench_sidecar(f, args.statistic)
+        for f in args.nccl:
+            rows += read_nccl_tests(f, args.op, args.ranks)
+        check_rows(rows)
+        bw = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None
+        bw_src = "--bandwidth-gbps"
+        if bw is None:
+            for f in args.csv:
+                bw = read_sidecar_bandwidth(f)
+                if bw:
+                    bw_src = f"sidecar of {f}"
+                    break
+    try:
+        burst = args.burst if args.burst == "auto" else float(args.burst)
+    except ValueError:
+        raise UserError(f"--burst: a number of bytes or 'auto', got {args.burst!r}") from None
     algo = _parse_algorithm(args.algorithm)
     print(f"fit of {len(rows)} measurements ({args.statistic} per row) on a {args.topology} model"
           + (f", nominal bandwidth {bw / 1e9:g} GB/s per rank ({bw_src})" if bw else ", bandwidth unknown"))  # fmt: skip
@@ -247,7 +253,7 @@ def _synth(args) -> int:
 
     c = _load_constants(args.constants, DGX_H100_INTRA if args.tier == "intra" else DGX_H100_INTER)
     if args.noise < 0:
-        raise ValueError("--noise must be >= 0")
+        raise UserError("--noise must be >= 0")
     rows = synthetic_measurements(c, args.bandwidth_gbps * 1e9, args.topology, args.ranks, noise=args.noise, seed=args.seed)
     text = "op,ranks,bytes,seconds\n" + "".join(f"{m.op.value},{m.ranks},{m.bytes:.0f},{m.seconds:.9e}\n" for m in rows)
     write_text(args.out, text)
@@ -276,11 +282,13 @@ def _configure_table(p):
 def _table(args) -> int:
     from .compute import RooflineEfficiency, generation_spec, load_table, project_table, roofline_table
 
-    eff = RooflineEfficiency(args.gemm_compute, args.gemm_memory, args.attention_compute, args.attention_memory,
-                             args.memory_only, args.kernel_overhead_s)  # fmt: skip
-    spec = generation_spec(args.gpu)
-    if args.project:
-        tab = project_table(load_table(args.project), spec, eff=eff)
+    with user_input():  # the efficiencies and the table to project
+        eff = RooflineEfficiency(args.gemm_compute, args.gemm_memory, args.attention_compute, args.attention_memory,
+                                 args.memory_only, args.kernel_overhead_s)  # fmt: skip
+        spec = generation_spec(args.gpu)
+        source = load_table(args.project) if args.project else None
+    if source is not None:
+        tab = project_table(source, spec, eff=eff)
     else:
         tab = roofline_table(gpu=spec, eff=eff)
     tab.save(args.out)
@@ -321,6 +329,7 @@ def _serving_args(p):
     g.add_argument("--network-cost-factor", type=float, default=1.0, help="scales network CapEx (paper's adjustment)")
 
 
+@user_input()
 def _serving_cfg(args):
     from .compute import default_table, generation_spec, load_table, project_table
     from .serving import ServingConfig, SpecDecode
@@ -352,13 +361,14 @@ def _serve(args) -> int:
 
     net = _network(args)
     cfg, table = _serving_cfg(args)
-    variant = Variant("cli", args.bigmac_ratio, args.lar, args.farskip_overlap)
+    with user_input():  # the variant's knobs and the cost factor
+        variant = Variant("cli", args.bigmac_ratio, args.lar, args.farskip_overlap)
+        cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
     cases = cases_for(net, [args.context], cfg)
     if not cases:
-        raise ValueError("no (tp, ep) layout fits this network's memory")
+        raise UserError("no (tp, ep) layout fits this network's memory")
     res = evaluate_cases(cases, cfg, variant, tuple(Technique), table)
     best = best_under_slo(res, args.tpot_ms / 1000, args.optimization)
-    cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
     cost = normalized_cost_per_xpu(net, cc)
     order = np.argsort(-best["throughput_per_xpu"])
     print(f"{net.topology.value}, {net.num_xpus} XPUs, {net.bandwidth / 1e9:g} GB/s per XPU; TPOT <= {args.tpot_ms:g} ms, "
@@ -392,7 +402,8 @@ def _cost(args) -> int:
     from .cost import CostConfig, cluster_cost, normalized_cost_per_xpu
 
     net = _network(args)
-    cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
+    with user_input():
+        cc = replace(CostConfig(), network_cost_factor=args.network_cost_factor)
     b = cluster_cost(net, cc)
     n = net.num_xpus
     print(f"{net.topology.value}, {n} XPUs, {net.bandwidth / 1e9:g} GB/s per XPU (network cost factor {args.network_cost_factor:g})")
@@ -471,13 +482,14 @@ def _sweep(args) -> int:
             kw["reference_size"] = args.sizes[0]
     if args.no_generations:
         kw["generations"] = ()
-    cfg = SweepConfig(
-        variants=default_variants(**knob_values(args.knobs, bigmac_ratio=args.bigmac_ratio, lar=args.lar,
-                                                farskip_overlap=args.farskip_overlap)),
-        serving=cfg_serving, cost=replace(CostConfig(), network_cost_factor=args.network_cost_factor),
-        constants=_load_constants(args.constants, DGX_H100_INTRA),
-        inter_constants=_load_constants(args.inter_constants, DGX_H100_INTER), **kw,
-    )  # fmt: skip
+    with user_input():  # the knobs, the sizes and the constants
+        cfg = SweepConfig(
+            variants=default_variants(**knob_values(args.knobs, bigmac_ratio=args.bigmac_ratio, lar=args.lar,
+                                                    farskip_overlap=args.farskip_overlap)),
+            serving=cfg_serving, cost=replace(CostConfig(), network_cost_factor=args.network_cost_factor),
+            constants=_load_constants(args.constants, DGX_H100_INTRA),
+            inter_constants=_load_constants(args.inter_constants, DGX_H100_INTER), **kw,
+        )  # fmt: skip
     t0 = time.perf_counter()
     result = run_sweep(cfg, table)
     out = Path(args.out)
@@ -515,20 +527,21 @@ def _configure_replay(p):
     p.add_argument("--json", metavar="OUT", help="write the result here")
 
 
+@user_input()
 def _replay_inputs(args):
     from .link_table import LinkTable
     from .validation import load_fit, profile_path, read_json
 
     run = read_json(args.bench_serve, "--bench-serve")
     if not isinstance(run, dict) or run.get("schema") not in ("bench_serve/1", "bench_serve/2"):
-        raise ValueError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1 or /2)")
+        raise UserError(f"--bench-serve {args.bench_serve}: not a bench_serve.py JSON (schema bench_serve/1 or /2)")
     if "requests" not in run:
-        raise ValueError(f"--bench-serve {args.bench_serve}: a summary without the run's requests (the replay needs "
-                         "the whole bench_serve.py JSON)")
+        raise UserError(f"--bench-serve {args.bench_serve}: a summary without the run's requests (the replay needs "
+                        "the whole bench_serve.py JSON)")
     path = args.profile or profile_path(args.bench_serve)
     profile = read_json(path, "--profile")
     if not isinstance(profile, dict) or profile.get("schema") != "serving-compute-profile/1":
-        raise ValueError(f"--profile {path}: not a profile_serving_compute.py JSON")
+        raise UserError(f"--profile {path}: not a profile_serving_compute.py JSON")
     return run, profile, load_fit(args.fit), LinkTable.from_calibrations(args.link_table)
 
 

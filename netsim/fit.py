@@ -34,6 +34,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
+from megatron.common.cli import UserError
+
 from .collectives import AlphaBeta, Algorithm, Collective, Network, Topology, algorithms
 
 __all__ = [
@@ -238,8 +240,8 @@ def _candidates(rows: Sequence[Measurement], topology: Topology, bandwidth: floa
             if m.op in allowed:
                 algos = [a for a in algos if a.name == allowed[m.op]]
                 if not algos:
-                    raise ValueError(f"algorithm {allowed[m.op]!r} is not available for {m.op.value} on "
-                                     f"{topology.value} with {m.ranks} ranks")  # fmt: skip
+                    raise UserError(f"algorithm {allowed[m.op]!r} is not available for {m.op.value} on "
+                                    f"{topology.value} with {m.ranks} ranks")  # fmt: skip
             cache[key] = algos
         out.append(cache[key])
     return out
@@ -366,7 +368,7 @@ def fit_constants(
         fits = [_fit(rows, topology, bandwidth, algorithm, b, max_iters) for b in BURST_GRID]
         return min(fits, key=lambda f: f.mean_relative_error)
     if isinstance(burst, str) or not burst >= 0:
-        raise ValueError(f"burst must be >= 0 bytes or 'auto', got {burst!r}")
+        raise UserError(f"--burst must be >= 0 bytes or 'auto', got {burst!r}")
     return _fit(rows, topology, bandwidth, algorithm, float(burst), max_iters)
 
 

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron.common.cli import UserError
+
 __all__ = ["LinkTable"]
 
 
@@ -73,8 +75,8 @@ class LinkTable:
         if tensor_bytes <= 0 or self.ranks < 2:
             return 0.0
         if not self.allreduce_curves:
-            raise ValueError("--link-table: the run's tensor-parallel all-reduces need all_reduce calibrations "
-                             "(scripts/calibrate_link_table.sh writes ar_both_*.csv)")
+            raise UserError("--link-table: the run's tensor-parallel all-reduces need all_reduce calibrations "
+                            "(scripts/calibrate_link_table.sh writes ar_both_*.csv)")
         return float(np.interp(gap_s, self.allreduce_gaps_s, [self._curve(c, tensor_bytes) for c in self.allreduce_curves]))
 
     @staticmethod

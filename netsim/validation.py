@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron.common.cli import UserError
+
 from .collectives import AlphaBeta
 from .link_table import LinkTable
 from .replay import MODEL_VERSION, Engine, Link, Request, StepProfile, simulate
@@ -109,29 +111,29 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTabl
     (``scripts/profile_serving_compute.py``). Off-rank bytes follow the LAR the run measured:
     ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
     if run.get("mode") != "serve":
-        raise ValueError("only --mode serve runs can be predicted (TTFT, TPOT, throughput under load)")
+        raise UserError("only --mode serve runs can be predicted (TTFT, TPOT, throughput under load)")
     net = run["network"]
     if not net.get("shaped"):
-        raise ValueError("the run is on unshaped loopback: there is no link to model")
+        raise UserError("the run is on unshaped loopback: there is no link to model")
     ranks = int(run["config"]["ranks"])
     tp = int(run["config"].get("tensor_model_parallel_size") or 1)
     ep = int(run["config"].get("expert_model_parallel_size") or ranks)
     if tp > 1 and not tp == ep == ranks:
-        raise ValueError(f"the run serves TP {tp} x EP {ep} on {ranks} ranks: the replay models tensor parallelism "
-                         "only where TP = EP = the ranks (one engine)")
+        raise UserError(f"the run serves TP {tp} x EP {ep} on {ranks} ranks: the replay models tensor parallelism "
+                        "only where TP = EP = the ranks (one engine)")
     if run["config"].get("expert_comm", "alltoall") != "alltoall" or (run["config"].get("semmoe_tables") and tp > 1):
-        raise ValueError("the replay models all-to-all experts with every TP rank dispatching its copy; not "
-                         "--expert-comm allreduce or Sem-MoE's Algorithm 3")
+        raise UserError("the replay models all-to-all experts with every TP rank dispatching its copy; not "
+                        "--expert-comm allreduce or Sem-MoE's Algorithm 3")
     server = run["config"]["server"]
     engine = Engine(ranks // tp, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
     link, gbit = Link(ranks, constants), float(net["link"]["gbit"])
     if table.ranks != ranks or not math.isclose(table.gbit, gbit, rel_tol=1e-3):
-        raise ValueError(f"the link table was measured with {table.ranks} ranks at {table.gbit:g} Gbit/s; the run "
-                         f"served {ranks} ranks at {gbit:g} Gbit/s")
+        raise UserError(f"the link table was measured with {table.ranks} ranks at {table.gbit:g} Gbit/s; the run "
+                        f"served {ranks} ranks at {gbit:g} Gbit/s")
     out = {}
     for v in run["config"]["variants"]:
         if v not in profiles:
-            raise ValueError(f"the profile has no variant {v!r} (it has {', '.join(profiles)})")
+            raise UserError(f"the profile has no variant {v!r} (it has {', '.join(profiles)})")
         prof = dict(profiles[v])
         lar_run, lar_prof = run["variants"][v].get("lar"), prof.get("lar")
         if lar_run is not None and lar_prof is not None and lar_prof < 1:
@@ -139,9 +141,9 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTabl
         try:
             step = StepProfile.from_dict(prof)
         except ValueError as err:
-            raise ValueError(f"the profile of {v!r}: {err}") from None
+            raise UserError(f"the profile of {v!r}: {err}") from None
         if step.tp != tp:
-            raise ValueError(f"the profile of {v!r} was taken at TP {step.tp}; the run served TP {tp}")
+            raise UserError(f"the profile of {v!r} was taken at TP {step.tp}; the run served TP {tp}")
         out[v] = {}
         for phase in rate_phases(run, v):
             reqs = run_requests(run, v, phase)

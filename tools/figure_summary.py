@@ -54,7 +54,7 @@ def check(root: str) -> list:
 
 
 def main(argv=None) -> int:
-    from megatron.common.cli import run_cli
+    from megatron.common.cli import UserError, run_cli
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="figure_summary.py", description=__doc__.split("\n\n")[0])
@@ -70,12 +70,12 @@ def main(argv=None) -> int:
                 print(f"{path}: holds {', '.join(keys)}")
             return 1 if found else 0
         if not args.out:
-            raise ValueError("give the summary's path (OUT), or --check FOLDER")
+            raise UserError("give the summary's path (OUT), or --check FOLDER")
         try:
             with open(args.json) as f:
                 d = json.load(f)
         except (OSError, ValueError) as err:
-            raise ValueError(f"{args.json}: {getattr(err, 'strerror', None) or err}") from None
+            raise UserError(f"{args.json}: {getattr(err, 'strerror', None) or err}") from None
         before = os.path.getsize(args.json)
         write_json(args.out, summary(d))
         print(f"wrote {args.out}: {os.path.getsize(args.out) / 1024:.0f} KiB ({before / 1024:.0f} KiB with the raw lists)")

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from distill.convert.hf_mcore import export_hf, import_hf
     from megatron.training.checkpointing import CheckpointError
-    from megatron.common.cli import run_cli
+    from megatron.common.cli import UserError, run_cli
 
     def body():
         if args.source == "hf":
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             out = export_hf(args.load, args.out, family_name=args.family)
         print(f"wrote {out}", flush=True)
 
-    return run_cli(parser.prog, body, user_errors=(ValueError, CheckpointError))
+    return run_cli(parser.prog, body, user_errors=(UserError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from megatron.common.cli import user_input
 from megatron.training.parallel import single_process_group
 from distill.convert import families
 from distill.convert.hf_io import TOKENIZER_FILES, check_new_output, open_weights, read_config, write_hf_dir
@@ -131,25 +132,26 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
     from moe_variants.builder import build_model
     from megatron.training.parallel import initialize_parallel
 
-    check_new_output(out)
-    hf = read_config(hf_dir)
-    family = families.for_hf_config(hf)
-    fields = family.model_config(hf)
-    weights = open_weights(hf_dir, allow_pickle=allow_pickle)
-    dtype = _model_dtype(weights.dtype(), f"--hf-dir {hf_dir}")
-    vocab = fields["vocab_size"]
-    fields.update(
-        transformer_impl="local",  # the names this checkpoint is written with
-        bf16=dtype == torch.bfloat16,
-        make_vocab_size_divisible_by=vocab_multiple(vocab, tensor_parallel),
-        tensor_model_parallel_size=tensor_parallel,
-        expert_model_parallel_size=expert_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-    )
-    configs = configs_from_dict(fields)
-    validate(configs.model, configs.parallel)  # the requested layout fits the model
-    rules = family.rules(configs.model)
-    tokenizer_files, tokenizer_info = _tokenizer(hf_dir, vocab)
+    with user_input():  # the HF directory, the output path and the requested layout
+        check_new_output(out)
+        hf = read_config(hf_dir)
+        family = families.for_hf_config(hf)
+        fields = family.model_config(hf)
+        weights = open_weights(hf_dir, allow_pickle=allow_pickle)
+        dtype = _model_dtype(weights.dtype(), f"--hf-dir {hf_dir}")
+        vocab = fields["vocab_size"]
+        fields.update(
+            transformer_impl="local",  # the names this checkpoint is written with
+            bf16=dtype == torch.bfloat16,
+            make_vocab_size_divisible_by=vocab_multiple(vocab, tensor_parallel),
+            tensor_model_parallel_size=tensor_parallel,
+            expert_model_parallel_size=expert_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+        )
+        configs = configs_from_dict(fields)
+        validate(configs.model, configs.parallel)  # the requested layout fits the model
+        rules = family.rules(configs.model)
+        tokenizer_files, tokenizer_info = _tokenizer(hf_dir, vocab)
     if tokenizer_info["type"] == "HuggingFaceTokenizer":
         configs.data.tokenizer_type = "HuggingFaceTokenizer"
     config_dict = configs_to_dict(configs)
@@ -161,12 +163,15 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
         model = build_model(configs.model, build_layout, vocab_size=vocab, pg_collection=pgc)
         params = dict(model.named_parameters())
         _check_coverage(f"{family.model_type} rules vs our model", rules, params)
-        _check_tensors(f"--hf-dir {hf_dir}", rules, {k: p.shape for k, p in params.items()}, weights.shapes,
-                       vocab, lambda n: family.is_ignored(n) or (n == "lm_head.weight" and not
-                                                                   configs.model.untie_embeddings_and_output_weights))
+        tied = not configs.model.untie_embeddings_and_output_weights
+        with user_input():  # the HF weights' names and shapes
+            _check_tensors(f"--hf-dir {hf_dir}", rules, {k: p.shape for k, p in params.items()}, weights.shapes,
+                           vocab, lambda n: family.is_ignored(n) or (n == "lm_head.weight" and tied))
         with torch.no_grad():
             for rule in rules:
-                tensor = rule.join([weights.get(name) for name in rule.hf])
+                with user_input():  # a tensor the file cannot give
+                    hf_tensors = [weights.get(name) for name in rule.hf]
+                tensor = rule.join(hf_tensors)
                 param = params[rule.ours]
                 assert tensor.shape == param.shape, (rule.ours, tensor.shape, param.shape)  # vocab unpadded
                 param.copy_(tensor.to(param.dtype))
@@ -176,7 +181,8 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
             save_checkpoint(tmp, 0, [model], None, None, consumed_samples=0,
                             layout=layout_of(build_layout, configs.training, 1), configs=config_dict,
                             tokenizer_files=tokenizer_files)
-            check_new_output(out)
+            with user_input():  # created while we converted
+                check_new_output(out)
             os.rename(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -213,12 +219,13 @@ def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
     from megatron.training.loading import checkpoint_configs, load_model
     from megatron.training.parallel import initialize_parallel
 
-    check_new_output(out)
-    configs, manifest, ckpt = checkpoint_configs(load)
-    source = manifest["configs"].get(HF_SOURCE) or {}
-    family = families.by_name(family_name or source.get("model_type") or _infer_family(configs.model))
-    vocab = int(manifest["configs"].get("tokenizer", {}).get("vocab_size") or configs.model.vocab_size)
-    hf_fields = family.hf_config(configs.model, vocab)  # refuses what the family cannot express
+    with user_input():  # the checkpoint, the output path and the family
+        check_new_output(out)
+        configs, manifest, ckpt = checkpoint_configs(load)
+        source = manifest["configs"].get(HF_SOURCE) or {}
+        family = families.by_name(family_name or source.get("model_type") or _infer_family(configs.model))
+        vocab = int(manifest["configs"].get("tokenizer", {}).get("vocab_size") or configs.model.vocab_size)
+        hf_fields = family.hf_config(configs.model, vocab)  # refuses what the family cannot express
     with single_process_group(only="python -m distill.convert"):
         pgc = initialize_parallel(ParallelConfig(), seed=0)
         model, _, _, _ = load_model(ckpt, parallel=ParallelConfig(), pg_collection=pgc)
@@ -226,7 +233,8 @@ def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
         dtype = next(model.parameters()).dtype
         del model
     rules = family.rules(configs.model)
-    _check_coverage(f"--load {load} vs {family.model_type}", rules, state)
+    with user_input():  # a checkpoint with tensors the family has no place for
+        _check_coverage(f"--load {load} vs {family.model_type}", rules, state)
     tensors: dict[str, torch.Tensor] = {}
     for rule in rules:
         tensor = state.pop(rule.ours)  # peak memory: about two copies of the model

@@ -4,14 +4,23 @@ A user error is one line, never a traceback; anything else keeps its traceback.
 
 A ``UserError`` (a ``ValueError``) is raised by argument, config and data validation; code that
 validates with plain ``ValueError``s marks its calls with ``with user_input():``, which re-raises
-them (and ``FileNotFoundError``) as ``UserError``. Long-running commands (training) pass
-``user_errors=(UserError, ...)`` so that a ``ValueError`` from deep inside a run, a shape bug at
-step 10,000, is not mistaken for bad input: it keeps its traceback on the rank where it happened.
+them (and ``FileNotFoundError``) as ``UserError``. Only ``UserError`` (and exceptions that mean bad
+input by their type, such as a corrupt checkpoint's) is reported as bad input: a plain
+``ValueError`` from deep inside a command, a shape bug in a forward or at step 10,000, keeps its
+traceback on the rank where it happened and exits 1.
 
 ``run_cli(prog, body)`` runs ``body()``; argparse's own exits (``--help``, a malformed flag, which
-argparse already reported in one line) return their code; an exception in ``user_errors`` prints
-``prog: error: <first line>`` on rank 0 only (under torchrun every rank raises the same error) and
-returns 2; ``cleanup`` runs in every case. Standard library only, so torch-free tools use it too.
+argparse already reported in one line) return their code; an exception in ``user_errors`` (default:
+``UserError``) prints ``prog: error: <first line>`` and returns 2; ``cleanup`` runs in every case.
+Standard library only, so torch-free tools use it too.
+
+Under a launcher (``RANK`` set) the line is printed once. Every rank normally raises the same user
+error, and rank 0 prints it; the other ranks wait ``PEER_REPORT_WAIT_S`` first, so that a launcher
+that stops the ranks when one exits (torchrun) cannot end rank 0 before it has printed. A check
+that can fail on one rank alone (rank 0 writing the outputs, a rank's own files) agrees on its
+outcome (``megatron.common.collectives.agreed``) so that every rank raises its error and none
+waits in a later collective for a rank that has exited; a user error a rank still running after
+the wait raised alone, unagreed, is printed by that rank (``prog: error: rank N: ...``).
 """
 
 from __future__ import annotations
@@ -40,6 +49,12 @@ __all__ = [
 class UserError(ValueError):
     """Bad input (a flag, a config, a file, data): reported as one line, exit code 2."""
 
+    agreed = False  # every rank raises it and rank 0 reports it (``collectives.agreed`` sets it)
+
+
+# how long a rank other than 0 waits before reporting a user error itself (see ``run_cli``)
+PEER_REPORT_WAIT_S = 3.0
+
 
 @contextlib.contextmanager
 def user_input(*kinds: type):
@@ -53,6 +68,19 @@ def user_input(*kinds: type):
         raise UserError(one_line(e) if isinstance(e, ValueError) else str(e)) from e
 
 
+def _wait_for_rank0() -> None:
+    """Give rank 0 the time to report the error every rank raised before this rank exits: a
+    launcher that stops every rank when one exits (torchrun) would otherwise end rank 0 before it
+    prints. A launcher's SIGTERM ends the wait (and the process) at once."""
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(PEER_REPORT_WAIT_S)
+
+
 def one_line(err: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(err).strip()
@@ -63,7 +91,7 @@ def run_cli(
     prog: str,
     body: Callable[[], Optional[int]],
     *,
-    user_errors: tuple = (ValueError,),
+    user_errors: tuple = (UserError,),
     cleanup: Optional[Callable[[], None]] = None,
 ) -> int:
     """Run a command's body and map its outcome to an exit code (0, argparse's code, or 2)."""
@@ -72,8 +100,13 @@ def run_cli(
     except SystemExit as e:  # argparse: --help (0) or a bad command line (2), already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except user_errors as e:
-        if os.environ.get("RANK", "0") == "0":
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        else:
+            _wait_for_rank0()
+            if not getattr(e, "agreed", False):
+                print(f"{prog}: error: rank {rank}: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
     finally:
         if cleanup is not None:
@@ -168,7 +201,7 @@ class Subcommands:
             cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
         return parser
 
-    def main(self, argv: list, *, user_errors: tuple = (ValueError,),
+    def main(self, argv: list, *, user_errors: tuple = (UserError,),
              prepare: Optional[Callable[[argparse.Namespace], None]] = None) -> int:
         def body():
             args = self.parser().parse_args(argv)

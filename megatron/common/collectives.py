@@ -12,6 +12,11 @@ the right device (the model's activations on the hot path) is used as it is, at 
 the rank and warns). Object collectives (``all_gather_object``, ``broadcast_object_list``,
 ``gather_object``) pick their device inside torch; they are forwarded here so that the rule "no
 direct torch.distributed collective" has no exceptions.
+
+``agreed(fn)`` runs a step that can fail on one rank alone (rank 0 writing the outputs, a check of
+a rank's own files) and agrees on its outcome before any rank goes on: a failing rank never leaves
+the others waiting in a later collective, to die with the transport's "connection closed by
+peer" instead of the real error.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ __all__ = [
     "gather_object",
     "barrier",
     "observe_all_to_all_single",
+    "agreed",
+    "PeerFailed",
     "ReduceOp",
     "gather",
 ]
@@ -202,6 +209,48 @@ def barrier(group=None) -> None:
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier(group=group)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed in a step the ranks agreed on (``agreed``): not bad input, a bug there,
+    whose traceback is in that rank's output."""
+
+
+def agreed(fn: Callable[[], Any], *, src: Optional[int] = None, group=None) -> Any:
+    """``fn()`` on every rank of ``group`` (on its rank ``src`` only, when given), its outcome agreed
+    before any rank goes on (collective). Returns the rank's own result (with ``src``: rank
+    ``src``'s, which must be picklable). A ``UserError`` on any rank is a ``UserError`` on every
+    rank, the lowest failing rank's (its rank named when it is not rank 0), so that the command's
+    one ``error:`` line, which rank 0 prints (``cli.run_cli``), is never lost. Any other exception
+    keeps its traceback on the rank that raised it; the others raise ``PeerFailed`` naming it."""
+    from megatron.common.cli import UserError, one_line
+
+    rank = dist.get_rank(group)
+    result, error, outcome = None, None, ("ok", None)
+    if src is None or rank == src:
+        try:
+            result = fn()
+            outcome = ("ok", result if src is not None else None)
+        except UserError as e:
+            error, outcome = e, ("user", one_line(e))
+        except Exception as e:  # a bug: its traceback stays here
+            error, outcome = e, ("bug", f"{type(e).__name__}: {one_line(e)}")
+    every = all_gather_object([None] * dist.get_world_size(group), outcome, group=group)
+    if error is not None:
+        if isinstance(error, UserError):
+            error.agreed = True  # rank 0 raises it too and reports it
+        raise error
+    bugs = [(r, text) for r, (status, text) in enumerate(every) if status == "bug"]
+    if bugs:
+        r, text = bugs[0]
+        raise PeerFailed(f"rank {r} failed ({text}); its traceback is in its output")
+    users = [(r, text) for r, (status, text) in enumerate(every) if status == "user"]
+    if users:
+        r, text = users[0]
+        shared = UserError(text if r == 0 else f"{text} (rank {r})")
+        shared.agreed = True
+        raise shared
+    return result if src is None else every[src][1]
 
 
 

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatron.common.cli import UserError
+
 __all__ = ["atomic_write", "write_json", "write_text", "refuse_existing"]
 
 
@@ -55,7 +57,7 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def refuse_existing(path: str | os.PathLike, flag: str, overwrite: bool = False) -> None:
-    """One-line error when an output file exists and the user did not ask to replace it."""
+    """``UserError`` when an output file exists and the user did not ask to replace it."""
     if os.path.exists(path) and not overwrite:
-        raise ValueError(f"{flag} {path} exists (pass --overwrite to replace it)")
+        raise UserError(f"{flag} {path} exists (pass --overwrite to replace it)")
 

@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from megatron.common.cli import UserError
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
 from moe_variants.registry import ServingModel
 
@@ -70,18 +71,18 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.max_batch_tokens < 1:
-            raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+            raise UserError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_requests < 1:
-            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+            raise UserError(f"--max-requests must be >= 1, got {self.max_requests}")
         if self.max_batch_tokens < self.max_requests:
-            raise ValueError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-requests "
-                             f"({self.max_requests}): a decode step feeds one token per request")
+            raise UserError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-requests "
+                            f"({self.max_requests}): a decode step feeds one token per request")
         if not self.kv_cache_gb > 0:
-            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+            raise UserError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.block_size_tokens is not None and self.block_size_tokens < 1:
-            raise ValueError(f"--block-size-tokens must be >= 1, got {self.block_size_tokens}")
+            raise UserError(f"--block-size-tokens must be >= 1, got {self.block_size_tokens}")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
-            raise ValueError(f"--max-sequence-length must be >= 2, got {self.max_sequence_length}")
+            raise UserError(f"--max-sequence-length must be >= 2, got {self.max_sequence_length}")
 
 
 def _controller_class():
@@ -282,18 +283,18 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
     config = model.config
     mla = bool(getattr(config, "multi_latent_attention", False))
     if pg_collection.pp.size() != 1:
-        raise ValueError("--pipeline-model-parallel-size must be 1 for serving")
+        raise UserError("--pipeline-model-parallel-size must be 1 for serving")
     seq_length = cfg.max_sequence_length or configs.model.seq_length
     max_positions = configs.model.max_position_embeddings or configs.model.seq_length
     if configs.model.position_embedding_type == "learned_absolute" and seq_length > max_positions:
-        raise ValueError(f"--max-sequence-length {seq_length} exceeds the model's {max_positions} "
-                         "learned positions")
+        raise UserError(f"--max-sequence-length {seq_length} exceeds the model's {max_positions} "
+                        "learned positions")
     block = cfg.block_size_tokens or (256 if applied["attention_kernels"] == "flash-attn" else 32)
     if mla:
         # megatron-core serves MLA from its latent cache only, in FlashMLA's 64-token blocks
         if cfg.block_size_tokens not in (None, MLA_BLOCK_SIZE):
-            raise ValueError(f"--block-size-tokens {cfg.block_size_tokens}: multi-latent attention caches latents "
-                             f"in blocks of {MLA_BLOCK_SIZE} tokens (FlashMLA's)")
+            raise UserError(f"--block-size-tokens {cfg.block_size_tokens}: multi-latent attention caches latents "
+                            f"in blocks of {MLA_BLOCK_SIZE} tokens (FlashMLA's)")
         block = MLA_BLOCK_SIZE
         from megatron.compat.mla import use_latent_cache
 

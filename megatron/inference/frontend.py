@@ -47,13 +47,14 @@ import time
 import traceback
 from typing import Optional
 
+from megatron.common.cli import UserError
 from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
 from megatron.inference.sampling import RequestSampling
 from megatron.inference.watchdog import health_deadline, limit_text
 
-__all__ = ["Submit", "Commands", "Frontend", "FrontendConfig", "OPEN_PATHS"]
+__all__ = ["Submit", "Commands", "Frontend", "FrontendConfig", "OPEN_PATHS", "bind_listener", "check_address"]
 
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics"})  # reachable without the API key
 
@@ -93,6 +94,26 @@ class FrontendConfig:
     stall_timeout: float = 30.0
     max_body_bytes: int = 16 * 1024 * 1024
     enable_tokenizer_info: bool = False
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port`` 0: any free one); ``UserError`` when the
+    address cannot be bound (in use, not this machine's)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UserError(f"--host {host} --port {port}: cannot bind ({err.strerror})") from None
+    return sock
+
+
+def check_address(host: str, port: int) -> None:
+    """``UserError`` unless ``host:port`` can be bound now: the server checks it on the rank that
+    serves HTTP before any rank starts, so a busy port is its one-line error, not a rank that
+    exits while the others wait for it in the serving loop."""
+    bind_listener(host, port).close()
 
 
 class _Choice:
@@ -153,14 +174,7 @@ class Frontend:
     # --- lifecycle (engine thread) -------------------------------------------------------------
     def start(self) -> int:
         """Bind, start serving in a background thread; returns the bound port."""
-        host, port = self.config.host, self.config.port
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            sock.close()
-            raise ValueError(f"--host {host} --port {port}: cannot bind ({err.strerror})") from None
+        sock = bind_listener(self.config.host, self.config.port)
         sock.listen(128)
         self.port = sock.getsockname()[1]
         self._fd = sock.detach()  # hypercorn owns (and closes) the listening socket from here

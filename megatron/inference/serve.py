@@ -33,6 +33,7 @@ import sys
 import tempfile
 import traceback
 
+from megatron.common.cli import UserError
 from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
 
 __all__ = ["build_parser", "main", "API_KEY_ENV"]
@@ -105,28 +106,34 @@ def _check_args(args) -> None:
 
     try:
         if find_latest_checkpoint(args.load) is None:
-            raise ValueError(f"--load {args.load}: no complete checkpoint found")
+            raise UserError(f"--load {args.load}: no complete checkpoint found")
     except CheckpointError as err:
-        raise ValueError(str(err)) from None
+        raise UserError(str(err)) from None
     if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     for flag in ("tensor_model_parallel_size", "expert_model_parallel_size", "max_queued_requests",
                  "max_body_bytes"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("request_timeout", "watchdog_timeout"):
         if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     for flag in ("stall_timeout", "metrics_interval"):
         if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.api_key is not None and not all(args.api_key):
-        raise ValueError("--api-key must not be empty")
+        raise UserError("--api-key must not be empty")
+    if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
+        raise UserError(f"--ready-file {args.ready_file}: its directory does not exist")
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
+        raise UserError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
+    if os.environ.get("RANK", "0") == "0":  # the rank that serves HTTP, before any rank starts
+        from megatron.inference.frontend import check_address
+
+        check_address(args.host, args.port)
 
 
 def _init_distributed(stack) -> None:
@@ -163,8 +170,8 @@ def variant_load_overrides(preset) -> dict:
 
     try:
         return registry.preset_overrides(preset)
-    except ValueError as err:
-        raise ValueError(str(err).replace("--variants:", "--variant:")) from None
+    except UserError as err:
+        raise UserError(str(err).replace("--variants:", "--variant:")) from None
 
 
 def chat_renderer(tokenizer_dir: str | None):
@@ -220,9 +227,9 @@ def serve(args) -> int:
     cfg.validate()
     if args.expert_comm == "allreduce" and not (
             args.tensor_model_parallel_size > 1 and args.tensor_model_parallel_size == args.expert_model_parallel_size):
-        raise ValueError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
-                         f"> 1 (every rank of the expert group holds the same tokens); got TP "
-                         f"{args.tensor_model_parallel_size}, EP {args.expert_model_parallel_size}")
+        raise UserError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
+                        f"> 1 (every rank of the expert group holds the same tokens); got TP "
+                        f"{args.tensor_model_parallel_size}, EP {args.expert_model_parallel_size}")
     with contextlib.ExitStack() as stack:
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -232,12 +239,12 @@ def serve(args) -> int:
                                   expert_model_parallel_size=args.expert_model_parallel_size)
         validate(configs.model, parallel, world)
         if world % args.tensor_model_parallel_size:
-            raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
-                             f"the {world} ranks")
+            raise UserError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
+                            f"the {world} ranks")
         scheduler = registry.request_scheduler(args, manifest, world)  # None: round-robin
         if args.tensor_model_parallel_size > 1 and scheduler is not None:
-            raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: request scheduling "
-                             f"({scheduler.name}) is for attention data-parallel layouts (TP = 1)")
+            raise UserError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: request scheduling "
+                            f"({scheduler.name}) is for attention data-parallel layouts (TP = 1)")
         pgc = initialize_parallel(parallel, seed=args.seed)
         model, configs, tokenizer, manifest = load_model(args.load, parallel=parallel, overrides=overrides,
                                                          pg_collection=pgc)
@@ -245,16 +252,16 @@ def serve(args) -> int:
         changed = registry.serving_model(args, manifest, model, pgc)  # e.g. Sem-MoE's Algorithm 3 (TP > 1)
         if args.expert_comm == "allreduce":
             if changed is not None:
-                raise ValueError("--expert-comm allreduce keeps every token on every rank; the variant's serving "
-                                 "change (e.g. Sem-MoE's Algorithm 3) re-batches them: use one or the other")
+                raise UserError("--expert-comm allreduce keeps every token on every rank; the variant's serving "
+                                "change (e.g. Sem-MoE's Algorithm 3) re-batches them: use one or the other")
             from moe_variants.common.dispatcher import use_replicated_experts
 
             use_replicated_experts(model, pgc)
         tp1 = args.tensor_model_parallel_size == 1
         if not tp1 and args.routing_stats and changed is None:
-            raise ValueError("--routing-stats counts local activations of attention data-parallel layouts "
-                             "(TP = 1) or of Sem-MoE's Algorithm 3: with plain TP > 1 every rank of a TP group "
-                             "routes the same tokens")
+            raise UserError("--routing-stats counts local activations of attention data-parallel layouts "
+                            "(TP = 1) or of Sem-MoE's Algorithm 3: with plain TP > 1 every rank of a TP group "
+                            "routes the same tokens")
         rank_engine = RankEngine(engine, controller, context, model,
                                  ep_rank=dist.get_rank(pgc.ep) if tp1 or changed is not None else None,
                                  ep_size=dist.get_world_size(pgc.ep), routing_stats=args.routing_stats,
@@ -354,7 +361,7 @@ def main(argv=None) -> int:
         return serve(args)
 
     # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too
-    return run_cli("megatron.inference.serve", body, user_errors=(ValueError, CheckpointError, CheckpointException))
+    return run_cli("megatron.inference.serve", body, user_errors=(UserError, CheckpointError, CheckpointException))
 
 
 if __name__ == "__main__":

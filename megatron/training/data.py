@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 from megatron.common import collectives
+from megatron.common.cli import UserError
 
 __all__ = [
     "DOCUMENT_BOUNDARIES",
@@ -96,11 +97,11 @@ def read_text_documents(path: str, boundary: str = "blank-line") -> Iterator[str
     file is one document, byte for byte. Streams, so the file may be larger than memory.
     """
     if boundary not in DOCUMENT_BOUNDARIES:
-        raise ValueError(
+        raise UserError(
             f"--document-boundary: unknown value {boundary!r} (choose from {', '.join(DOCUMENT_BOUNDARIES)})"
         )
     if not os.path.isfile(path):
-        raise ValueError(f"--input: no such file: {path}")
+        raise UserError(f"--input: no such file: {path}")
     try:
         with open(path, encoding="utf-8", newline="") as f:
             if boundary == "file":
@@ -118,7 +119,7 @@ def read_text_documents(path: str, boundary: str = "blank-line") -> Iterator[str
             if block:
                 yield "".join(block).rstrip("\r\n")
     except UnicodeDecodeError as err:
-        raise ValueError(f"--input: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise UserError(f"--input: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def indexed_dataset_paths(prefix: str) -> tuple[str, str]:
@@ -127,13 +128,13 @@ def indexed_dataset_paths(prefix: str) -> tuple[str, str]:
 
 
 def check_outputs_free(prefixes: Sequence[str], overwrite: bool) -> None:
-    """Refuse (``ValueError`` naming the file) when an output exists and ``overwrite`` is off."""
+    """Refuse (``UserError`` naming the file) when an output exists and ``overwrite`` is off."""
     if overwrite:
         return
     for prefix in prefixes:
         for path in indexed_dataset_paths(prefix):
             if os.path.exists(path):
-                raise ValueError(f"--output-prefix: {path} exists (pass --overwrite to replace it)")
+                raise UserError(f"--output-prefix: {path} exists (pass --overwrite to replace it)")
 
 
 def write_indexed_dataset(
@@ -149,7 +150,8 @@ def write_indexed_dataset(
     (``DType.optimal_dtype``). Both files are written under temporary names in the output
     directory and renamed into place only when complete: ``.bin`` first, then ``.idx``, so a
     reader (which needs both) never sees a new index over an old data file. An existing output
-    raises ``ValueError`` unless ``overwrite``; it is then replaced, never modified in place.
+    or no documents is a ``UserError`` (an existing output unless ``overwrite``: it is then
+    replaced, never modified in place).
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -179,7 +181,7 @@ def write_indexed_dataset(
         finally:
             builder.data_file.close()
         if num_documents == 0:
-            raise ValueError(f"no documents to write to {output_prefix} (is the input empty?)")
+            raise UserError(f"no documents to write to {output_prefix} (is the input empty?)")
         builder.finalize(tmp_idx)
         for path in (tmp_bin, tmp_idx):
             _fsync(path)
@@ -580,15 +582,15 @@ def build_heldout_windows(text_path: str, tokenizer, seq_length: int) -> torch.T
     the first is scored exactly once; the tail shorter than a window is dropped.
     """
     if seq_length < 1:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        raise UserError(f"--seq-length must be positive, got {seq_length}")
     if not os.path.isfile(text_path):
-        raise ValueError(f"held-out text: no such file: {text_path}")
+        raise UserError(f"held-out text: no such file: {text_path}")
     with open(text_path, encoding="utf-8", newline="") as f:
         text = f.read()
     ids = torch.tensor(tokenizer.tokenize(text), dtype=torch.long)
     num_windows = (ids.numel() - 1) // seq_length
     if num_windows < 1:
-        raise ValueError(
+        raise UserError(
             f"held-out text {text_path} has {ids.numel()} tokens, fewer than one window of {seq_length + 1}"
         )
     return ids.unfold(0, seq_length + 1, seq_length)[:num_windows].contiguous()

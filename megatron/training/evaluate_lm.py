@@ -33,7 +33,7 @@ from typing import Optional
 
 from moe_variants import registry
 from megatron.training.checkpointing import CheckpointError
-from megatron.common.cli import run_cli
+from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.files import refuse_existing, write_json
 from megatron.common import collectives
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
@@ -267,15 +267,12 @@ def evaluate(args, manager) -> dict:
         payload["moe"] = moe
         if scheduler is not None:
             payload["moe"].update(scheduler.report())
-        status = [None]
-        if rank == 0:
-            try:
+
+        def write():
+            with user_input(OSError):  # an unwritable --output
                 write_json_atomic(args.output, payload, overwrite=args.overwrite)
-            except (OSError, ValueError) as err:
-                status = [str(err)]
-        collectives.broadcast_object_list(status, src=0)  # every rank exits with rank 0's outcome
-        if status[0] is not None:
-            raise ValueError(status[0])
+
+        collectives.agreed(write, src=0)  # rank 0 writes; every rank exits with its outcome
         if rank == 0:
             from lm_eval.utils import make_table
 
@@ -335,10 +332,12 @@ def main(argv=None) -> int:
 
     def body():
         args = build_parser().parse_args(argv)
-        evaluate(args, check_inputs(args))
+        with user_input():
+            manager = check_inputs(args)
+        evaluate(args, manager)
 
     # a corrupt, unsafe or mismatched checkpoint is one line too (torch's CheckpointException is a BaseException)
-    return run_cli("evaluate_lm", body, user_errors=(ValueError, CheckpointError, CheckpointException))
+    return run_cli("evaluate_lm", body, user_errors=(UserError, CheckpointError, CheckpointException))
 
 
 if __name__ == "__main__":

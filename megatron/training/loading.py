@@ -29,6 +29,7 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
     connectivity, or parallel sizes). Fields the checkpoint lacks because it was written before
     they existed get the values it was written with (``registry.stored_defaults``).
     """
+    from megatron.common.cli import user_input
     from megatron.training.arguments import configs_from_dict, option_names
     from moe_variants import registry
 
@@ -41,7 +42,8 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
     values.update(registry.stored_defaults(values))
     values.update(overrides or {})
     known = option_names()
-    return configs_from_dict({k: v for k, v in values.items() if k in known}), manifest, ckpt
+    with user_input():  # the checkpoint's configs and the caller's overrides are input
+        return configs_from_dict({k: v for k, v in values.items() if k in known}), manifest, ckpt
 
 
 def load_tokenizer(manifest: dict, ckpt: str):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.common import collectives
+from megatron.common.cli import UserError
 
 __all__ = [
     "CheckpointLM",
@@ -187,11 +188,11 @@ class CheckpointLM:
                  capacity_factor: Optional[float] = None, request_scheduler=None, forward_observer=None):
         super().__init__()  # lm-eval's LM.__init__ when mixed into MegatronCheckpointLM
         if batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
         if max_length < 2:
-            raise ValueError(f"the model's seq_length ({max_length}) is too short to evaluate")
+            raise UserError(f"the model's seq_length ({max_length}) is too short to evaluate")
         if pg_collection.pp.size() != 1:
-            raise ValueError("--pipeline-model-parallel-size must be 1 for evaluation")
+            raise UserError("--pipeline-model-parallel-size must be 1 for evaluation")
         self.model = model
         self.tokenizer = tokenizer
         self._max_length = int(max_length)
@@ -209,7 +210,7 @@ class CheckpointLM:
         mode = GenerationMode(generation)
         reason = self.kv_cache_unsupported_reason()
         if mode == GenerationMode.kv_cache and reason:
-            raise ValueError(f"--generation kv_cache: {reason}")
+            raise UserError(f"--generation kv_cache: {reason}")
         self.generation = (GenerationMode.recompute if reason else GenerationMode.kv_cache) \
             if mode == GenerationMode.auto else mode
         if capacity_factor is not None:
@@ -223,7 +224,7 @@ class CheckpointLM:
                         **kwargs) -> "CheckpointLM":
         """Initialise the layout (torch.distributed must already be initialised), load the model at
         it and wrap it. ``max_length``: tokens read at once (default and upper bound: the
-        checkpoint's ``seq_length``). Layout errors are ``ValueError``s naming the flag."""
+        checkpoint's ``seq_length``). Layout errors are ``UserError``s naming the flag."""
         from moe_variants.config import ParallelConfig, validate
         from megatron.training.loading import checkpoint_configs, load_model
         from megatron.training.parallel import initialize_parallel
@@ -231,14 +232,14 @@ class CheckpointLM:
         configs, _, _ = checkpoint_configs(path)
         seq_length = configs.model.seq_length
         if max_length is not None and not 2 <= max_length <= seq_length:
-            raise ValueError(f"--max-length must be in [2, {seq_length}] (the checkpoint's seq_length), got {max_length}")
+            raise UserError(f"--max-length must be in [2, {seq_length}] (the checkpoint's seq_length), got {max_length}")
         parallel = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
                                   expert_model_parallel_size=expert_model_parallel_size)
         world = dist.get_world_size()
         validate(configs.model, parallel, world)
         if world % tensor_model_parallel_size:
-            raise ValueError(f"--tensor-model-parallel-size {tensor_model_parallel_size} does not divide "
-                             f"the {world} ranks")
+            raise UserError(f"--tensor-model-parallel-size {tensor_model_parallel_size} does not divide "
+                            f"the {world} ranks")
         pgc = initialize_parallel(parallel, seed=seed)
         model, configs, tokenizer, _ = load_model(path, parallel=parallel, pg_collection=pgc)
         return cls(model, tokenizer, max_length=max_length or configs.model.seq_length, pg_collection=pgc,

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from megatron.common.cli import UserError
+
 from .profile import Profile
 from .scheduling import align_to_ranks, predict_token_devices, routed_devices, schedule_requests
 from .tables import Tables
@@ -74,12 +76,12 @@ class EvalResult:
 
 def _check_compatible(tables: Tables, profile: Profile) -> None:
     if tables.expert2device.shape != (profile.num_layers, profile.num_experts):
-        raise ValueError(
+        raise UserError(
             f"tables are for {tables.num_layers} layers x {tables.num_experts} experts, the profile has "
             f"{profile.num_layers} x {profile.num_experts}"
         )
     if tables.has_schedule and tables.token2device.shape[1] != profile.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"tables cover a vocabulary of {tables.token2device.shape[1]}, the profile {profile.vocab_size}"
         )
 

@@ -25,6 +25,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron.common.cli import UserError
 from moe_variants.config import ModelConfig, moe_layer_pattern
 from moe_variants.semmoe.tables import Tables
 
@@ -174,7 +175,7 @@ def moe_shape(manifest: dict, path: str) -> tuple[int, int]:
 
 def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: str, ckpt_path: str,
                                   flag: str = "--tables") -> None:
-    """Raise unless ``tables`` are the placement the checkpoint carries (contiguous tables match
+    """``UserError`` unless ``tables`` are the placement the checkpoint carries (contiguous tables match
     an unplaced checkpoint): the token tables only predict the right devices for that placement.
     ``flag`` names the tables' option in the message."""
     placement = checkpoint_placement(manifest)
@@ -184,7 +185,7 @@ def check_tables_match_checkpoint(tables: Tables, manifest: dict, tables_path: s
     else:
         applied = np.asarray(placement["semmoe_tables_map"], dtype=np.int64)
     if applied.shape != expected.shape or not np.array_equal(applied, expected):
-        raise ValueError(
+        raise UserError(
             f"{flag} {tables_path} are not the placement of --load {ckpt_path}; "
             "apply them first (python -m tools.semmoe apply)"
         )

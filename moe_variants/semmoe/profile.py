@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 import scipy.sparse as sp
 
+from megatron.common.cli import user_input
 from moe_variants.semmoe.npz import load_npz, save_npz
 
 __all__ = [
@@ -111,14 +112,18 @@ class Profile:
 
     def select_requests(self, indices: np.ndarray) -> "Profile":
         """Profile of a subset of requests, in the given order; counts are recomputed from the routes
-        (a vocabulary extension is dropped, since it referred to the full set's seen tokens)."""
+        (a vocabulary extension is dropped, since it referred to the full set's seen tokens) and the
+        recorded ``request_ids`` are the selected requests'."""
         indices = np.asarray(indices, dtype=np.int64)
         lengths = self.request_lengths()[indices]
         starts = self.request_offsets[indices]
         occ = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        meta = dict(self.meta)
+        if meta.get("request_ids") is not None:
+            meta["request_ids"] = [meta["request_ids"][i] for i in indices]
         return profile_from_arrays(
-            self.token_ids[occ], offsets, self.routes[:, occ], self.vocab_size, self.num_experts, dict(self.meta)
+            self.token_ids[occ], offsets, self.routes[:, occ], self.vocab_size, self.num_experts, meta
         )
 
     def validate(self) -> None:
@@ -299,8 +304,9 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     save_npz(path, arrays, meta)
 
 
+@user_input()
 def load_profile(path: str | os.PathLike) -> Profile:
-    """Read a profile written by :func:`save_profile`; a missing or corrupt file is a one-line ``ValueError``."""
+    """Read a profile written by :func:`save_profile`; a missing or corrupt file is a one-line ``UserError``."""
     required = (
         "token_ids", "request_offsets", "routes", "token_freq", "nn_source",
         "counts_indptr", "counts_indices", "counts_data", "counts_nnz",

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.common.cli import user_input
 from megatron.common.files import atomic_write
 from moe_variants.semmoe.npz import load_npz, save_npz
 
@@ -133,8 +134,9 @@ def save_tables(tables: Tables, directory: str | os.PathLike) -> Path:
     return directory
 
 
+@user_input()
 def load_tables(directory: str | os.PathLike) -> Tables:
-    """Read a tables directory; a missing or corrupt one is a one-line ``ValueError``."""
+    """Read a tables directory; a missing or corrupt one is a one-line ``UserError``."""
     directory = Path(directory)
     path = directory / TABLES_FILE if directory.is_dir() else directory
     a, meta = load_npz(path, TABLES_FORMAT, ("expert2device",))

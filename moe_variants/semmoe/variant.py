@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from megatron.common.cli import UserError, user_input
 from moe_variants.registry import Application, ServePlacement, Variant, register
 
 # bench_serve's placed variants: tables of ``python -m tools.semmoe solve --method <name>``
@@ -45,8 +46,9 @@ class SemMoE(Variant):
                  "the tables' devices, every MoE layer's tokens are re-batched by Algorithm 3",
         )
 
+    @user_input()
     def _tables(self, args, manifest: dict, world_size: int):
-        """The checked tables of ``--semmoe-tables``, or None."""
+        """The checked tables of ``--semmoe-tables``, or None (``UserError``)."""
         path = getattr(args, "semmoe_tables", None)
         if path is None:
             return None
@@ -104,8 +106,8 @@ class SemMoE(Variant):
         if tables is None:
             return None
         if dist.get_process_group_ranks(pg_collection.tp) != dist.get_process_group_ranks(pg_collection.ep):
-            raise ValueError("--semmoe-tables with tensor parallelism: Algorithm 3 needs each TP group to be an "
-                             "EP group (--tensor-model-parallel-size = --expert-model-parallel-size)")
+            raise UserError("--semmoe-tables with tensor parallelism: Algorithm 3 needs each TP group to be an "
+                            "EP group (--tensor-model-parallel-size = --expert-model-parallel-size)")
         from moe_variants.semmoe.attention_tp import install
 
         return install(model, tables, pg_collection.tp)

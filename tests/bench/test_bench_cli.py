@@ -82,6 +82,24 @@ def test_user_errors_are_one_line_with_status_2(tmp_path):
     assert proc.returncode == 2 and "--config" in proc.stderr
 
 
+def test_the_harness_keeps_the_traceback_of_a_bug(tmp_path, capsys):
+    """bench_ep's and bench_serve's skeleton: a ``UserError`` is one line and status 2; a
+    ``ValueError`` from inside the run (a bug, e.g. in the aggregation) keeps its traceback."""
+    from megatron.common.cli import UserError
+    from tools.bench.cli import run_harness
+
+    def bad_input(work_dir):
+        raise UserError("--steps must be >= 1, got 0")
+
+    def bug(work_dir):
+        raise ValueError("rank results [0] do not cover world size 2")
+
+    assert run_harness("bench_ep.py", "workers", str(tmp_path), "x-", bad_input) == 2
+    assert capsys.readouterr().err == "bench_ep.py: error: --steps must be >= 1, got 0\n"
+    with pytest.raises(ValueError, match="do not cover world size"):
+        run_harness("bench_ep.py", "workers", str(tmp_path), "x-", bug)
+
+
 def test_loopback_calibration_writes_csv_and_sidecar(tmp_path):
     path = tmp_path / "cal.csv"
     proc = _run("--collectives", "--no-netns", "--csv", str(path), "--calibration-ranks", "2",

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.common.cli import UserError
 from megatron.training import data
 from tools.spawn import run_distributed
 from megatron.training.tokenizer import DEFAULT_CORPUS
@@ -183,9 +184,10 @@ def test_heldout_windows(tmp_path, tiny_tokenizer):
     # labels windows[:, 1:] tile ids[1 : n*64 + 1] exactly once
     assert windows[:, 1:].reshape(-1).tolist() == ids[1 : n * 64 + 1]
     assert windows[:, :-1].reshape(-1).tolist() == ids[: n * 64]
-    with pytest.raises(ValueError, match="fewer than one window"):
+    # user errors (one line in every command that reads held-out text: pretrain_gpt, distill.fcsd, distill.report)
+    with pytest.raises(UserError, match="fewer than one window"):
         data.build_heldout_windows(str(path), tiny_tokenizer, len(ids))
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(UserError, match="no such file"):
         data.build_heldout_windows(str(tmp_path / "none.txt"), tiny_tokenizer, 64)
 
 

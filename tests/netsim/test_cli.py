@@ -82,6 +82,19 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert main(["fit", "--csv", str(bad), "--algorithm", "ring"]) == 2
 
 
+def test_a_bug_inside_a_command_keeps_its_traceback(monkeypatch, capsys):
+    """A ``ValueError`` from the model itself is a bug, not bad input: no one-line ``error:``."""
+    import netsim.cost
+
+    def cluster_cost(*args, **kwargs):
+        raise ValueError("a bug in the cost model")
+
+    monkeypatch.setattr(netsim.cost, "cluster_cost", cluster_cost)
+    with pytest.raises(ValueError, match="a bug in the cost model"):
+        main(["cost"])
+    assert "error:" not in capsys.readouterr().err
+
+
 def test_netsim_does_not_import_torch():
     code = ("import sys, netsim, netsim.cli, netsim.sweep, netsim.plots; "
             "netsim.cli.main(['cost']); assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip

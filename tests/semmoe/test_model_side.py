@@ -311,6 +311,31 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, tmp_path, capsys):
     _one_line_error(capsys, rc, "exists")
 
 
+@pytest.mark.slow
+def test_an_error_found_by_rank_0_alone_is_one_line_at_two_ranks(tiny_model, tmp_path):
+    """``lar --profile P`` where P profiled other prompts: rank 0 finds it while reporting, after
+    the forward, alone. The command (2 torchrun ranks: the tables' D) prints that one line and
+    exits 2; rank 1 does not die first on the lost connection to rank 0 (the only output before)."""
+    import subprocess
+    import sys
+
+    from moe_variants.semmoe.profile import save_profile
+
+    other = load_profile(tiny_model.profile_path)
+    other.meta["request_ids"] = [f"other:{i}" for i in range(other.num_requests)]
+    save_profile(other, tmp_path / "other.npz")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "tools.semmoe", "lar", "--load", tiny_model.placed2, "--tables",
+                           tiny_model.tables2, "--data", tiny_model.prompts, "--profile", str(tmp_path / "other.npz")],
+                          cwd=repo, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines == [f"python -m tools.semmoe: error: --profile {tmp_path / 'other.npz'} lacks 24 of the measured "
+                     "prompts (e.g. id 'g0')"], proc.stderr[-3000:]
+    assert "Connection closed by peer" not in proc.stderr
+
+
 def _empty_all_to_all(rank, world):
     import torch.distributed as dist
 

@@ -130,3 +130,21 @@ def test_split_partitions_requests():
         assert ((a.counts[l] + b.counts[l]) != p.counts[l]).nnz == 0
     with pytest.raises(ValueError, match="fraction"):
         split_profile(p, 1.5)
+
+
+def test_a_subset_records_its_own_request_ids():
+    """``split`` (and ``lar --limit``'s prediction) keep each request's id with it: a part that kept
+    the whole set's ids would be taken for a profile of every prompt (``lar --profile``) and give
+    ``evaluate --split-ids`` domains of other requests."""
+    p = synthetic_profile(SyntheticConfig(num_requests=20, num_layers=2), seed=3)
+    p.meta["request_ids"] = [f"d{i % 3}:{i}" for i in range(p.num_requests)]
+    a, b = split_profile(p, 0.25, seed=0)
+    for part in (a, b):
+        ids = part.meta["request_ids"]
+        assert len(ids) == part.num_requests
+        for j, rid in enumerate(ids):
+            i = int(rid.split(":")[1])
+            assert np.array_equal(part.token_ids[part.request_offsets[j]:part.request_offsets[j + 1]],
+                                  p.token_ids[p.request_offsets[i]:p.request_offsets[i + 1]])
+    assert sorted(a.meta["request_ids"] + b.meta["request_ids"]) == sorted(p.meta["request_ids"])
+    assert p.select_requests(np.array([4, 1])).meta["request_ids"] == ["d1:4", "d1:1"]

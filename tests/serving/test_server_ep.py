@@ -44,3 +44,24 @@ def test_ep2_server_equals_ep1(serve_ckpts, tmp_path):
     finally:
         srv.stop()  # torchrun's own exit code after SIGTERM is the agent's, not the ranks'
     assert "server stopped" in srv.output()
+
+
+@pytest.mark.slow
+def test_a_busy_port_is_one_line_at_two_ranks(serve_ckpts):
+    """Rank 0 alone serves HTTP: a port in use is its one-line error before any rank starts, not
+    rank 1 dying first in the serving loop's collective on the lost connection to rank 0."""
+    import socket
+
+    from tests.helpers import torchrun
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = torchrun("megatron.inference.serve", ["--load", serve_ckpts["bigmac"], "--port", port,
+                                                     "--expert-model-parallel-size", 2])
+    lines = [line for line in proc.stderr.splitlines() if ": error:" in line]
+    assert proc.returncode != 0
+    assert lines == [f"megatron.inference.serve: error: --host 127.0.0.1 --port {port}: cannot bind "
+                     "(Address already in use)"], proc.stderr[-3000:]
+    assert "Connection closed by peer" not in proc.stderr

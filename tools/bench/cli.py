@@ -40,7 +40,7 @@ from .collectives import OPS, default_sizes, run_calibration, write_csv
 from .discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 from .launcher import LaunchError, launch
 from .schema import RankResult, SyntheticOptions, WorkerSpec
-from megatron.common.cli import int_list, nonneg_int, positive_int
+from megatron.common.cli import UserError, int_list, nonneg_int, one_line, positive_int
 from megatron.common.files import write_json
 from .tune import find_rate
 from .variant_worker import variant_overrides
@@ -148,7 +148,7 @@ def set_overrides(items) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+            raise UserError(f"--set {item!r}: expected KEY=VALUE")
         key, raw = item.split("=", 1)
         key = key.strip().lstrip("-").replace("-", "_")
         try:
@@ -173,23 +173,23 @@ def model_overrides(args) -> dict:
 def _variants(args) -> list[str]:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not names:
-        raise ValueError("--variants is empty")
+        raise UserError("--variants is empty")
     for v in names:
         if not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*(\+[a-z0-9][a-z0-9_\-]*)*", v):  # "+" combines variants
-            raise ValueError(f"--variants: bad variant name {v!r}")
+            raise UserError(f"--variants: bad variant name {v!r}")
         if v == "collectives":
-            raise ValueError("--variants collectives: use --collectives for calibration")
+            raise UserError("--variants collectives: use --collectives for calibration")
     if len(set(names)) != len(names):
-        raise ValueError(f"--variants lists a variant twice: {args.variants}")
+        raise UserError(f"--variants lists a variant twice: {args.variants}")
     for v in names:
         if v != SYNTHETIC:
             variant_overrides(v)  # an unknown preset fails here, before any launch
             reason = peers.refusal(v, args.device, args.ranks)  # a peer's missing GPU/package, likewise
             if reason is not None:
-                raise ValueError(reason)
+                raise UserError(reason)
         module = worker_module_for(v)
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"--variants {v}: worker module {module} is not available in this checkout")
+            raise UserError(f"--variants {v}: worker module {module} is not available in this checkout")
     return names
 
 
@@ -211,7 +211,7 @@ class Budget:
 
     def __init__(self, seconds: float):
         if seconds <= 0:
-            raise ValueError(f"--timeout-s must be > 0, got {seconds}")
+            raise UserError(f"--timeout-s must be > 0, got {seconds}")
         self.seconds = seconds
         self.deadline = time.monotonic() + seconds
 
@@ -277,17 +277,17 @@ def _benchmark(args, argv, work_dir, budget) -> int:
     variants = _variants(args)
     overrides = model_overrides(args)
     if args.config and not os.path.isfile(args.config):
-        raise ValueError(f"--config {args.config}: no such file")
+        raise UserError(f"--config {args.config}: no such file")
     if variants == [SYNTHETIC] and (overrides or args.config):
         log.warning("model options (--config and overrides) are ignored by the synthetic worker")
     probe_variant = args.probe_variant or ("standard" if "standard" in variants else variants[0])
     if args.target_comm_fraction is not None:
         if probe_variant not in variants:
-            raise ValueError(f"--probe-variant {probe_variant} is not one of --variants")
+            raise UserError(f"--probe-variant {probe_variant} is not one of --variants")
         probe_peer = peers.get(probe_variant)
         if probe_peer is not None and not probe_peer.measures_a2a_time:
-            raise ValueError(f"--probe-variant {probe_variant}: its all-to-all times are not measured, so "
-                             "the rate search cannot probe it (probe one of ours)")  # fmt: skip
+            raise UserError(f"--probe-variant {probe_variant}: its all-to-all times are not measured, so "
+                            "the rate search cannot probe it (probe one of ours)")  # fmt: skip
     gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = host_info()
@@ -296,8 +296,8 @@ def _benchmark(args, argv, work_dir, budget) -> int:
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None:
             if not net.shaped:
-                raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); "
-                                 "it cannot be used with --no-netns or loopback")  # fmt: skip
+                raise UserError("--target-comm-fraction needs a shaped link (network namespaces, as root); "
+                                "it cannot be used with --no-netns or loopback")  # fmt: skip
             counter = itertools.count()
             probes = {}
 
@@ -403,19 +403,19 @@ def achieved_share_line(target: float, tuning: dict, over: Optional[dict], varia
 
 def _calibrate(args, argv, work_dir, budget) -> int:
     if not args.csv:
-        raise ValueError("--collectives needs --csv PATH")
+        raise UserError("--collectives needs --csv PATH")
     for r in args.calibration_ranks:
         if not 2 <= r <= netns.MAX_RANKS:
-            raise ValueError(f"--calibration-ranks: {r} is not between 2 and {netns.MAX_RANKS}")
+            raise UserError(f"--calibration-ranks: {r} is not between 2 and {netns.MAX_RANKS}")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     sizes = args.sizes or default_sizes()
     for s in sizes:
         if s < 64 or s % 64:
-            raise ValueError(f"--sizes: {s} is not a positive multiple of 64 bytes")
+            raise UserError(f"--sizes: {s} is not a positive multiple of 64 bytes")
     if args.one_way and ops != ["all_to_all"]:
-        raise ValueError("--one-way times all_to_all only: pass --ops all_to_all")
+        raise UserError("--one-way times all_to_all only: pass --ops all_to_all")
     if not (args.gap_ms >= 0 and math.isfinite(args.gap_ms)):
-        raise ValueError(f"--gap-ms: {args.gap_ms} is not a finite number >= 0")
+        raise UserError(f"--gap-ms: {args.gap_ms} is not a finite number >= 0")
     link = netns.LinkSpec(args.link_gbit, args.link_latency_ms, args.shaper)
     host_start = host_info()
     t0 = time.monotonic()
@@ -464,7 +464,8 @@ def run_harness(prog: str, what: str, work_dir: Optional[str], prefix: str, body
     """The benchmark scripts' outer skeleton (bench_ep, bench_serve): stale namespaces of killed runs
     removed (as root), a work directory (``work_dir`` kept, else a temporary one removed at the end),
     SIGTERM/SIGINT turned into a clean stop, and ``body(work_dir)``'s failures mapped to one line and
-    an exit code: a user error 2, a failed launch 1, Ctrl-C 130, a signal its code. ``what`` names the
+    an exit code: a user error (``UserError``) 2, a failed launch 1, Ctrl-C 130, a signal its code;
+    anything else keeps its traceback. ``what`` names the
     processes that are stopped (``workers``, ``servers``)."""
     try:
         if os.geteuid() == 0 and shutil.which("ip"):
@@ -478,8 +479,8 @@ def run_harness(prog: str, what: str, work_dir: Optional[str], prefix: str, body
         finally:
             if not keep:
                 shutil.rmtree(path, ignore_errors=True)
-    except ValueError as e:
-        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    except UserError as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"{prog}: launch failed: {e}", file=sys.stderr)
@@ -503,7 +504,7 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     try:
         budget = Budget(args.timeout_s)
-    except ValueError as e:
+    except UserError as e:
         print(f"bench_ep.py: error: {e}", file=sys.stderr)
         return 2
 

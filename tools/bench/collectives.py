@@ -37,6 +37,7 @@ import time
 from typing import Sequence
 
 from .schema import WorkerSpec
+from megatron.common.cli import UserError
 from megatron.common.files import write_json, write_text
 from megatron.common import collectives
 
@@ -52,7 +53,7 @@ def default_sizes(lo: int = 4 << 10, hi: int = 64 << 20, per_octave: int = 1) ->
     Each size is rounded to a multiple of 64 bytes (divisible into 4 ranks' fp32 chunks).
     """
     if not 0 < lo <= hi:
-        raise ValueError(f"--sizes: need 0 < lo <= hi, got {lo}, {hi}")
+        raise UserError(f"--sizes: need 0 < lo <= hi, got {lo}, {hi}")
     import math
 
     n = int(round(math.log2(hi / lo) * per_octave))
@@ -191,7 +192,7 @@ def run_calibration(
 
     for op in ops:
         if op not in OPS:
-            raise ValueError(f"--ops: unknown op {op!r}; known: {', '.join(OPS)}")
+            raise UserError(f"--ops: unknown op {op!r}; known: {', '.join(OPS)}")
     rows, networks = [], []
     for ranks in rank_counts:
         with open_network(ranks, link, use_netns) as net:

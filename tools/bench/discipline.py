@@ -26,6 +26,8 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
+from megatron.common.cli import UserError
+
 __all__ = ["median_ci", "over_runs", "paired_ratios", "rotations", "machine_load", "cpu_counts", "load_from_counts",
            "LoadGate", "LoadRefused", "format_ci", "DEFAULT_LOAD_THRESHOLD", "DEFAULT_RUNS", "add_discipline_arguments"]
 
@@ -78,7 +80,7 @@ def rotations(variants: Sequence[str], runs: int, start: int = 0) -> list:
     """The variant order of each of ``runs`` runs: run ``r`` is ``variants`` rotated left by
     ``start + r`` (``start``: where a series of separate invocations, e.g. one per seed, continues)."""
     if runs < 1:
-        raise ValueError(f"--runs must be >= 1, got {runs}")
+        raise UserError(f"--runs must be >= 1, got {runs}")
     names = list(variants)
     if not names:
         raise ValueError("no variants to order")
@@ -166,7 +168,7 @@ class LoadGate:
     def __init__(self, threshold: float = DEFAULT_LOAD_THRESHOLD, expected: float = 0.0, strict: bool = False,
                  sample: Optional[Callable[[], dict]] = None):
         if not threshold >= 0:
-            raise ValueError(f"--load-threshold must be >= 0, got {threshold}")
+            raise UserError(f"--load-threshold must be >= 0, got {threshold}")
         self.threshold, self.expected, self.strict = threshold, expected, strict
         self.sample = sample or (lambda: machine_load())  # looked up when called: tests replace it
 

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from megatron.common.cli import UserError
 from tools import repo_root
 
 from .schema import WorkerSpec
@@ -203,7 +204,7 @@ def launch(
     is written to ``run_dir/spec.json``. Returns the parsed result JSON of ranks 0..R-1.
     """
     if timeout_s <= 0:
-        raise ValueError(f"--timeout-s must be > 0, got {timeout_s}")
+        raise UserError(f"--timeout-s must be > 0, got {timeout_s}")
     os.makedirs(run_dir, exist_ok=True)
     os.makedirs(spec.output_dir, exist_ok=True)
     for r in range(network.num_ranks):

@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence
 
+from megatron.common.cli import UserError
 from megatron.common.process import pid_alive
 
 __all__ = [
@@ -100,11 +101,11 @@ class LinkSpec:
 
     def __post_init__(self):
         if not (self.gbit > 0):
-            raise ValueError(f"--link-gbit must be > 0, got {self.gbit}")
+            raise UserError(f"--link-gbit must be > 0, got {self.gbit}")
         if self.gbit > 100:
-            raise ValueError(f"--link-gbit {self.gbit} is above what a veth can carry here (max 100)")
+            raise UserError(f"--link-gbit {self.gbit} is above what a veth can carry here (max 100)")
         if self.latency_ms < 0:
-            raise ValueError(f"--link-latency-ms must be >= 0, got {self.latency_ms}")
+            raise UserError(f"--link-latency-ms must be >= 0, got {self.latency_ms}")
         object.__setattr__(self, "shaper", Shaper(self.shaper))
 
     @property
@@ -315,9 +316,9 @@ class ShapedNetwork:
 
     def __init__(self, num_ranks: int, link: LinkSpec, prefix: str = PREFIX):
         if not 1 <= num_ranks <= MAX_RANKS:
-            raise ValueError(f"--ranks must be between 1 and {MAX_RANKS}, got {num_ranks}")
+            raise UserError(f"--ranks must be between 1 and {MAX_RANKS}, got {num_ranks}")
         if link.latency_ms > 0 and not netem_available():
-            raise ValueError(
+            raise UserError(
                 f"--link-latency-ms {link.latency_ms}: this kernel has no netem qdisc "
                 "(CONFIG_NET_SCH_NETEM), so only 0 is supported here"
             )
@@ -410,7 +411,7 @@ class ShapedNetwork:
     def set_link(self, link: LinkSpec) -> None:
         """Reshape every link to ``link`` (namespaces and connections stay)."""
         if link.latency_ms > 0 and not netem_available():
-            raise ValueError(f"--link-latency-ms {link.latency_ms}: this kernel has no netem qdisc")
+            raise UserError(f"--link-latency-ms {link.latency_ms}: this kernel has no netem qdisc")
         self._shape(link, replace=True)
         self.link = link
 
@@ -457,7 +458,7 @@ class LoopbackNetwork:
 
     def __init__(self, num_ranks: int, reason: str = "--no-netns"):
         if not 1 <= num_ranks <= MAX_RANKS:
-            raise ValueError(f"--ranks must be between 1 and {MAX_RANKS}, got {num_ranks}")
+            raise UserError(f"--ranks must be between 1 and {MAX_RANKS}, got {num_ranks}")
         self.num_ranks = num_ranks
         self.reason = reason
         self.link = None
@@ -470,7 +471,7 @@ class LoopbackNetwork:
         return None
 
     def set_link(self, link: LinkSpec) -> None:
-        raise ValueError("the link cannot be shaped on loopback (needs network namespaces)")
+        raise UserError("the link cannot be shaped on loopback (needs network namespaces)")
 
     def describe(self) -> dict:
         return {"mode": "loopback", "shaped": False, "ranks": self.num_ranks, "link": None,

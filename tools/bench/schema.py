@@ -33,6 +33,7 @@ import math
 import os
 from typing import Optional
 
+from megatron.common.cli import UserError
 from megatron.common.files import write_json
 
 __all__ = [
@@ -84,7 +85,7 @@ class SyntheticOptions:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"--synthetic-{f.name} must be a positive integer, got {v!r}")
+                raise UserError(f"--synthetic-{f.name} must be a positive integer, got {v!r}")
 
 
 @dataclasses.dataclass
@@ -111,13 +112,13 @@ class WorkerSpec:
 
     def __post_init__(self):
         if not self.variant:
-            raise ValueError("--variants: empty variant name")
+            raise UserError("--variants: empty variant name")
         if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+            raise UserError(f"--warmup must be >= 0, got {self.warmup}")
         if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise UserError(f"--steps must be >= 1, got {self.steps}")
         if self.num_threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.num_threads}")
+            raise UserError(f"--threads must be >= 1, got {self.num_threads}")
 
     def result_path(self, rank: int) -> str:
         return os.path.join(self.output_dir, f"rank{rank}.json")

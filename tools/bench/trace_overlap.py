@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from megatron.common.cli import run_cli, user_input
 from megatron.common.files import write_json
 from tools.bench.overlap import summarize
 
@@ -68,16 +69,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a trace_<variant>_rank<r>.json written by bench_ep.py --trace")
     ap.add_argument("--json", help="also write the summary (with every collective) here")
-    args = ap.parse_args(argv)
-    try:
-        summary = summarize(load_trace(args.trace))
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(summary))
-    if args.json:
-        write_json(args.json, summary)
-    return 0
+
+    def body():
+        args = ap.parse_args(argv)
+        with user_input():
+            events = load_trace(args.trace)
+        summary = summarize(events)
+        print(format_summary(summary))
+        if args.json:
+            write_json(args.json, summary)
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import time
 from typing import Optional, Sequence
 
 from moe_variants import registry
-from megatron.common.cli import nonneg_int, positive_int, run_cli
+from megatron.common.cli import UserError, nonneg_int, positive_int, run_cli, user_input
 from megatron.common.files import write_json
 from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 
@@ -210,7 +210,7 @@ def plot_curves(summary: dict, path: str, title: str = "", over_runs: Optional[d
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("the plot needs matplotlib (pip install -e '.[dev]')") from None
+        raise UserError("the plot needs matplotlib (pip install -e '.[dev]')") from None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, v in summary["variants"].items():
         ev = v["evaluations"]
@@ -337,12 +337,12 @@ def _link(args, net, out_dir, overrides, schedule, log) -> dict:
         with open(path) as f:
             stored = json.load(f)
         if stored["shaped"] != net.shaped or stored["ranks"] != args.ranks:
-            raise ValueError(f"{path} was made for {stored['ranks']} ranks, shaped={stored['shaped']}; "
-                             "use another --out or the same --ranks/--no-netns")  # fmt: skip
+            raise UserError(f"{path} was made for {stored['ranks']} ranks, shaped={stored['shaped']}; "
+                            "use another --out or the same --ranks/--no-netns")  # fmt: skip
         if stored.get("training") != training:
             changed = sorted(k for k in training if stored.get("training", {}).get(k) != training[k])
-            raise ValueError(f"{path}: these runs train with other settings ({', '.join(changed)} differ); "
-                             "use another --out to change them")  # fmt: skip
+            raise UserError(f"{path}: these runs train with other settings ({', '.join(changed)} differ); "
+                            "use another --out to change them")  # fmt: skip
         if net.shaped:
             net.set_link(netns.LinkSpec(**stored["link"]))
         gbit = (stored.get("link") or {}).get("gbit")
@@ -443,7 +443,7 @@ def _report(args, out_dir, variants, record, launches) -> dict:
         if "standard" in curves and curves["standard"].evals:
             summaries.append({"run": r, **summarize_curves(curves, "standard")})
         elif r == 0:
-            raise ValueError(f"no standard run in {out_dir} yet")
+            raise UserError(f"no standard run in {out_dir} yet")
     over = summarize_runs(summaries, seed=args.seed)
     summary = {k: v for k, v in summaries[0].items() if k != "run"}
     on_disk = launch_records(out_dir, variants, args.runs)
@@ -520,9 +520,10 @@ def main(argv: Optional[list] = None) -> int:
     def body():
         from tools.bench import netns
 
-        variants = _variants(args.variants)
+        with user_input():
+            variants = _variants(args.variants)
         if args.config and not os.path.isfile(args.config):
-            raise ValueError(f"--config {args.config}: no such file")
+            raise UserError(f"--config {args.config}: no such file")
         out_dir = os.path.abspath(args.out)
         os.makedirs(out_dir, exist_ok=True)
         if args.report_only:
@@ -530,18 +531,19 @@ def main(argv: Optional[list] = None) -> int:
             record = json.load(open(link_path)) if os.path.exists(link_path) else None
             _print(_report(args, out_dir, variants, record, []))
             return 0
-        schedule = _schedule(args)
         from tools.bench.cli import set_overrides
 
-        overrides = set_overrides(args.set)
+        with user_input():
+            schedule = _schedule(args)
+            overrides = set_overrides(args.set)
         if not args.no_netns and os.geteuid() == 0:
             netns.cleanup_stale()
         link = netns.LinkSpec(args.link_gbit, 0.0, netns.Shaper.tbf.value)
         launches = []
         with netns.terminate_on_signals(), netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
             if not net.shaped and not args.no_netns:
-                raise ValueError("network namespaces are unavailable (root and iproute2 needed); "
-                                 "--no-netns runs unshaped smoke tests only")  # fmt: skip
+                raise UserError("network namespaces are unavailable (root and iproute2 needed); "
+                                "--no-netns runs unshaped smoke tests only")  # fmt: skip
             record = _link(args, net, out_dir, overrides, schedule, print)
             gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads, strict=args.strict)
             for r, order in enumerate(rotations(variants, args.runs, start=args.rotate)):
@@ -555,7 +557,7 @@ def main(argv: Optional[list] = None) -> int:
 
     from tools.bench.launcher import LaunchError
 
-    return run_cli(PROG, body, user_errors=(ValueError, LaunchError))
+    return run_cli(PROG, body, user_errors=(UserError, LaunchError))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 
 from megatron import compat
 
+from megatron.common.cli import run_cli, user_input
 from megatron.common.files import write_json
 
 from .schema import WorkerSpec
@@ -45,16 +46,16 @@ def main(argv=None) -> int:
     spec = read_spec_from_argv(argv)
     init_gloo_from_env(spec.num_threads, timeout_s=1800.0)
     rank, world = rank_and_world()
-    from megatron.training.pretrain_gpt import run_pretraining
+    from megatron.training.pretrain_gpt import run_pretraining, user_errors
 
-    try:
-        summary = run_pretraining(configs_for(spec, world), prog="ttq_worker")
-    except ValueError as e:
-        print(f"ttq_worker: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    write_json(spec.result_path(rank), {"rank": rank, "world_size": world, "variant": spec.variant,
-                                        "summary": {k: v for k, v in summary.items() if k != "last_step"}})  # fmt: skip
-    return 0
+    def body():
+        with user_input():
+            configs = configs_for(spec, world)
+        summary = run_pretraining(configs, prog="ttq_worker")
+        write_json(spec.result_path(rank), {"rank": rank, "world_size": world, "variant": spec.variant,
+                                            "summary": {k: v for k, v in summary.items() if k != "last_step"}})  # fmt: skip
+
+    return run_cli("ttq_worker", body, user_errors=user_errors())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import dataclasses
 import math
 from typing import Callable, Optional
 
+from megatron.common.cli import UserError
+
 __all__ = ["Probe", "TuneResult", "find_rate"]
 
 _EPS = 1e-4
@@ -72,7 +74,7 @@ def find_rate(
     non-increasing in ``g``. Raises ``ValueError`` for a target outside (0, 1).
     """
     if not 0 < target < 1:
-        raise ValueError(f"--target-comm-fraction must be in (0, 1), got {target}")
+        raise UserError(f"--target-comm-fraction must be in (0, 1), got {target}")
     if not 0 < lo < hi:
         raise ValueError(f"rate bounds must satisfy 0 < lo < hi, got {lo}, {hi}")
     if max_probes < 1:

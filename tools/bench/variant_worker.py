@@ -34,6 +34,7 @@ from moe_variants import registry
 from . import peers
 from .overlap import comm_spans, direction_totals, events_from_timeline
 from .schema import RankResult, WorkerSpec, peak_rss_mb
+from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.files import write_json
 from .worker_env import init_from_env, rank_and_world, read_spec_from_argv
 from megatron.common import collectives
@@ -144,7 +145,8 @@ def run(spec: WorkerSpec) -> RankResult:
     from megatron.training.step import setup_model_and_optimizer, train_step
 
     rank, world = rank_and_world()
-    c = worker_configs(spec, world)
+    with user_input():
+        c = worker_configs(spec, world)
     c.checkpoint.save = None
     c.data.data_cache_path = c.data.data_cache_path or os.path.join(spec.output_dir, "data_cache")
     c.logging.eval_interval = 0
@@ -164,7 +166,7 @@ def run(spec: WorkerSpec) -> RankResult:
     if peer is not None:
         reason = peers.refusal(spec.variant, device, world)
         if reason is not None:
-            raise ValueError(reason)
+            raise UserError(reason)
         hooks = peer.load().WorkerHooks(c, pgc, {**spec.options, "variant": spec.variant})
         validate(c.model, c.parallel, world)
     placers = [rt.place for rt in runtimes.values()] + ([hooks.before_wrap] if hooks is not None else [])
@@ -262,13 +264,7 @@ def main(argv=None) -> int:
     spec = read_spec_from_argv(argv)
     init_from_env(spec.num_threads, spec.options.get("device", "cpu"))
     rank, _ = rank_and_world()
-    try:
-        result = run(spec)
-    except ValueError as e:
-        print(f"variant_worker: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    result.write(spec.result_path(rank))
-    return 0
+    return run_cli("variant_worker", lambda: run(spec).write(spec.result_path(rank)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import tempfile
 import time
 from typing import Iterator
 
+from megatron.common.cli import UserError, run_cli, user_input
+
 PROG = "preprocess_data.py"
 HF_FORMATS = ("parquet", "json", "csv", "arrow", "text")
 _CHUNK = 256  # documents per tokenization task
@@ -84,7 +86,7 @@ def _input_kind(args) -> str:
         return "hf"
     kinds = {"jsonl" if f.lower().endswith((".jsonl", ".json")) else "text" for f in args.input}
     if len(kinds) > 1:
-        raise ValueError("--input mixes JSON lines and plain text files; preprocess them separately")
+        raise UserError("--input mixes JSON lines and plain text files; preprocess them separately")
     return kinds.pop()
 
 
@@ -105,7 +107,7 @@ def iter_records(args, kind: str) -> Iterator[tuple[str, ...]]:
                     try:
                         record = json.loads(line)
                     except ValueError as err:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
+                        raise UserError(f"{path}:{lineno}: not valid JSON ({err})") from None
                     yield _fields(record, args.json_keys, f"{path}:{lineno}")
     else:
         yield from _iter_hf_records(args)
@@ -113,13 +115,13 @@ def iter_records(args, kind: str) -> Iterator[tuple[str, ...]]:
 
 def _fields(record, keys, where: str) -> tuple[str, ...]:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
     out = []
     for key in keys:
         if key not in record:
-            raise ValueError(f"{where}: no key {key!r} (--json-keys; it has {', '.join(map(repr, record))})")
+            raise UserError(f"{where}: no key {key!r} (--json-keys; it has {', '.join(map(repr, record))})")
         if not isinstance(record[key], str):
-            raise ValueError(f"{where}: key {key!r} is {type(record[key]).__name__}, not text")
+            raise UserError(f"{where}: key {key!r} is {type(record[key]).__name__}, not text")
         out.append(record[key])
     return tuple(out)
 
@@ -129,7 +131,7 @@ def _iter_hf_records(args) -> Iterator[tuple[str, ...]]:
     try:
         import datasets
     except ImportError:
-        raise ValueError("--hf-dataset-format needs HF datasets: pip install datasets") from None
+        raise UserError("--hf-dataset-format needs HF datasets: pip install datasets") from None
     try:
         # streaming reads the files in place; its lock files go to a throwaway cache directory
         with tempfile.TemporaryDirectory(prefix="hf-datasets-") as cache_dir:
@@ -139,11 +141,11 @@ def _iter_hf_records(args) -> Iterator[tuple[str, ...]]:
             )
             for i, record in enumerate(ds):
                 yield _fields(record, args.json_keys, f"record {i} of {args.input[0]}")
-    except ValueError:
+    except UserError:
         raise
     except Exception as err:  # datasets/pyarrow errors are long; keep the first line
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--input: cannot read {' '.join(args.input)} as {args.hf_dataset_format} ({msg})") from None
+        raise UserError(f"--input: cannot read {' '.join(args.input)} as {args.hf_dataset_format} ({msg})") from None
 
 
 # --- tokenization (in-process or in worker processes) ----------------------------------------
@@ -179,19 +181,20 @@ def preprocess(args) -> list:
     from megatron.training.tokenizer import build_tokenizer
 
     if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
     for path in args.input:
         if not os.path.isfile(path):
-            raise ValueError(f"--input: no such file: {path}")
+            raise UserError(f"--input: no such file: {path}")
     kind = _input_kind(args)
     keys = ["text"] if kind == "text" else list(args.json_keys)
     if kind == "text" and args.json_keys != ["text"]:
-        raise ValueError("--json-keys applies to JSON lines and HF datasets, not plain text input")
+        raise UserError("--json-keys applies to JSON lines and HF datasets, not plain text input")
     if len(set(keys)) != len(keys):
-        raise ValueError(f"--json-keys repeats a key: {' '.join(keys)}")
+        raise UserError(f"--json-keys repeats a key: {' '.join(keys)}")
     prefixes = [f"{args.output_prefix}_{key}_document" for key in keys]
     check_outputs_free(prefixes, args.overwrite)
-    tokenizer = build_tokenizer(**_tokenizer_kwargs(args))  # fail fast on a bad tokenizer
+    with user_input():
+        tokenizer = build_tokenizer(**_tokenizer_kwargs(args))  # fail fast on a bad tokenizer
 
     records = iter_records(args, kind)
     chunks = _chunks(records, _CHUNK)
@@ -216,7 +219,7 @@ def preprocess(args) -> list:
                 for k, ids in enumerate(rec):
                     per_key[k].append(ids)
         if not per_key[0]:
-            raise ValueError(f"no documents in {' '.join(args.input)}")
+            raise UserError(f"no documents in {' '.join(args.input)}")
         return [
             write_indexed_dataset(docs, prefix, tokenizer.vocab_size, args.overwrite)
             for docs, prefix in zip(per_key, prefixes)
@@ -230,15 +233,14 @@ def preprocess(args) -> list:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
-    try:
-        stats = preprocess(args)
-    except (ValueError, OSError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    for s in stats:
-        print(f"wrote {s.prefix}.bin/.idx: {s.num_documents} documents, {s.num_tokens} tokens ({s.dtype})")
-    print(f"done in {time.time() - t0:.1f}s")
-    return 0
+
+    def body():
+        for s in preprocess(args):
+            print(f"wrote {s.prefix}.bin/.idx: {s.num_documents} documents, {s.num_tokens} tokens ({s.dtype})")
+        print(f"done in {time.time() - t0:.1f}s")
+
+    # an input that cannot be read or an output that cannot be written is one line too
+    return run_cli(PROG, body, user_errors=(UserError, OSError))
 
 
 if __name__ == "__main__":

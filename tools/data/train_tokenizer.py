@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from megatron.common.cli import UserError, run_cli
 from megatron.common.files import write_text
 
 PROG = "train_tokenizer.py"
@@ -52,21 +53,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body():
         for f in args.input:
             if not os.path.isfile(f):
-                raise ValueError(f"--input: no such file: {f}")
+                raise UserError(f"--input: no such file: {f}")
         if args.vocab_size < 258:
-            raise ValueError(f"--vocab-size must be at least 258 (256 bytes + EOD + 1), got {args.vocab_size}")
+            raise UserError(f"--vocab-size must be at least 258 (256 bytes + EOD + 1), got {args.vocab_size}")
         if os.path.exists(args.output) and not args.overwrite:
-            raise ValueError(f"--output: {args.output} exists (pass --overwrite to replace it)")
+            raise UserError(f"--output: {args.output} exists (pass --overwrite to replace it)")
         tok = train_bpe(args.input, args.vocab_size, args.min_frequency)
         write_text(args.output, tok.to_str(pretty=True))
-    except ValueError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output}: vocab {tok.get_vocab_size()}, EOD {EOD_TOKEN} = {tok.token_to_id(EOD_TOKEN)}")
-    return 0
+        print(f"wrote {args.output}: vocab {tok.get_vocab_size()}, EOD {EOD_TOKEN} = {tok.token_to_id(EOD_TOKEN)}")
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

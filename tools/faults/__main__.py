@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from megatron.common.cli import Subcommands, positive_float, positive_int
+from megatron.common.cli import Subcommands, UserError, positive_float, positive_int
 from megatron.common.files import write_json
 
 import tools.faults
@@ -52,9 +52,9 @@ def _serving(args) -> int:
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     bad = [f for f in faults if f not in FAULTS]
     if bad or not faults:
-        raise ValueError(f"--faults: choose from {', '.join(FAULTS)} (got {args.faults})")
+        raise UserError(f"--faults: choose from {', '.join(FAULTS)} (got {args.faults})")
     if not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load}: no such directory")
+        raise UserError(f"--load {args.load}: no such directory")
     timeouts = dict(stall_timeout=args.stall_timeout, watchdog_timeout=args.watchdog_timeout,
                     torchrun_shutdown_timeout=args.torchrun_shutdown_timeout)
     runs = run_faults(os.path.abspath(args.load), faults, args.repeats, **timeouts)

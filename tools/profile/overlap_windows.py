@@ -63,7 +63,7 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
 
 def main(argv=None) -> int:
     from tools.spawn import run_distributed
-    from megatron.common.cli import positive_int, run_cli
+    from megatron.common.cli import UserError, positive_int, run_cli
     from megatron.common.files import write_json
 
     def body():
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         p.add_argument("--json", metavar="PATH")
         args = p.parse_args(argv)
         if not os.path.isdir(args.load):
-            raise ValueError(f"--load {args.load}: no such directory")
+            raise UserError(f"--load {args.load}: no such directory")
         steps = run_distributed(_rank, args.ranks, os.path.abspath(args.load), args.variant, args.prompt_len,
                                 args.prompts_per_rank, args.repeats, args.seed, timeout_s=1800)[0]
         by_name: dict = {}

@@ -67,7 +67,7 @@ def compare(spans_by_rank: list, profile, engine, table) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron.common.cli import run_cli
+    from megatron.common.cli import UserError, run_cli, user_input
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="replay_steps.py", description=__doc__.split("\n\n")[0])
@@ -89,11 +89,11 @@ def main(argv=None) -> int:
             engine = Engine(int(prof["ranks"]), int(prof["engine"]["max_batch_tokens"]),
                             int(prof["engine"]["max_requests"]) // 4 * 4)
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"--profile {args.profile}: no variant {args.variant!r} in a readable profile ({err})") from None
+            raise UserError(f"--profile {args.profile}: no variant {args.variant!r} in a readable profile ({err})") from None
         try:
             profile = StepProfile.from_dict(variant)
         except ValueError as err:
-            raise ValueError(f"--profile {args.profile}: {args.variant!r}: {err}") from None
+            raise UserError(f"--profile {args.profile}: {args.variant!r}: {err}") from None
         spans = []
         for r in range(engine.ranks):
             path = os.path.join(args.spans, f"a2a_spans_rank{r}.jsonl")
@@ -101,11 +101,12 @@ def main(argv=None) -> int:
                 with open(path) as f:
                     spans.append([json.loads(line) for line in f if line.strip()])
             except (OSError, ValueError) as err:
-                raise ValueError(f"--spans {args.spans}: {path} is not readable ({err})") from None
+                raise UserError(f"--spans {args.spans}: {path} is not readable ({err})") from None
         if any("end" not in s or "tokens" not in s for lines in spans for s in lines):
-            raise ValueError(f"--spans {args.spans}: lines without the step's end and tokens (recorded by an older "
-                             "serve --a2a-spans)")
-        table = LinkTable.from_calibrations(args.link_table)
+            raise UserError(f"--spans {args.spans}: lines without the step's end and tokens (recorded by an older "
+                            "serve --a2a-spans)")
+        with user_input():
+            table = LinkTable.from_calibrations(args.link_table)
         out = compare(spans, profile, engine, table)
         print(f"{MODEL_VERSION}: collective seconds per kind of step (measured, and the replay's on the link table)")
         print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay s':>12}{'MB measured':>13}{'MB model':>10}"

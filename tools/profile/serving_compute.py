@@ -272,7 +272,7 @@ def fit(rows: list, engine) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron.common.cli import positive_int, run_cli
+    from megatron.common.cli import UserError, positive_int, run_cli
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="profile_serving_compute.py", description=__doc__.split("\n\n")[0])
@@ -294,23 +294,23 @@ def main(argv=None) -> int:
             tp = int(cfg.get("tensor_model_parallel_size") or 1)
             ep = int(cfg.get("expert_model_parallel_size") or ranks // tp)
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"--bench-serve {args.bench_serve}: not a readable bench_serve.py JSON ({err})") from None
+            raise UserError(f"--bench-serve {args.bench_serve}: not a readable bench_serve.py JSON ({err})") from None
         if args.variants:
             wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
             unknown = [v for v in wanted if v not in variants]
             if unknown:
-                raise ValueError(f"--variants {','.join(unknown)}: not in the run (it has {', '.join(variants)})")
+                raise UserError(f"--variants {','.join(unknown)}: not in the run (it has {', '.join(variants)})")
             variants = wanted
         for v in variants:
             if not os.path.isdir(checkpoints[v]):
-                raise ValueError(f"{v}'s checkpoint {checkpoints[v]} is gone (run bench_serve.py with --work-dir "
-                                 "to keep it)")
+                raise UserError(f"{v}'s checkpoint {checkpoints[v]} is gone (run bench_serve.py with --work-dir "
+                                "to keep it)")
         if ep != ranks or tp not in (1, ranks) or cfg.get("expert_comm", "alltoall") != "alltoall":
-            raise ValueError(f"--bench-serve {args.bench_serve}: TP {tp} x EP {ep} on {ranks} ranks "
-                             f"({cfg.get('expert_comm', 'alltoall')}); the profile covers EP = the ranks with "
-                             "all-to-all experts, at TP = 1 or TP = EP")
+            raise UserError(f"--bench-serve {args.bench_serve}: TP {tp} x EP {ep} on {ranks} ranks "
+                            f"({cfg.get('expert_comm', 'alltoall')}); the profile covers EP = the ranks with "
+                            "all-to-all experts, at TP = 1 or TP = EP")
         if os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out}: is a directory")
+            raise UserError(f"--out {args.out}: is a directory")
         from megatron import compat
         from tools.spawn import run_distributed
         from netsim.replay import Engine

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.common.cli import UserError, user_input
 from megatron.training.loading import find_checkpoint
 from moe_variants.semmoe.placement import (
     PLACEMENT_SECTION,
@@ -72,6 +73,7 @@ def load_checkpoint_tables(path: str) -> tuple[Tables, dict]:
     return load_tables(os.path.join(ckpt, TABLES_SUBDIR)), placement
 
 
+@user_input()
 def validate_apply(load: str, tables_path: str, out: str) -> tuple[str, dict, Tables]:
     """Check the inputs of ``apply`` before anything runs; returns (checkpoint dir, manifest, tables)."""
     out_path = Path(out)
@@ -175,7 +177,7 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
                             "of this checkpoint lives on rank s // (num_experts / num_devices)",
                 }, f)  # fmt: skip
             if out_path.exists():
-                raise ValueError(f"--out {out}: appeared while writing; refusing to overwrite")
+                raise UserError(f"--out {out}: appeared while writing; refusing to overwrite")
             os.rename(tmp, out_path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from megatron.training.checkpointing import CheckpointError
-from megatron.common.cli import positive_int
+from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import write_json
 
 from . import compare, export_costs, model_commands  # noqa: F401  (register their commands)
@@ -71,24 +71,25 @@ def _solve(args: argparse.Namespace) -> int:
     refuse_existing(args.out, "--out", args.overwrite)
     profile = load_profile(args.profile)
     if profile.num_experts % args.ep:
-        raise ValueError(f"--expert-model-parallel-size {args.ep} must divide the number of experts "
-                         f"({profile.num_experts})")
-    config = SolverConfig(
-        n_steps=args.n_steps,
-        ft_steps=args.ft_steps,
-        alpha_e=args.alpha_e,
-        beta_e=args.beta_e,
-        gamma_e=args.gamma_e,
-        alpha_r=args.alpha_r,
-        beta_r=args.beta_r,
-        theta=args.theta,
-        expert_balance=args.expert_balance,
-        balance_slack=args.balance_slack,
-        patience=args.patience,
-        lookback=args.lookback,
-        token_table=args.token_table,
-        polish=args.polish,
-    )
+        raise UserError(f"--expert-model-parallel-size {args.ep} must divide the number of experts "
+                        f"({profile.num_experts})")
+    with user_input():
+        config = SolverConfig(
+            n_steps=args.n_steps,
+            ft_steps=args.ft_steps,
+            alpha_e=args.alpha_e,
+            beta_e=args.beta_e,
+            gamma_e=args.gamma_e,
+            alpha_r=args.alpha_r,
+            beta_r=args.beta_r,
+            theta=args.theta,
+            expert_balance=args.expert_balance,
+            balance_slack=args.balance_slack,
+            patience=args.patience,
+            lookback=args.lookback,
+            token_table=args.token_table,
+            polish=args.polish,
+        )
     t0 = time.perf_counter()
     if args.method == "semmoe" and args.verbose:
         tables = solve(profile, args.ep, args.seed, config, log=print)
@@ -129,7 +130,7 @@ def _domain_keys(profile, fields: int, name: str) -> list[str]:
     """Each request's domain: the first ``fields`` ':'-separated fields of its id."""
     ids = profile.meta.get("request_ids")
     if ids is None:
-        raise ValueError(f"--split-ids: profile {name} records no request ids")
+        raise UserError(f"--split-ids: profile {name} records no request ids")
     return [":".join(str(i).split(":")[:fields]) for i in ids]
 
 
@@ -144,7 +145,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     hidden = args.hidden_size or profile.meta.get("hidden_size")
     if not hidden:
-        raise ValueError("--hidden-size is required: the profile does not record the model's hidden size")
+        raise UserError("--hidden-size is required: the profile does not record the model's hidden size")
     modes = ["dp", "tp"] if args.mode == "both" else [args.mode]
     groups = None
     if args.split_ids:
@@ -243,11 +244,11 @@ def _stats(args: argparse.Namespace) -> int:
     profiles = {}
     for name, path in args.profile:
         if name in profiles:
-            raise ValueError(f"--profile {name}=...: the name {name!r} is given twice")
+            raise UserError(f"--profile {name}=...: the name {name!r} is given twice")
         profiles[name] = load_profile(path)
     shapes = {(p.num_layers, p.num_experts, p.top_k) for p in profiles.values()}
     if len(shapes) != 1:
-        raise ValueError(f"--profile: the profiles come from different routers (layers, experts, top-k: {sorted(shapes)})")
+        raise UserError(f"--profile: the profiles come from different routers (layers, experts, top-k: {sorted(shapes)})")
     result = {"min_count": args.min_count, "table1": {}, "information": {}}
     print(f"Table 1 (tokens seen >= {args.min_count} times; p25 / p50 / p75)")
     print(f"{'profile':<12}{'layer':>6}{'tokens':>8}  {'F1':<20}{'cum. hotness top-k':<22}{'max hotness rest':<20}")
@@ -302,7 +303,8 @@ def _synth(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.profile import save_profile
     from moe_variants.semmoe.synthetic import SyntheticConfig, synthetic_profile
 
-    cfg = SyntheticConfig(**{k: getattr(args, k) for k in SyntheticConfig().__dict__})
+    with user_input():
+        cfg = SyntheticConfig(**{k: getattr(args, k) for k in SyntheticConfig().__dict__})
     profile = synthetic_profile(cfg, seed=args.seed)
     save_profile(profile, args.out)
     print(f"synthetic profile: {profile.num_requests} requests, {profile.num_tokens} tokens -> {args.out}")
@@ -324,7 +326,9 @@ def _configure_split(p: argparse.ArgumentParser) -> None:
 def _split(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.profile import load_profile, save_profile, split_profile
 
-    a, b = split_profile(load_profile(args.profile), args.fraction, args.seed)
+    profile = load_profile(args.profile)
+    with user_input():  # --fraction
+        a, b = split_profile(profile, args.fraction, args.seed)
     save_profile(a, args.out)
     save_profile(b, args.heldout)
     print(f"{a.num_requests} requests -> {args.out}, {b.num_requests} requests -> {args.heldout}")
@@ -345,4 +349,4 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv  # commands that start torchrun re-run themselves with the same arguments
 
     # a corrupt or incomplete checkpoint is a user error too
-    return COMMANDS.main(argv, user_errors=(ValueError, CheckpointError), prepare=keep_argv)
+    return COMMANDS.main(argv, user_errors=(UserError, CheckpointError), prepare=keep_argv)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.common.cli import positive_int
+from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import atomic_write
 
 from .commands import command
@@ -68,13 +68,14 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 def _check_output_file(out: str) -> None:
     path = Path(out)
     if path.is_dir():
-        raise ValueError(f"--out {out}: is a directory, expected a file path")
+        raise UserError(f"--out {out}: is a directory, expected a file path")
     if path.exists():
-        raise ValueError(f"--out {out}: exists; refusing to overwrite (choose a new path)")
+        raise UserError(f"--out {out}: exists; refusing to overwrite (choose a new path)")
     if not path.parent.is_dir():
-        raise ValueError(f"--out {out}: parent directory {path.parent} does not exist")
+        raise UserError(f"--out {out}: parent directory {path.parent} does not exist")
 
 
+@user_input()
 def _check_run_inputs(args: argparse.Namespace, nproc: int):
     """Prompts readable, checkpoint present, layout valid for ``nproc`` ranks; returns the manifest."""
     from moe_variants.config import ModelConfig, validate
@@ -125,12 +126,15 @@ def _profile(args: argparse.Namespace) -> int:
     if in_torchrun():
         t0 = time.perf_counter()
         profile = profile_rank(opts)
-        if profile is not None:
+
+        def write():  # rank 0 alone: the others wait for its outcome, not in a barrier it never reaches
             save_profile(profile, args.out)
             print(f"profile: {profile.num_requests} requests, {profile.num_tokens} tokens, {profile.num_layers} "
                   f"MoE layers x {profile.num_experts} experts (top-{profile.top_k}), "
                   f"{profile.meta.get('vocab_extended', 0)} unseen tokens mapped by embedding nearest neighbour, "
                   f"{time.perf_counter() - t0:.1f}s -> {args.out}", flush=True)  # fmt: skip
+
+        collectives.agreed(write, src=0)
         _finish_rank()
         return 0
     nproc = args.nproc or args.tensor_model_parallel_size * args.expert_model_parallel_size
@@ -208,8 +212,8 @@ def _lar(args: argparse.Namespace) -> int:
     opts = _run_options(args)
     if in_torchrun():
         result = lar_rank(opts, args.tables, args.mode)
-        if result is not None:
-            _report_lar(args, tables, result, atomic_write)
+        # rank 0 reports alone (a --profile of other prompts is found here): the others wait for its outcome
+        collectives.agreed(lambda: _report_lar(args, tables, result, atomic_write), src=0)
         _finish_rank()
         return 0
     if args.out:
@@ -236,9 +240,9 @@ def _requests_of(profile, request_ids: list, path: str):
     index = {r: i for i, r in enumerate(ids or [])}
     missing = [r for r in request_ids if r not in index]
     if ids is None:
-        raise ValueError(f"--profile {path} records no request ids; profile the same prompts file")
+        raise UserError(f"--profile {path} records no request ids; profile the same prompts file")
     if missing:
-        raise ValueError(f"--profile {path} lacks {len(missing)} of the measured prompts (e.g. id {missing[0]!r})")
+        raise UserError(f"--profile {path} lacks {len(missing)} of the measured prompts (e.g. id {missing[0]!r})")
     import numpy as np
 
     return profile.select_requests(np.array([index[r] for r in request_ids]))

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from moe_variants.common.routing import LocalActivationCounter, RouteRecorder
 from megatron.common import collectives
+from megatron.common.cli import UserError
 from moe_variants.semmoe.placement import gather_embedding
 
 __all__ = [
@@ -66,13 +67,13 @@ def read_prompts(path: str, limit: Optional[int] = None) -> list[Prompt]:
     """Prompts of a JSONL file: one object per line with a string ``text`` (and optionally ``id``).
 
     The first ``limit`` prompts when given. A missing file, a bad line or an empty file is a one-line
-    ``ValueError`` naming the file (and line).
+    ``UserError`` naming the file (and line).
     """
     out: list[Prompt] = []
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"--data {path}: cannot read prompts ({e.strerror or e})") from None
+        raise UserError(f"--data {path}: cannot read prompts ({e.strerror or e})") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
@@ -82,12 +83,12 @@ def read_prompts(path: str, limit: Optional[int] = None) -> list[Prompt]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--data {path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UserError(f"--data {path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"--data {path}:{lineno}: expected an object with a string \"text\"")
+                raise UserError(f"--data {path}:{lineno}: expected an object with a string \"text\"")
             out.append(Prompt(str(rec.get("id", f"{lineno}")), rec["text"]))
     if not out:
-        raise ValueError(f"--data {path}: no prompts")
+        raise UserError(f"--data {path}: no prompts")
     return out
 
 
@@ -127,9 +128,9 @@ def resolve_max_tokens(model_cfg, requested: Optional[int], multiple: int) -> in
     if requested is None:
         return limit
     if requested < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {requested}")
+        raise UserError(f"--max-tokens must be >= 1, got {requested}")
     if requested > limit:
-        raise ValueError(f"--max-tokens {requested} exceeds the model's context ({context} positions)")
+        raise UserError(f"--max-tokens {requested} exceeds the model's context ({context} positions)")
     return requested
 
 
@@ -203,7 +204,7 @@ def profile_rank(opts: RunOptions):
     lengths = np.array([len(t) for t in ids])
     keep = [i for i in range(len(ids)) if lengths[i] > 0]
     if not keep:
-        raise ValueError(f"--data {opts.data}: every prompt tokenizes to nothing")
+        raise UserError(f"--data {opts.data}: every prompt tokenizes to nothing")
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     schedules = [pack_batches(keep[r::dp_size], lengths, opts.batch_tokens) for r in range(dp_size)]
@@ -271,7 +272,7 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     d = tables.num_devices
     tp = d if mode == "tp" else 1
     if dist.get_world_size() != d or opts.expert_model_parallel_size != d or opts.tensor_model_parallel_size != tp:
-        raise ValueError(f"lar --mode {mode} runs at TP = {tp} and EP = world = the tables' D ({d})")
+        raise UserError(f"lar --mode {mode} runs at TP = {tp} and EP = world = the tables' D ({d})")
     rank = dist.get_rank(pgc.ep)
     max_tokens = resolve_max_tokens(configs.model, opts.max_tokens, d if mode == "tp" else 1)
     prompts = read_prompts(opts.data, opts.limit)
@@ -282,8 +283,8 @@ def lar_rank(opts: RunOptions, tables_path: str, mode: str) -> Optional[dict]:
     recorder = counter.recorder
     n_exp, k, num_layers = recorder.num_experts, recorder.top_k, len(recorder.layers)
     if tables.expert2device.shape != (num_layers, n_exp):
-        raise ValueError(f"--tables are for {tables.expert2device.shape} layers x experts, the model has "
-                         f"{(num_layers, n_exp)}")  # fmt: skip
+        raise UserError(f"--tables are for {tables.expert2device.shape} layers x experts, the model has "
+                        f"{(num_layers, n_exp)}")  # fmt: skip
     local = np.zeros(len(ids), dtype=np.int64)  # this rank's local activations per request
     per_layer = np.zeros(num_layers, dtype=np.int64)
     seen_remote = 0  # remote (token, expert) rows over every forwarded token, pads included

@@ -39,6 +39,7 @@ import sys
 
 import numpy as np
 
+from megatron.common.cli import UserError, user_input
 from megatron.common.files import write_json, write_text
 
 PROG = "semmoe_prompts.py"
@@ -139,7 +140,7 @@ def split(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], 
 
 def write_jsonl(path: str, records: list[dict], force: bool) -> str:
     if os.path.exists(path) and not force:
-        raise ValueError(f"{path} exists (use --force to replace it)")
+        raise UserError(f"{path} exists (use --force to replace it)")
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     write_text(path, text)
     digest = hashlib.sha256(text.encode())
@@ -165,22 +166,24 @@ def main(argv=None) -> int:
         names = [n.strip() for n in args.datasets.split(",") if n.strip()]
         unknown = [n for n in names if n not in builders]
         if unknown:
-            raise ValueError(f"--datasets: unknown {unknown} (known: {', '.join(builders)})")
+            raise UserError(f"--datasets: unknown {unknown} (known: {', '.join(builders)})")
         for flag, d, needed in (("--data-dir", args.data_dir, set(names) - from_eval),
                                 ("--eval-dir", args.eval_dir, set(names) & from_eval)):  # fmt: skip
             if needed and not os.path.isdir(d):
-                raise ValueError(f"{flag} {d}: no such directory")
+                raise UserError(f"{flag} {d}: no such directory")
         if args.mix and args.mix in builders:
-            raise ValueError(f"--mix {args.mix}: the name of a dataset")
+            raise UserError(f"--mix {args.mix}: the name of a dataset")
         os.makedirs(args.out_dir, exist_ok=True)
         parts = {}
         for name in names:
             try:
-                records = builders[name](args.eval_dir if name in from_eval else args.data_dir)
+                with user_input():  # the dataset's files
+                    records = builders[name](args.eval_dir if name in from_eval else args.data_dir)
             except (KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{name}: a record is malformed ({type(e).__name__}: {e})") from None
+                raise UserError(f"{name}: a record is malformed ({type(e).__name__}: {e})") from None
             records = subsample(records, args.max_requests, args.seed)
-            prof, held = split(records, args.fraction, args.seed)
+            with user_input():  # --fraction
+                prof, held = split(records, args.fraction, args.seed)
             parts[name] = {"all": records, "profile": prof, "eval": held}
         if args.mix:
             parts[args.mix] = {p: [r for n in names for r in parts[n][p]] for p in ("all", "profile", "eval")}
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
             for part in parts[name]:
                 path = os.path.join(args.out_dir, f"{name}_{part}.jsonl")
                 if os.path.exists(path) and not args.force:
-                    raise ValueError(f"{path} exists (use --force to replace it)")
+                    raise UserError(f"{path} exists (use --force to replace it)")
         manifest = {"data_dir": os.path.abspath(args.data_dir), "eval_dir": os.path.abspath(args.eval_dir),
                     "fraction": args.fraction, "seed": args.seed, "max_requests": args.max_requests, "files": {}}
         for name in names:
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
                 print(f"{path}: {len(records)} requests")
         write_jsonl_manifest = os.path.join(args.out_dir, "prompts_manifest.json")
         write_json(write_jsonl_manifest, manifest)
-    except ValueError as e:
+    except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     return 0

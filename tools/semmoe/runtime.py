@@ -16,6 +16,8 @@ import sys
 
 from tools import repo_root
 
+from .commands import COMMANDS
+
 __all__ = ["in_torchrun", "run_under_torchrun", "ARGV_ENV", "rank_argv"]
 
 # The command line travels to the ranks in this variable, not as torchrun script arguments:
@@ -38,8 +40,9 @@ def rank_argv() -> list[str] | None:
 def run_under_torchrun(nproc: int, argv: list[str], env: dict | None = None) -> int:
     """Start ``torchrun --nproc_per_node=nproc -m tools.semmoe`` with ``argv`` and wait.
 
-    Rank output streams through; when the ranks fail, the first ``error:`` line a rank printed is
-    repeated last (one line), so a user error inside the ranks still reads as one line.
+    Rank output streams through; when the ranks fail, the first ``python -m tools.semmoe: error:``
+    line a rank printed (``run_cli``'s) is repeated last (one line), so a user error inside the
+    ranks still reads as one line.
     """
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
@@ -55,7 +58,7 @@ def run_under_torchrun(nproc: int, argv: list[str], env: dict | None = None) -> 
             sys.stderr.write("".join(l + "\n" for l in proc.stderr.splitlines() if not _noise(l)))
         return 0
     lines = proc.stderr.splitlines()
-    errors = [l for l in lines if l.startswith("error:")]
+    errors = [l for l in lines if l.startswith(f"{COMMANDS.prog}: error: ")]
     if errors:
         print(errors[0], file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ import time
 from typing import Optional
 
 from moe_variants import registry
+from megatron.common.cli import UserError, one_line
 from megatron.common.files import write_json
 from tools.bench import netns
 from tools.bench.cli import Budget, host_info, model_overrides, run_harness, script_path
@@ -91,7 +92,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
     phases, tuning, engine, runs = {v: [] for v in variants}, None, None, []
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None and not net.shaped:
-            raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
+            raise UserError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
         load = gate.before("the first run")  # each launch's after-sample is the next one's before-sample
         for r, order in enumerate(orders):
             record = {"run": r, "order": order, "load": {}}
@@ -248,8 +249,8 @@ def main(argv: Optional[list] = None) -> int:
     try:
         check_args(args)
         budget = Budget(args.timeout_s)
-    except ValueError as e:
-        print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    except UserError as e:
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     return run_harness(PROG, "servers", args.work_dir, "bench_serve-",
                        lambda work_dir: _benchmark(args, command, work_dir, budget, Printer()))

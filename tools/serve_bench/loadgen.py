@@ -20,6 +20,8 @@ import os
 import random
 from typing import Optional, Sequence
 
+from megatron.common.cli import UserError
+
 __all__ = ["RequestTiming", "poisson_arrivals", "load_prompts", "load_prompt_pairs", "percentile", "distribution",
            "samples_needed", "PERCENTILES", "summarize", "report"]
 
@@ -44,7 +46,7 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list:
     """Send times (s from the start) of ``num_requests`` requests arriving as a Poisson process
     of ``rate`` requests/s (exponential gaps); ``inf`` rate: all at 0."""
     if rate <= 0:
-        raise ValueError(f"--request-rates: rates must be > 0, got {rate:g}")
+        raise UserError(f"--request-rates: rates must be > 0, got {rate:g}")
     if math.isinf(rate):
         return [0.0] * num_requests
     rng = random.Random(seed)
@@ -65,11 +67,11 @@ def load_prompt_pairs(path: str, limit: Optional[int] = None) -> list:
     line) or a ShareGPT JSON file (the first human turn and the model turn after it, when there is
     one: the benchmark takes its length as the request's output length)."""
     if os.path.isdir(path):
-        raise ValueError(f"--prompts {path}: is a directory; name one JSONL or ShareGPT JSON file in it")
+        raise UserError(f"--prompts {path}: is a directory; name one JSONL or ShareGPT JSON file in it")
     try:
         f = open(path, encoding="utf-8")
     except OSError as err:
-        raise ValueError(f"--prompts {path}: {err.strerror}") from None
+        raise UserError(f"--prompts {path}: {err.strerror}") from None
     with f:
         head = f.read(1)
         f.seek(0)
@@ -78,7 +80,7 @@ def load_prompt_pairs(path: str, limit: Optional[int] = None) -> list:
             try:
                 items = json.load(f)
             except json.JSONDecodeError as err:
-                raise ValueError(f"--prompts {path}: not valid JSON ({err.msg})") from None
+                raise UserError(f"--prompts {path}: not valid JSON ({err.msg})") from None
             for item in items:
                 turns = (item.get("conversations") if isinstance(item, dict) else None) or []
                 idx = next((i for i, t in enumerate(turns) if t.get("from") in ("human", "user")), None)
@@ -95,13 +97,13 @@ def load_prompt_pairs(path: str, limit: Optional[int] = None) -> list:
                     record = json.loads(line)
                     text = record.get("text")
                 except (json.JSONDecodeError, AttributeError):
-                    raise ValueError(f"--prompts {path}: line {n} is not a JSON object") from None
+                    raise UserError(f"--prompts {path}: line {n} is not a JSON object") from None
                 if not isinstance(text, str):
-                    raise ValueError(f"--prompts {path}: line {n} has no string 'text' field")
+                    raise UserError(f"--prompts {path}: line {n} has no string 'text' field")
                 answer = record.get("answer")
                 pairs.append((text, answer if isinstance(answer, str) else None))
     if not pairs:
-        raise ValueError(f"--prompts {path}: no prompts found")
+        raise UserError(f"--prompts {path}: no prompts found")
     return pairs[:limit] if limit else pairs
 
 

@@ -7,7 +7,7 @@ import math
 import os
 
 from moe_variants import registry
-from megatron.common.cli import float_list, nonneg_int, positive_float, positive_int
+from megatron.common.cli import UserError, float_list, nonneg_int, positive_float, positive_int
 from tools.bench import netns
 from tools.bench.cli import add_model_options, model_overrides
 from tools.bench.discipline import add_discipline_arguments
@@ -117,9 +117,9 @@ def variant_list(text: str, args=None) -> list:
     """The names of ``--variants``; a placed variant is checked against ``args`` (what it needs)."""
     names = [v.strip() for v in text.split(",") if v.strip()]
     if not names:
-        raise ValueError("--variants is empty")
+        raise UserError("--variants is empty")
     if len(set(names)) != len(names):
-        raise ValueError(f"--variants lists a variant twice: {text}")
+        raise UserError(f"--variants lists a variant twice: {text}")
     placements = registry.serve_placement_names()
     for v in names:
         if v in placements:
@@ -127,7 +127,7 @@ def variant_list(text: str, args=None) -> list:
                 registry.serve_placement(v, args)  # what the placement needs is given
             continue
         if any(p in v.split("+") for p in placements):
-            raise ValueError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
+            raise UserError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
         registry.preset_overrides(v)  # an unknown preset fails here
     return names
 
@@ -137,72 +137,72 @@ def check_args(args) -> None:
     variants = variant_list(args.variants, args)
     # --expert-model-parallel-size is a layout of the servers, not a model change: --load takes it
     if args.load and (args.config or set(model_overrides(args)) - {"expert_model_parallel_size"}):
-        raise ValueError("--load serves a checkpoint as it is: drop --config and the model overrides")
+        raise UserError("--load serves a checkpoint as it is: drop --config and the model overrides")
     if args.config and not os.path.isfile(args.config):
-        raise ValueError(f"--config {args.config}: no such file")
+        raise UserError(f"--config {args.config}: no such file")
     if args.load:
         from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
 
         try:
             if find_latest_checkpoint(args.load) is None:
-                raise ValueError(f"--load {args.load}: no complete checkpoint found")
+                raise UserError(f"--load {args.load}: no complete checkpoint found")
         except CheckpointError as err:
-            raise ValueError(str(err)) from None
+            raise UserError(str(err)) from None
     if not 1 <= args.ranks <= netns.MAX_RANKS:
-        raise ValueError(f"--ranks must be between 1 and {netns.MAX_RANKS}, got {args.ranks}")
+        raise UserError(f"--ranks must be between 1 and {netns.MAX_RANKS}, got {args.ranks}")
     tp = args.tensor_model_parallel_size
     if args.ranks % tp:
-        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide --ranks {args.ranks}")
+        raise UserError(f"--tensor-model-parallel-size {tp} does not divide --ranks {args.ranks}")
     args.serve_ep = args.expert_model_parallel_size or args.ranks // tp  # the servers' expert parallelism
     if args.expert_comm == "allreduce" and not (tp > 1 and args.serve_ep == tp):
-        raise ValueError(f"--expert-comm allreduce needs --tensor-model-parallel-size = expert parallelism > 1, "
-                         f"got TP {tp}, EP {args.serve_ep}")
+        raise UserError(f"--expert-comm allreduce needs --tensor-model-parallel-size = expert parallelism > 1, "
+                        f"got TP {tp}, EP {args.serve_ep}")
     if args.ranks % args.serve_ep:
-        raise ValueError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
+        raise UserError(f"--expert-model-parallel-size {args.serve_ep} does not divide --ranks {args.ranks}")
     netns.LinkSpec(args.link_gbit, 0.0, args.shaper)  # validates the rate
     if args.target_comm_fraction is not None:
         if not 0 < args.target_comm_fraction < 1:
-            raise ValueError(f"--target-comm-fraction must be in (0, 1), got {args.target_comm_fraction}")
+            raise UserError(f"--target-comm-fraction must be in (0, 1), got {args.target_comm_fraction}")
         if args.no_netns:
-            raise ValueError("--target-comm-fraction needs a shaped link (network namespaces, as root); it cannot "
-                             "be used with --no-netns")
+            raise UserError("--target-comm-fraction needs a shaped link (network namespaces, as root); it cannot "
+                            "be used with --no-netns")
         ok, why = netns.netns_available()
         if not ok:
-            raise ValueError(f"--target-comm-fraction needs a shaped link: {why}")
+            raise UserError(f"--target-comm-fraction needs a shaped link: {why}")
     if args.probe_variant and args.probe_variant not in variants:
-        raise ValueError(f"--probe-variant {args.probe_variant} is not one of --variants")
+        raise UserError(f"--probe-variant {args.probe_variant} is not one of --variants")
     if args.num_requests is not None and args.duration is not None:
-        raise ValueError("give --num-requests or --duration, not both")
+        raise UserError("give --num-requests or --duration, not both")
     if args.mode == "serve":
         if not args.request_rates:
-            raise ValueError("--request-rates is empty")
+            raise UserError("--request-rates is empty")
         for r in args.request_rates:
             if not r > 0:
-                raise ValueError(f"--request-rates: rates must be > 0, got {r:g}")
+                raise UserError(f"--request-rates: rates must be > 0, got {r:g}")
         if len(set(args.request_rates)) != len(args.request_rates):
-            raise ValueError("--request-rates lists a rate twice")
+            raise UserError("--request-rates lists a rate twice")
         if args.duration is not None and any(math.isinf(r) for r in args.request_rates):
-            raise ValueError("--duration needs finite --request-rates")
+            raise UserError("--duration needs finite --request-rates")
         if args.prompts is None and args.input_len is None:
-            raise ValueError("give --prompts FILE or --input-len (with --output-len) for the requests")
+            raise UserError("give --prompts FILE or --input-len (with --output-len) for the requests")
         if args.max_batch_tokens < args.max_requests:
-            raise ValueError(f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-requests "
-                             f"({args.max_requests})")
+            raise UserError(f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-requests "
+                            f"({args.max_requests})")
     else:
         if args.input_len is not None and args.input_len > args.prefill_tokens:
-            raise ValueError(f"--input-len {args.input_len} is longer than --prefill-tokens {args.prefill_tokens}")
+            raise UserError(f"--input-len {args.input_len} is longer than --prefill-tokens {args.prefill_tokens}")
     if args.prompts is not None:
         load_prompt_pairs(args.prompts)  # readable and parseable, or a one-line error
     for flag in ("json",):
         path = getattr(args, flag)
         if path and os.path.isdir(path):
-            raise ValueError(f"--{flag} {path}: is a directory, expected a file path")
+            raise UserError(f"--{flag} {path}: is a directory, expected a file path")
     if args.plots and os.path.isfile(args.plots):
-        raise ValueError(f"--plots {args.plots}: is a file, expected a directory")
+        raise UserError(f"--plots {args.plots}: is a file, expected a directory")
     if args.timeout_s <= 0:
-        raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+        raise UserError(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.load_threshold >= 0:
-        raise ValueError(f"--load-threshold must be >= 0, got {args.load_threshold}")
+        raise UserError(f"--load-threshold must be >= 0, got {args.load_threshold}")
     manifest = None
     if args.load:
         from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
@@ -237,7 +237,7 @@ def check_load_variants(ckpt: str, variants: list) -> None:
         for v in changing:
             changes = parameter_changes(ckpt, registry.preset_overrides(v))
             if changes:
-                raise ValueError(f"--load with --variants {v}: {v} changes the parameters of {ckpt} ({len(changes)} "
-                                 f"tensors, e.g. {changes[0]}); only presets that keep the parameters (connectivity-only "
-                                 "ones) run on another variant's checkpoint: train one checkpoint per variant with "
-                                 "--config instead")
+                raise UserError(f"--load with --variants {v}: {v} changes the parameters of {ckpt} ({len(changes)} "
+                                f"tensors, e.g. {changes[0]}); only presets that keep the parameters (connectivity-only "
+                                "ones) run on another variant's checkpoint: train one checkpoint per variant with "
+                                "--config instead")

@@ -21,6 +21,8 @@ import math
 import random
 from typing import Callable, Optional, Sequence
 
+from megatron.common.cli import UserError
+
 from .loadgen import poisson_arrivals
 
 __all__ = ["Request", "from_prompts", "from_corpus", "arrivals_for", "phase_requests"]
@@ -45,7 +47,7 @@ def from_prompts(pairs: Sequence[tuple], tokenize: Callable[[str], list], *, num
     """``num`` requests from ``(prompt, answer or None)`` pairs (cycled when there are fewer) and
     ``{"truncated", "from_answers", "prompts_used"}`` (see the module docstring)."""
     if not pairs:
-        raise ValueError("--prompts: no prompts")
+        raise UserError("--prompts: no prompts")
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     out, truncated, from_answers, cache = [], 0, 0, {}
@@ -67,15 +69,15 @@ def from_prompts(pairs: Sequence[tuple], tokenize: Callable[[str], list], *, num
             tokens = _fit(tokens, input_len)
             if len(tokens) + out_len > context:
                 if input_len is not None:
-                    raise ValueError(f"--input-len {input_len} + output {out_len} tokens exceed the model's context "
-                                     f"of {context} tokens")
+                    raise UserError(f"--input-len {input_len} + output {out_len} tokens exceed the model's context "
+                                    f"of {context} tokens")
                 tokens = tokens[:context - out_len]
                 truncated += 1
             cache[k] = Request(tuple(int(t) for t in tokens), int(out_len))
         if cache[k] is not None:
             out.append(cache[k])
     if not out:
-        raise ValueError("--prompts: every prompt tokenizes to nothing")
+        raise UserError("--prompts: every prompt tokenizes to nothing")
     valid = list(out)
     while len(out) < num:  # prompts that tokenized to nothing were skipped: cycle the others
         out.append(valid[len(out) % len(valid)])
@@ -86,11 +88,11 @@ def from_corpus(text: str, tokenize: Callable[[str], list], *, num: int, input_l
                 context: int, seed: int) -> list:
     """``num`` requests of ``input_len`` tokens taken at seeded offsets of ``text``."""
     if input_len + output_len > context:
-        raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceed the model's context of "
-                         f"{context} tokens")
+        raise UserError(f"--input-len {input_len} + --output-len {output_len} exceed the model's context of "
+                        f"{context} tokens")
     tokens = list(tokenize(text))
     if len(tokens) < input_len + 1:
-        raise ValueError(f"the corpus has only {len(tokens)} tokens, fewer than --input-len {input_len}")
+        raise UserError(f"the corpus has only {len(tokens)} tokens, fewer than --input-len {input_len}")
     rng = random.Random(seed)
     starts = [rng.randrange(0, len(tokens) - input_len) for _ in range(num)]
     return [Request(tuple(int(t) for t in tokens[s:s + input_len]), int(output_len)) for s in starts]
@@ -99,11 +101,11 @@ def from_corpus(text: str, tokenize: Callable[[str], list], *, num: int, input_l
 def arrivals_for(rate: float, seed: int, *, num: Optional[int] = None, duration_s: Optional[float] = None) -> list:
     """Poisson arrival times at ``rate`` requests/s: ``num`` of them, or those before ``duration_s``."""
     if (num is None) == (duration_s is None):
-        raise ValueError("give either --num-requests or --duration")
+        raise UserError("give either --num-requests or --duration")
     if num is not None:
         return poisson_arrivals(rate, num, seed)
     if math.isinf(rate):
-        raise ValueError("--duration needs finite --request-rates")
+        raise UserError("--duration needs finite --request-rates")
     expected = rate * duration_s
     times = poisson_arrivals(rate, int(expected + 10 * math.sqrt(expected) + 10), seed)
     return [t for t in times if t < duration_s]

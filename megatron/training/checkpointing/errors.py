@@ -68,7 +68,9 @@ def from_rank0(fn, *, user_errors: bool = False):
     if status == "checkpoint":
         raise CheckpointError(value)
     if status == "user":
-        raise UserError(value)
+        shared = UserError(value)
+        shared.agreed = True  # every rank raises it; rank 0 reports it
+        raise shared
     return value
 
 
