@@ -438,8 +438,9 @@ def _ep_costs(args) -> int:
     from .ep_costs import cost_document, write_cost_document
 
     net = replace(_network(args), gpus_per_node=args.gpus_per_node, node_bandwidth=args.node_bandwidth_gbps * GB)
-    doc = cost_document(net, args.ep)
-    write_cost_document(doc, args.out)
+    with user_input():
+        doc = cost_document(net, args.ep)
+        write_cost_document(doc, args.out)
     cost = doc["cost"]
     off = [c for i, row in enumerate(cost) for j, c in enumerate(row) if i != j]
     print(f"{net.topology.value}, {args.ep} EP ranks on {net.num_xpus} XPUs: cost per byte "

@@ -22,7 +22,7 @@ import argparse
 
 import numpy as np
 
-from megatron.common.cli import int_list, positive_int
+from megatron.common.cli import UserError, int_list, positive_int
 from megatron.common.files import write_json
 
 from .commands import command
@@ -69,16 +69,16 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 def _check(args, methods: dict) -> None:
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
-        raise ValueError(f"--seeds must name distinct seeds, got {args.seeds}")
+        raise UserError(f"--seeds must name distinct seeds, got {args.seeds}")
     for flag, names in (("--methods", args.methods), ("--scheduled", args.scheduled)):
         unknown = [m for m in names if m not in methods]
         if unknown:
-            raise ValueError(f"{flag}: unknown method(s) {', '.join(unknown)}; "
+            raise UserError(f"{flag}: unknown method(s) {', '.join(unknown)}; "
                              f"choose from {', '.join(sorted(methods))}")
     if not args.methods:
-        raise ValueError("--methods is empty")
+        raise UserError("--methods is empty")
     if args.heldout is None and not 0.0 < args.fraction < 1.0:
-        raise ValueError(f"--fraction must be in (0, 1), got {args.fraction}")
+        raise UserError(f"--fraction must be in (0, 1), got {args.fraction}")
 
 
 def _run_figures(result, num_tokens: int) -> dict:
@@ -113,10 +113,10 @@ def _compare(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     heldout = load_profile(args.heldout) if args.heldout else None
     if profile.num_experts % args.ep:
-        raise ValueError(f"--ep {args.ep} must divide the number of experts ({profile.num_experts})")
+        raise UserError(f"--ep {args.ep} must divide the number of experts ({profile.num_experts})")
     hidden = args.hidden_size or profile.meta.get("hidden_size")
     if not hidden:
-        raise ValueError("--hidden-size is required: the profile does not record the model's hidden size")
+        raise UserError("--hidden-size is required: the profile does not record the model's hidden size")
     config = SolverConfig() if args.balance_slack is None else replace(SolverConfig(), balance_slack=args.balance_slack)
     modes = ["dp", "tp"] if args.mode == "both" else [args.mode]
     placements = [(m, False) for m in args.methods] + [(m, True) for m in args.scheduled]
@@ -127,7 +127,7 @@ def _compare(args: argparse.Namespace) -> int:
             tables = place(method, part, args.ep, seed, config)
             if add_schedule:
                 if tables.has_schedule:
-                    raise ValueError(f"--scheduled {method}: the method schedules tokens itself")
+                    raise UserError(f"--scheduled {method}: the method schedules tokens itself")
                 tables = with_schedule(tables, part, config.lookback)
             for mode in modes:
                 r = evaluate(tables, held, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens)

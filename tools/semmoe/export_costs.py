@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from megatron.common.cli import positive_int
+from megatron.common.cli import UserError, positive_int, user_input
 
 from .commands import command
 
@@ -38,15 +38,17 @@ def _export_costs(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.tables import load_tables
     from netsim.ep_costs import read_cost_document, with_traffic, write_cost_document
 
-    doc = read_cost_document(args.costs)
-    tables = load_tables(args.tables)
+    with user_input():
+        doc = read_cost_document(args.costs)
+        tables = load_tables(args.tables)
     if doc["num_ranks"] != tables.num_devices:
-        raise ValueError(f"--costs {args.costs} is for {doc['num_ranks']} EP ranks, --tables {args.tables} for "
+        raise UserError(f"--costs {args.costs} is for {doc['num_ranks']} EP ranks, --tables {args.tables} for "
                          f"{tables.num_devices} devices")
-    profile = load_profile(args.profile)
+    with user_input():
+        profile = load_profile(args.profile)
     hidden = args.hidden_size or profile.meta.get("hidden_size")
     if not hidden:
-        raise ValueError("--hidden-size is required: the profile does not record the model's hidden size")
+        raise UserError("--hidden-size is required: the profile does not record the model's hidden size")
     pairs, source_expert = rank_traffic(tables, profile, args.mode, args.tp_batch_tokens)
     per_token = float(hidden) * args.bytes_per_element / profile.num_tokens
     total = pairs.sum(0)
