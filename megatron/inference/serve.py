@@ -188,11 +188,14 @@ def api_keys(args) -> tuple:
 def _engine_failed(rank: int, frontend, err: BaseException) -> None:
     """The loop raised: fail every in-flight request, print the traceback, exit 1 at once (a
     teardown could wait on the peer that failed)."""
+    from megatron.inference.loop import EngineDiverged
+
     reason = traceback.format_exception_only(type(err), err)[-1].strip()
     if frontend is not None:
         frontend.mark_dead(f"the engine loop failed on rank {rank} ({reason})")
         frontend.wait_answered(2.0)
-    traceback.print_exc()
+    if not isinstance(err, EngineDiverged):  # a divergence is said in full by its one line
+        traceback.print_exc()
     print(f"rank {rank}: the engine loop failed ({reason}); exiting with status {EXIT_CRASH}", file=sys.stderr,
           flush=True)
     exit_now(EXIT_CRASH)
