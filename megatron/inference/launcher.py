@@ -10,6 +10,12 @@ once its engine is built; the front end then binds ``--host``/``--port``, writes
 failed) the front end answers at once (``link.EngineBridge``), torchrun restarts the ranks, the
 new rank 0 reconnects to the same socket and the same port serves again.
 
+While the engine's loop is stalled (``/health`` says ``stalled``: some rank made no progress for
+``--stall-timeout``), the front end looks for a stopped rank among torchrun's descendants (state
+``T`` in ``/proc``): a SIGSTOPped rank other than rank 0 keeps rank 0 beating while every rank
+waits for it in a collective, and it would ignore torchrun's SIGTERM for 30 s. It declares the
+engine lost and SIGKILLs that rank, so torchrun restarts the ranks at once.
+
 It ends when torchrun does: after SIGTERM or SIGINT (stop accepting, let what is in flight finish
 within ``--shutdown-timeout``, tell the engine to stop) with 0; when torchrun gives up (no restart
 left) with its exit code, every request in flight answered 503 first. torchrun dies with this
@@ -28,12 +34,45 @@ import tempfile
 import time
 from multiprocessing.connection import Listener
 
-__all__ = ["run_frontend", "torchrun_command"]
+__all__ = ["run_frontend", "torchrun_command", "stopped_below"]
 
 
 def torchrun_command(nproc: int, max_restarts: int, rank_command, argv) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", "-m", *rank_command, *argv]
+
+
+def stopped_below(root_pid: int) -> list:
+    """``(pid, RANK)`` of the processes below ``root_pid`` that are stopped (SIGSTOP: state ``T``),
+    from ``/proc`` (Linux; none elsewhere). ``RANK`` is None where its environment is unreadable."""
+    children, stopped = {}, set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]  # the command name may hold spaces
+        children.setdefault(int(ppid), []).append(int(entry))
+        if state == "T":
+            stopped.add(int(entry))
+    below, todo = [], [root_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            below.append(pid)
+            todo.append(pid)
+    return [(pid, _rank_of(pid)) for pid in below if pid in stopped]
+
+
+def _rank_of(pid: int):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if env.get(b"RANK", b"").isdigit() else None
 
 
 def _die_with_parent() -> None:
@@ -107,6 +146,13 @@ def _supervise(child, frontend, bridge, stop: dict, shutdown_timeout: float) -> 
     """Serve until torchrun exits; drain on a signal (module docstring). The exit code."""
     stopping_since = None
     while child.poll() is None:
+        _, health = frontend.health()
+        if bridge.connected and health.get("status") == "stalled":
+            stopped = stopped_below(child.pid)
+            if stopped:
+                names = ", ".join(f"rank {rank} (pid {pid})" for pid, rank in stopped)
+                bridge.give_up(f"{names} of the engine is stopped (SIGSTOP): {health['reason']}",
+                               [pid for pid, _ in stopped])
         if stop["signal"] is not None and not frontend.stop_requested.is_set():
             print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
             frontend.request_stop()

@@ -25,7 +25,8 @@ at once), sends ``dead``, or sends nothing for ``--stall-timeout`` seconds (stop
 native code holding the GIL: its beat thread cannot run). Every in-flight request then gets a 503,
 new ones get a 503 with ``Retry-After``, ``/health`` says ``lost`` and why; a silent rank 0 is
 SIGKILLed (a stopped process ignores the SIGTERM torchrun would send, and its peers wait for it in
-a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once. The restarted
+a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once (``give_up``
+does the same for another stopped rank, which ``launcher`` finds while the loop stalls). The restarted
 rank 0 connects to the same socket and the same front end serves again on the same port. Rank 0
 (``EngineLink``) sees the front end close the link (it declared rank 0 lost, or it died) at its
 next loop iteration and fails as an engine failure (exit 1).
@@ -289,7 +290,7 @@ class EngineBridge:
                     if silent > self.stall_timeout_s:
                         self._lose(conn, f"rank 0 of the engine (pid {pid}) sent nothing for {silent:.1f} s "
                                          f"(--stall-timeout {self.stall_timeout_s:g}): it is stopped, or stuck "
-                                         f"holding the GIL", kill=True)
+                                         f"holding the GIL", kill=[pid])
                     continue
                 message = conn.recv()
             except (EOFError, OSError):
@@ -309,14 +310,20 @@ class EngineBridge:
             elif kind == "dead":
                 self._lose(conn, message[1])
 
-    def _lose(self, conn, reason: str, *, kill: bool = False) -> None:
+    def give_up(self, reason: str, kill: list) -> None:
+        """Declare the engine serving now lost (``reason``) and SIGKILL the processes ``kill`` (its
+        stopped ranks: ``launcher`` finds them while the engine stalls)."""
+        self._lose(self._conn, reason, kill=kill)
+
+    def _lose(self, conn, reason: str, *, kill: list = ()) -> None:
         """The engine on ``conn`` is gone: fail what is in flight, refuse new requests until an
-        engine connects again; ``kill``: SIGKILL its rank 0 (a silent one)."""
+        engine connects again; SIGKILL the pids ``kill`` (a silent rank 0, stopped ranks) if they
+        are on this machine."""
         with self._lock:
-            if self._conn is not conn:
+            if conn is None or self._conn is not conn:
                 return
             self._conn = None
-            _, pid, machine, _, _ = self._hello
+            machine = self._hello[2]
         hang_up(conn)
         self.heartbeat.reset()
         frontend = self.frontend
@@ -329,14 +336,16 @@ class EngineBridge:
             except queue.Empty:
                 break
         frontend.mark_dead(reason, status="lost")
-        killed = ""
-        if kill and same_machine(machine) and pid != os.getpid():
+        killed = []
+        for pid in kill if same_machine(machine) else ():
             try:
-                os.kill(pid, signal.SIGKILL)
-                killed = f"; SIGKILLed rank 0 (pid {pid}) so that torchrun restarts the engine"
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(str(pid))
             except OSError:
                 pass
-        self.log(f"frontend: engine lost: {reason}{killed}; waiting for it to come back")
+        note = f"; SIGKILLed pid {', '.join(killed)} so that torchrun restarts the engine" if killed else ""
+        self.log(f"frontend: engine lost: {reason}{note}; waiting for it to come back")
 
     def _forward(self) -> None:
         """The frontend's commands to the engine serving now (nothing while none is)."""
