@@ -14,6 +14,7 @@ does. No model, no torch.distributed.
   the engine's reason.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
   front end that closed the link as ``FrontendGone``.
+- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
             status, body, _ = in_flight.result(timeout=30)
-        assert status == 503 and f"rank 0 of the engine (pid {sleeper.pid}) sent nothing for" in body["error"]["message"]
+        message = body["error"]["message"]
+        assert status == 503 and f"rank 0 of the engine (pid {sleeper.pid}) sent nothing for" in message
         assert sleeper.wait(10) == -9  # SIGKILLed: torchrun restarts the ranks at once
         status, health = _health(f.url)
         assert status == 503 and health["status"] == "lost" and "--stall-timeout 0.5" in health["reason"]
@@ -198,3 +200,19 @@ def test_rank0_drains_through_the_front_end_which_then_stops_it(linked):
     _until(lambda: f.stop_requested.is_set())
     _until(lambda: any(c.stop for c in engine.commands))
     assert sum(c.stop for c in engine.commands) == 1  # told once
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["--nproc-per-node", "0"], {}, "--nproc-per-node must be >= 1, got 0"),
+    (["--nproc-per-node", "2"], {"RANK": "0"}, "--nproc-per-node starts torchrun itself"),
+    (["--max-restarts", "1"], {}, "--max-restarts needs --nproc-per-node"),
+    (["--nproc-per-node", "2", "--max-restarts", "-1"], {}, "--max-restarts must be >= 0, got -1"),
+])
+def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts, monkeypatch, capsys):
+    from megatron.inference.serve import main
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--load", serve_ckpts["standard"], *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron.inference.serve: error: ") and message in err and "\n" not in err

@@ -204,6 +204,7 @@ def test_a_diverged_tp_group_is_an_engine_failure(serve_ckpts):
     from tools.spawn import run_distributed
 
     errors = run_distributed(tp_divergence_rank, 2, serve_ckpts["standard"], timeout_s=240)
-    assert errors[0] == errors[1] and errors[0].startswith(
-        "the tensor-parallel ranks 0, 1 hold different requests before engine step 4 (rank 0: 2 requests, digest "), errors
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("the tensor-parallel ranks 0, 1 hold different requests before engine step 4 "
+                                "(rank 0: 2 requests, digest "), errors
     assert "; rank 1: 1 requests, digest " in errors[0]
