@@ -92,7 +92,8 @@ def _configure_serving_chaos(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--load", required=True, metavar="CKPT")
     p.add_argument("--prompts", required=True, metavar="JSON",
-                   help="ShareGPT JSON (or JSONL with 'text'), e.g. ../shared/data/prompts/sharegpt/ShareGPT_V3_filtered_500.json")
+                   help="ShareGPT JSON (or JSONL with 'text'), e.g. "
+                        "../shared/data/prompts/sharegpt/ShareGPT_V3_filtered_500.json")
     p.add_argument("--faults", type=positive_int, default=d.faults)
     p.add_argument("--minutes", type=positive_float, default=d.minutes, help="of client load, per run")
     p.add_argument("--rate", type=positive_float, default=d.rate, help="requests/s (Poisson arrivals)")

@@ -8,9 +8,10 @@ so that each rank takes in-rank faults), EP = 2, on 127.0.0.1. The load: ShareGP
 seeded ``--stream-fraction`` of them streamed, greedy with ``ignore_eos`` (the answer's length,
 at most ``--max-output-len`` tokens) and ``return_token_ids``; no client retries. The load runs
 twice with the same seed: fault-free (the baseline), then while ``--faults`` faults hit random
-ranks, one at a time, each ``--gap`` seconds (uniform) after the server answered again: kill -9
-and SIGSTOP from outside, a segfault and an exception in the forward from inside
-(``tools.faults.inject``: at the rank's next engine step). A poller reads ``/health`` every 0.1 s.
+ranks (every kind of ``--kinds`` once per round, in a random order), one at a time, each
+``--gap`` seconds (uniform) after the server answered again: kill -9 and SIGSTOP from outside, a
+segfault and an exception in the forward from inside (``tools.faults.inject``: at the rank's next
+engine step). A poller reads ``/health`` every 0.1 s.
 
 Per fault: **detected**, the seconds from the fault to ``/health`` not 200; **back**, to
 ``/health`` 200 again (the ranks restarted); the requests it cut: a **clean error** (a status with
@@ -229,12 +230,15 @@ class ServerRun:
 def _inject_faults(cfg: ChaosConfig, server: ServerRun, health: HealthLog, fault_dir: str, load_end: float) -> list:
     """The faults, one at a time, each after the server answered again (module docstring)."""
     rng = random.Random(cfg.seed + 2)
+    kinds = []
+    while len(kinds) < cfg.faults:  # every kind once in each round, in a random order
+        kinds += rng.sample(cfg.kinds, len(cfg.kinds))
     faults = []
     for n in range(cfg.faults):
         time.sleep(rng.uniform(*cfg.gap))
         if time.time() > load_end - cfg.gap[0]:  # inside the load, with time left to see it
             break
-        kind, rank = rng.choice(cfg.kinds), rng.randrange(NPROC)
+        kind, rank = kinds[n], rng.randrange(NPROC)
         fault = {"n": n + 1, "kind": kind, "rank": rank, "requested": time.time(), "at": None}
         if kind in EXTERNAL:
             os.kill(rank_pid(server.proc.pid, rank, timeout=30), EXTERNAL[kind])
@@ -260,8 +264,8 @@ def _fault_times(log_text: str, faults: list) -> None:
              re.finditer(r"\[rank (\d+)\] injecting fault '(\w+)' after step \d+ at ([\d.]+)", log_text)]
     for fault in faults:
         if fault["at"] is None:
-            match = next((t for t in taken if t[:2] == (fault["rank"], fault["kind"]) and t[2] >= fault["requested"] - 1),
-                         None)
+            match = next((t for t in taken
+                          if t[:2] == (fault["rank"], fault["kind"]) and t[2] >= fault["requested"] - 1), None)
             if match is not None:
                 taken.remove(match)
                 fault["at"] = match[2]
@@ -374,9 +378,9 @@ def serving_chaos(cfg: ChaosConfig) -> int:
         "chaos": {k: chaos[k] for k in ("wall_s", "exit_code", "load_average")},
         "summary": summary,
         "faults": chaos["faults"],
-        "requests": [{k: r[k] for k in ("i", "stream", "outcome", "status", "message")} |
-                     {"sent": round(r["sent"] - chaos["requests"][0]["sent"], 3), "done": round(r["done"] - r["sent"], 3)}
-                     for r in chaos["requests"]],
+        "requests": [{k: r[k] for k in ("i", "stream", "outcome", "status", "message")}
+                     | {"sent": round(r["sent"] - chaos["requests"][0]["sent"], 3),
+                        "done": round(r["done"] - r["sent"], 3)} for r in chaos["requests"]],
     }
     write_json(os.path.join(cfg.out, "serving_chaos.json"), result)
     _print(summary, chaos["faults"])
@@ -390,7 +394,8 @@ def _print(summary: dict, faults: list) -> None:
     def cell(spread):
         return "-" if spread is None else f"{spread['median']:.1f} [{spread['min']:.1f}, {spread['max']:.1f}]"
 
-    print(f"\n{'#':>3} {'fault':<9} {'rank':>4} {'detected s':>10} {'back s':>8} {'errors':>6} {'hangs':>5} {'broken':>6}")
+    print(f"\n{'#':>3} {'fault':<9} {'rank':>4} {'detected s':>10} {'back s':>8} {'errors':>6} {'hangs':>5} "
+          f"{'broken':>6}")
     for f in faults:
         det = "-" if f["detected_s"] is None else f"{f['detected_s']:.1f}"
         back = "-" if f["back_s"] is None else f"{f['back_s']:.1f}"
