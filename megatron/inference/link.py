@@ -40,6 +40,7 @@ import signal
 import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 from typing import Callable, Optional
 
@@ -90,12 +91,28 @@ class EngineLink:
         threading.Thread(target=self._beat, args=(beat_interval_s,), name="frontend-link-beat", daemon=True).start()
 
     @classmethod
-    def connect(cls, address: str, authkey: bytes, heartbeat, beat_interval_s: float) -> "EngineLink":
-        try:
-            conn = Client(address, family="AF_UNIX", authkey=authkey)
-        except OSError as err:
-            raise ValueError(f"${ENV_ADDRESS} {address}: no front end listens there ({err.strerror or err})") from None
-        return cls(conn, heartbeat, beat_interval_s)
+    def connect(cls, address: str, authkey: bytes, heartbeat, beat_interval_s: float,
+                timeout_s: float = 30.0) -> "EngineLink":
+        """Connect and authenticate within ``timeout_s`` (a front end that accepts nothing must
+        not hold rank 0 before its watchdog runs); ``ValueError`` naming the address otherwise."""
+        dialed: dict = {}
+
+        def dial():
+            try:
+                dialed["conn"] = Client(address, family="AF_UNIX", authkey=authkey)
+            except (OSError, EOFError, AuthenticationError) as err:
+                dialed["error"] = err
+
+        thread = threading.Thread(target=dial, name="frontend-link-connect", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if "conn" in dialed:
+            return cls(dialed["conn"], heartbeat, beat_interval_s)
+        err = dialed.get("error")
+        why = (f"the front end did not answer within {timeout_s:g} s" if err is None else
+               f"the front end refused ${ENV_AUTHKEY}" if isinstance(err, AuthenticationError) else
+               f"no front end listens there ({getattr(err, 'strerror', None) or err})")
+        raise ValueError(f"${ENV_ADDRESS} {address}: {why}")
 
     def _send(self, message) -> None:
         with self._send_lock:
@@ -249,7 +266,7 @@ class EngineBridge:
         while not self._closing:
             try:
                 conn = self.listener.accept()
-            except OSError:  # closed, or a connection without the key
+            except (OSError, EOFError, AuthenticationError):  # closed, or a connection without the key
                 if self._closing:
                     return
                 continue

@@ -5,8 +5,8 @@ driven by a scripted loop thread (take the commands, tick the heartbeat, answer 
 "ok"), or a bare authenticated connection that says hello and then nothing, as a stopped rank 0
 does. No model, no torch.distributed.
 
-- Requests travel over the link (tokens, the ``x-dp-rank`` assignment); ``/health`` follows rank
-  0's beats.
+- A connection without the key is refused (and the front end still accepts rank 0); requests
+  travel over the link (tokens, the ``x-dp-rank`` assignment); ``/health`` follows rank 0's beats.
 - A rank 0 that falls silent is declared lost after the stall timeout: the request in flight gets
   a 503 naming it, ``/health`` 503 ``lost`` with the reason, a new request a 503 with
   ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves.
@@ -48,7 +48,7 @@ class ScriptedRank0:
 
     def __init__(self, address: str, authkey: bytes, *, answer: bool = True):
         self.heartbeat = Heartbeat()
-        self.link = EngineLink.connect(address, authkey, self.heartbeat, beat_interval_s=0.05)
+        self.link = EngineLink.connect(address, authkey, self.heartbeat, beat_interval_s=0.05, timeout_s=10)
         self.link.hello(LIMITS, {"model": "m"})
         self.answer = answer
         self.commands = []
@@ -132,6 +132,10 @@ def _health(url):
 
 
 def test_requests_travel_over_the_link_and_health_follows_the_beats(linked):
+    from multiprocessing import AuthenticationError
+
+    with pytest.raises(AuthenticationError):  # without the key nothing is read
+        Client(linked.address, family="AF_UNIX", authkey=b"not the key")
     linked.engine()
     f = linked.serve()
     _until(lambda: _health(f.url)[0] == 200)
