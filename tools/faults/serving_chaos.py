@@ -338,8 +338,10 @@ def _run(cfg: ChaosConfig, name: str, requests_for, *, with_faults: bool) -> dic
         load.join()
         wall_s = time.time() - start
     finally:
-        health.stop()
-        code = server.stop()
+        try:
+            health.stop()
+        finally:
+            code = server.stop()
     _fault_times(read(server.log), faults)
     return {"requests": results["r"], "faults": faults, "wall_s": wall_s, "exit_code": code,
             "load_average": {"before": load_before, "after": os.getloadavg()}, "info": server.info}
