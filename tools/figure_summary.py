@@ -3,8 +3,9 @@
     python -m tools.figure_summary runs/serve.json docs/figures/bench_serve_x.json
     python -m tools.figure_summary --check docs/figures        # no committed figure JSON holds raw lists
 
-``bench_serve.py --json`` keeps every request of every run (``requests``) and ``bench_ep.py
---json`` every rank's per-step lists (``per_rank``): most of each file, and no doc table or plot
+``bench_serve.py --json`` keeps every request of every run (``requests``), ``bench_ep.py
+--json`` every rank's per-step lists (``per_rank``) and ``python -m tools.faults serving-chaos``
+every request of its chaos run (``requests``): most of each file, and no doc table or plot
 reads them (the tables and plots come from ``variants``, ``over_runs``, ``ratios`` and ``runs``).
 The summary is the same JSON without those keys, with ``raw_removed`` naming what was left out and
 the command that wrote the whole file (``command``) kept. A serving run that ``python -m netsim
@@ -19,7 +20,7 @@ import json
 import os
 import sys
 
-RAW = {"bench_serve": ("requests",), "bench_ep": ("per_rank",)}
+RAW = {"bench_serve": ("requests",), "bench_ep": ("per_rank",), "serving_chaos": ("requests",)}
 
 
 def raw_keys(d) -> list:

@@ -458,6 +458,25 @@ class RankEngine:
         engine.stop_word_finished_request_ids.add(request_id)
         return None
 
+    def fail(self, request_id: int) -> None:
+        """Drop a request that failed, here or on a tensor-parallel peer (the loop agrees on its
+        failures): cancelled as by ``cancel``, and nothing more of it is reported (an active one's
+        engine entry finishes at the next step; its record is dropped then)."""
+        if self.cancel(request_id) is None and request_id in self.engine.requests:
+            self.failed.add(request_id)
+        self._forget(request_id)
+
+    def request_lengths(self) -> dict:
+        """``{request id: (prompt tokens, generated tokens, prompt tokens still to prefill)}`` of
+        every request in the engine, active or waiting: what its next steps batch. The loop
+        compares a digest of it across each tensor-parallel group."""
+        out = {}
+        for rid, entry in self.engine.requests.items():
+            record = entry.record
+            out[rid] = (len(record[0].prompt_tokens), sum(len(r.generated_tokens or []) for r in record.requests),
+                        record[-1].remaining_prompt_length)
+        return out
+
     def _forget(self, request_id: int) -> None:
         self.sent.pop(request_id, None)
         self.controller.forget(request_id)
@@ -489,9 +508,7 @@ class RankEngine:
             entry = engine.requests.get(rid)
             if rid in failed_now:
                 updates.append(TokenUpdate(rid, [], finished=True, failed=failed_now.pop(rid)))
-                self.failed.add(rid)
-                self.cancel(rid)  # the engine finishes it next step; its record is dropped then
-                self._forget(rid)
+                self.fail(rid)
             elif entry is not None and rid not in self.failed:
                 update = self._delta(rid, entry.record, finished=False)
                 if update.tokens:

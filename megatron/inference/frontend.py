@@ -1,4 +1,5 @@
-"""The HTTP side of the server (rank 0): an ASGI app served by hypercorn in a background thread.
+"""The HTTP side of the server (in rank 0, or in the front end's own process:
+``megatron.inference.launcher``): an ASGI app served by hypercorn in a background thread.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
 events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, vLLM's tokenizer endpoints
@@ -28,8 +29,9 @@ A client that disconnects (streaming or not) has its requests cancelled in the e
 frees their KV blocks at the next step. On shutdown (``request_stop``, SIGTERM) hypercorn stops
 accepting connections, ``/health`` turns 503, in-flight requests run to completion; after
 ``shutdown_timeout`` seconds the remaining ones are cancelled (streams end with
-``finish_reason: "abort"``). ``mark_dead`` (the engine loop failed or the watchdog fired) answers
-every in-flight request with a 503 at once.
+``finish_reason: "abort"``). ``mark_dead`` (the engine loop failed or the watchdog fired; in its own
+process, the engine was lost) answers every in-flight request with a 503 at once; ``engine_up``
+(a restarted engine) admits requests again.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class Frontend:
         self.in_flight = 0  # HTTP requests being answered (read by the engine thread: an int, atomic)
         self.queued = 0  # engine requests without a first token yet
         self.dead: Optional[str] = None  # why the engine stopped serving
+        self.dead_status = "dead"  # /health's status while it does not ("lost": it may come back)
         self.stop_requested = threading.Event()
         self._stop_deadline: Optional[float] = None
         self._aborted_all = False
@@ -214,11 +217,18 @@ class Frontend:
         self._stop_deadline = time.monotonic() + self.config.shutdown_timeout
         self._call(self._shutdown.set)
 
-    def mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str, *, status: str = "dead") -> None:
         """The engine stopped serving (thread-safe): answer every in-flight request with a 503,
-        refuse new ones, /health 503."""
-        self.dead = reason
+        refuse new ones, /health 503 with ``status``: ``dead``, or ``lost`` when a front end in its
+        own process waits for the engine to restart (new requests then get ``Retry-After``)."""
+        self.dead, self.dead_status = reason, status
         self._call(self._fail_all, reason)
+
+    def engine_up(self, limits: protocol.Limits) -> None:
+        """An engine (restarted) serves again with ``limits``: requests are admitted again."""
+        self.config = dataclasses.replace(self.config, limits=limits)
+        self.context_length = int(limits.context)
+        self.dead = None
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
@@ -353,7 +363,7 @@ class Frontend:
     def health(self) -> tuple:
         """(HTTP status, body) of /health."""
         if self.dead is not None:
-            return 503, {"status": "dead", "reason": self.dead}
+            return 503, {"status": self.dead_status, "reason": self.dead}
         if self.stop_requested.is_set():
             return 503, {"status": "draining"}
         if self.heartbeat is None:
@@ -427,7 +437,8 @@ class Frontend:
 
     def _admit(self, num: int) -> None:
         if self.dead is not None:
-            raise BadRequest(f"the engine is not serving: {self.dead}", status=503)
+            raise BadRequest(f"the engine is not serving: {self.dead}", status=503,
+                             headers={"Retry-After": "1"} if self.dead_status == "lost" else None)
         if self.stop_requested.is_set():
             raise BadRequest("the server is shutting down", status=503)
         limit = self.config.max_queued_requests

@@ -1,17 +1,23 @@
 """Serve a checkpoint of this project with an OpenAI-compatible HTTP API.
 
-    torchrun --nproc_per_node=2 -m megatron.inference.serve --load CKPT --expert-model-parallel-size 2 \\
-        [--tensor-model-parallel-size 1] [--host 127.0.0.1] [--port 8000] [--max-batch-tokens 512]
+    python -m megatron.inference.serve --nproc-per-node 2 [--max-restarts 3] --load CKPT \\
+        --expert-model-parallel-size 2 [--tensor-model-parallel-size 1] [--host 127.0.0.1] [--port 8000]
 
-(``python -m megatron.inference.serve --load CKPT`` runs a world of one rank.) Every rank loads
-the model at the requested layout (``loading.load_model``: standard, BigMac, FarSkip, Sem-MoE
-placed and converted checkpoints alike), builds megatron-core's ``DynamicInferenceEngine``
-(``megatron.inference.engine``) and runs the serving loop (``megatron.inference.loop``); rank 0
-also serves HTTP (``megatron.inference.frontend``). Attention is data-parallel over the ranks
-that do not share a tensor-parallel group; experts are split over ``--expert-model-parallel-size``
-ranks; requests go to the data-parallel ranks in turn, or by a variant's request scheduler
-(``--semmoe-tables DIR``: Sem-MoE's Algorithm 2). SIGTERM or SIGINT: stop accepting, finish
-in-flight requests (``--shutdown-timeout``), exit 0.
+runs the HTTP front end in this process and the engine's ranks under torchrun, started as its child
+(``megatron.inference.launcher``; the two talk over a Unix socket, ``megatron.inference.link``): a
+stopped or dead rank 0 is answered for at once, and after torchrun restarts the ranks the same
+front end serves again on the same port. ``torchrun --nproc_per_node=2 -m
+megatron.inference.serve ...`` and ``python -m megatron.inference.serve --load CKPT`` (a world of one
+rank) run the front end inside rank 0 (``megatron.inference.frontend``), as before.
+
+Every rank loads the model at the requested layout (``loading.load_model``: standard, BigMac,
+FarSkip, Sem-MoE placed and converted checkpoints alike), builds megatron-core's
+``DynamicInferenceEngine`` (``megatron.inference.engine``) and runs the serving loop
+(``megatron.inference.loop``). Attention is data-parallel over the ranks that do not share a
+tensor-parallel group; experts are split over ``--expert-model-parallel-size`` ranks; requests go
+to the data-parallel ranks in turn, or by a variant's request scheduler (``--semmoe-tables DIR``:
+Sem-MoE's Algorithm 2). SIGTERM or SIGINT: stop accepting, finish in-flight requests
+(``--shutdown-timeout``), exit 0.
 
 One bad request fails alone (``frontend``, ``loop``). The engine itself failing (an exception in a
 step or a collective, e.g. a peer rank died) fails every in-flight request with a 503 and exits 1;
@@ -36,10 +42,11 @@ import traceback
 from megatron.common.cli import UserError
 from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
 
-__all__ = ["build_parser", "main", "API_KEY_ENV"]
+__all__ = ["build_parser", "main", "API_KEY_ENV", "RANK_COMMAND"]
 
 API_KEY_ENV = "MOE_SERVE_API_KEY"
 SERVE_EXTRA = ("hypercorn", "einops", "jinja2")
+RANK_COMMAND = ("megatron.inference.serve",)  # what each torchrun rank of --nproc-per-node runs (python -m)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator of requests that give none "
                    "(mixed with the data-parallel rank)")
     p.add_argument("--ready-file", default=None, help="write {url, port, ...} as JSON here once serving")
+    g = p.add_argument_group("processes")
+    g.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="run the HTTP front end in this process and N engine ranks under torchrun, started as its "
+                        "child (one machine): the front end outlives the ranks, answers at once when rank 0 stops "
+                        "or dies, and serves again when they restart (--max-restarts). Without it the front end "
+                        "runs inside rank 0 (a world of one, or your own torchrun)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc-per-node: torchrun restarts the engine's ranks up to this many times after a "
+                        "failure; the front end keeps its port and the restarted rank 0 reconnects")
     g = p.add_argument_group("reliability")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV}) on every path but "
@@ -102,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
+    from megatron.inference.link import ENV_ADDRESS
     from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
 
     try:
@@ -123,6 +140,17 @@ def _check_args(args) -> None:
     for flag in ("stall_timeout", "metrics_interval"):
         if not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        if "RANK" in os.environ and ENV_ADDRESS not in os.environ:
+            raise UserError("--nproc-per-node starts torchrun itself: run python -m megatron.inference.serve "
+                             "--nproc-per-node N without torchrun (or torchrun without --nproc-per-node)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.nproc_per_node is None:
+        raise UserError("--max-restarts needs --nproc-per-node (under your own torchrun, give torchrun "
+                         "--max-restarts: the front end then restarts with rank 0)")
     if args.api_key is not None and not all(args.api_key):
         raise UserError("--api-key must not be empty")
     if args.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file))):
@@ -195,52 +223,108 @@ def api_keys(args) -> tuple:
 def _engine_failed(rank: int, frontend, err: BaseException) -> None:
     """The loop raised: fail every in-flight request, print the traceback, exit 1 at once (a
     teardown could wait on the peer that failed)."""
+    from megatron.inference.loop import EngineDiverged
+
     reason = traceback.format_exception_only(type(err), err)[-1].strip()
     if frontend is not None:
         frontend.mark_dead(f"the engine loop failed on rank {rank} ({reason})")
         frontend.wait_answered(2.0)
-    traceback.print_exc()
+    if not isinstance(err, EngineDiverged):  # a divergence is said in full by its one line
+        traceback.print_exc()
     print(f"rank {rank}: the engine loop failed ({reason}); exiting with status {EXIT_CRASH}", file=sys.stderr,
           flush=True)
     exit_now(EXIT_CRASH)
 
 
-def serve(args) -> int:
+def engine_config(args):
+    """The engine's sizes (``--max-batch-tokens`` ...), validated."""
+    from megatron.inference.engine import EngineConfig
+
+    cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
+                       kv_cache_gb=args.kv_cache_gb, block_size_tokens=args.block_size_tokens,
+                       max_sequence_length=args.max_sequence_length, seed=args.seed)
+    cfg.validate()
+    return cfg
+
+
+def check_layout(args, world: int):
+    """The checkpoint's configs (with ``--variant``) at the requested layout over ``world`` ranks,
+    refused in one line where they cannot be served; returns (configs, manifest, checkpoint dir,
+    the ``--variant`` overrides, the ``ParallelConfig``)."""
+    from megatron.training.loading import checkpoint_configs
+    from moe_variants.config import ParallelConfig, validate
+
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.expert_comm == "allreduce" and not (tp > 1 and tp == ep):
+        raise UserError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
+                         f"> 1 (every rank of the expert group holds the same tokens); got TP {tp}, EP {ep}")
+    overrides = variant_load_overrides(args.variant)
+    configs, manifest, ckpt = checkpoint_configs(args.load, overrides)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    validate(configs.model, parallel, world)
+    if world % tp:
+        raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks")
+    return configs, manifest, ckpt, overrides, parallel
+
+
+def served_name(args) -> str:
+    return args.served_model_name or os.path.basename(os.path.abspath(args.load).rstrip("/"))
+
+
+def checkpoint_chat(manifest: dict, ckpt: str):
+    """The chat renderer of the checkpoint's tokenizer and its name (``chat_renderer``)."""
+    tok_model = manifest.get("tokenizer_files", {}).get("tokenizer_model")
+    return chat_renderer(os.path.dirname(os.path.join(ckpt, tok_model)) if tok_model else None)
+
+
+def frontend_config(args, limits):
+    """The HTTP front end's settings from the flags."""
+    from megatron.inference.frontend import FrontendConfig
+
+    return FrontendConfig(served_model=served_name(args), limits=limits, host=args.host, port=args.port,
+                          shutdown_timeout=args.shutdown_timeout, api_keys=api_keys(args),
+                          max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
+                          stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
+                          enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
+def serve(args, argv=None, rank_command=RANK_COMMAND) -> int:
+    """Serve: the front end of ``--nproc-per-node`` (``megatron.inference.launcher``), or a rank."""
+    from megatron.inference.link import ENV_ADDRESS
+
+    if args.nproc_per_node is not None and ENV_ADDRESS not in os.environ:
+        from megatron.inference.launcher import run_frontend
+
+        return run_frontend(args, list(sys.argv[1:] if argv is None else argv), rank_command)
+    return serve_rank(args)
+
+
+def serve_rank(args) -> int:
+    """One rank of the engine; rank 0 also serves HTTP, or links to the front end process
+    (``$MOE_SERVE_FRONTEND``)."""
     import torch.distributed as dist
 
-    from megatron.inference.engine import EngineConfig, RankEngine, build_engine
-    from megatron.inference.frontend import Frontend, FrontendConfig
+    from megatron.inference.engine import RankEngine, build_engine
+    from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineLink, beat_interval
     from megatron.inference.loop import serve_loop
     from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.protocol import Limits
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
     from megatron.inference.watchdog import StallWatchdog
-    from megatron.training.loading import checkpoint_configs, load_model
+    from megatron.training.loading import load_model
     from megatron.training.parallel import initialize_parallel
     from moe_variants import registry
-    from moe_variants.config import ParallelConfig, validate
 
-    cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
-                       kv_cache_gb=args.kv_cache_gb, block_size_tokens=args.block_size_tokens,
-                       max_sequence_length=args.max_sequence_length, seed=args.seed)
-    cfg.validate()
-    if args.expert_comm == "allreduce" and not (
-            args.tensor_model_parallel_size > 1 and args.tensor_model_parallel_size == args.expert_model_parallel_size):
-        raise UserError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
-                        f"> 1 (every rank of the expert group holds the same tokens); got TP "
-                        f"{args.tensor_model_parallel_size}, EP {args.expert_model_parallel_size}")
+    cfg = engine_config(args)
     with contextlib.ExitStack() as stack:
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
-        overrides = variant_load_overrides(args.variant)
-        configs, manifest, ckpt = checkpoint_configs(args.load, overrides)
-        parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                  expert_model_parallel_size=args.expert_model_parallel_size)
-        validate(configs.model, parallel, world)
-        if world % args.tensor_model_parallel_size:
-            raise UserError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
-                            f"the {world} ranks")
+        configs, manifest, ckpt, overrides, parallel = check_layout(args, world)
         scheduler = registry.request_scheduler(args, manifest, world)  # None: round-robin
         if args.tensor_model_parallel_size > 1 and scheduler is not None:
             raise UserError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: request scheduling "
@@ -288,20 +372,11 @@ def serve(args) -> int:
         heartbeat = Heartbeat()
         frontend = None
         if rank == 0:
-            tok_model = manifest.get("tokenizer_files", {}).get("tokenizer_model")
-            render, chat_kind = chat_renderer(os.path.dirname(os.path.join(ckpt, tok_model)) if tok_model else None)
-            name = args.served_model_name or os.path.basename(os.path.abspath(args.load).rstrip("/"))
+            render, chat_kind = checkpoint_chat(manifest, ckpt)
+            name = served_name(args)
             limits = Limits(context=context.max_sequence_length, vocab_size=tokenizer.vocab_size,
                             max_request_tokens=rank_engine.max_request_tokens)
-            frontend = Frontend(tokenizer=tokenizer, chat_render=render, heartbeat=heartbeat, config=FrontendConfig(
-                served_model=name, limits=limits, host=args.host, port=args.port,
-                shutdown_timeout=args.shutdown_timeout, api_keys=api_keys(args),
-                max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
-                stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
-                enable_tokenizer_info=args.enable_tokenizer_info_endpoint))
-            port = frontend.start()
-            url = f"http://{args.host if ':' not in args.host else f'[{args.host}]'}:{port}"
-            info = {"url": url, "port": port, "model": name, "world_size": world,
+            info = {"model": name, "world_size": world,
                     "tensor_model_parallel_size": args.tensor_model_parallel_size,
                     "expert_model_parallel_size": args.expert_model_parallel_size,
                     "data_parallel_size": dist.get_world_size(pgc.dp),
@@ -311,12 +386,25 @@ def serve(args) -> int:
                     "routing_stats": rank_engine.activations is not None,
                     "request_scheduler": scheduler.name if scheduler is not None else "round-robin",
                     "token_scheduler": changed.name if changed is not None else None}
-            if args.ready_file:
-                from megatron.common.files import write_json
+            layout = f"{world} ranks, EP {args.expert_model_parallel_size}, TP {args.tensor_model_parallel_size}"
+            address = os.environ.get(ENV_ADDRESS)
+            if address:  # the front end runs in its own process (--nproc-per-node)
+                frontend = EngineLink.connect(address, bytes.fromhex(os.environ[ENV_AUTHKEY]), heartbeat,
+                                              beat_interval(args.stall_timeout))
+                frontend.hello(limits, info)
+                print(f"engine serving {name} through the front end at {address} ({layout})", flush=True)
+            else:
+                from megatron.inference.frontend import Frontend
 
-                write_json(args.ready_file, info)
-            print(f"serving {name} on {url} ({world} ranks, EP {args.expert_model_parallel_size}, "
-                  f"TP {args.tensor_model_parallel_size}; chat: {chat_kind})", flush=True)
+                frontend = Frontend(tokenizer=tokenizer, chat_render=render, heartbeat=heartbeat,
+                                    config=frontend_config(args, limits))
+                port = frontend.start()
+                url = http_url(args.host, port)
+                if args.ready_file:
+                    from megatron.common.files import write_json
+
+                    write_json(args.ready_file, {"url": url, "port": port, **info})
+                print(f"serving {name} on {url} ({layout}; chat: {chat_kind})", flush=True)
 
         def on_stall(age, why):
             reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is stopped, " \
@@ -328,7 +416,7 @@ def serve(args) -> int:
 
         def on_iteration(busy):
             if rank == 0 and stop["signal"] is not None and not frontend.stop_requested.is_set():
-                print(f"received signal {stop['signal']}: draining {frontend.in_flight} request(s)", flush=True)
+                print(f"received signal {stop['signal']}: draining the requests in flight", flush=True)
                 frontend.request_stop()
 
         watchdog = StallWatchdog(heartbeat, args.watchdog_timeout, on_stall).start()
@@ -346,7 +434,9 @@ def serve(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
+    """The command; with ``--nproc-per-node`` every torchrun rank runs ``python -m
+    *rank_command`` with the same arguments (``tools.faults.rank`` wraps the ranks that way)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron import compat
@@ -358,7 +448,7 @@ def main(argv=None) -> int:
     def body():
         args = build_parser().parse_args(argv)
         _check_args(args)
-        return serve(args)
+        return serve(args, argv, rank_command)
 
     # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too
     return run_cli("megatron.inference.serve", body, user_errors=(UserError, CheckpointError, CheckpointException))

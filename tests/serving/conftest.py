@@ -76,14 +76,19 @@ def offline_greedy(ckpt: str, prompts, max_new: int, generation: str = "auto"):
 
 
 class Server:
-    """A server subprocess: ``url``, ``info`` (the ready file), ``proc``."""
+    """A server subprocess: ``url``, ``info`` (the ready file), ``proc``. ``frontend_process``:
+    ``serve --nproc-per-node`` (the front end in its own process, the ranks under torchrun as its
+    child); otherwise torchrun for several ranks, or one process."""
 
-    def __init__(self, ckpt: str, tmp_path, *, nproc: int = 1, extra=(), timeout_s: float = 240):
+    def __init__(self, ckpt: str, tmp_path, *, nproc: int = 1, extra=(), timeout_s: float = 240,
+                 frontend_process: bool = False):
         self.ready = str(tmp_path / f"ready-{time.monotonic_ns()}.json")
         self.log = open(tmp_path / f"server-{time.monotonic_ns()}.log", "w+")
         args = ["-m", "megatron.inference.serve", "--load", ckpt, "--port", "0", "--ready-file", self.ready,
                 "--shutdown-timeout", "20", *[str(a) for a in extra]]
-        if nproc > 1:
+        if frontend_process:
+            cmd = [sys.executable, *args, "--nproc-per-node", str(nproc)]
+        elif nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
         else:
             cmd = [sys.executable, *args]

@@ -1,4 +1,5 @@
-"""One bad request never takes the server down (two torchrun ranks, EP=2, gloo, 127.0.0.1).
+"""One bad request never takes the server down (two ranks under torchrun, EP=2, gloo, 127.0.0.1;
+the front end in its own process, ``--nproc-per-node 2``).
 
 - The requests that used to stop both ranks (a prompt id past the vocabulary, ``top_k`` past it,
   a ``seed`` outside torch's range) and the other refusals the engine could not survive (top-k
@@ -31,7 +32,7 @@ VOCAB = 2048  # the embedded BPE tokenizer's
 
 @pytest.fixture(scope="module")
 def ep_server(serve_ckpts, tmp_path_factory):
-    srv = Server(serve_ckpts["standard"], tmp_path_factory.mktemp("ep"), nproc=2,
+    srv = Server(serve_ckpts["standard"], tmp_path_factory.mktemp("ep"), nproc=2, frontend_process=True,
                  extra=["--expert-model-parallel-size", "2"])
     yield srv
     srv.stop()

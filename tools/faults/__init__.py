@@ -8,6 +8,9 @@ or crashing, end to end under torchrun. ``python -m tools.faults <command>``:
                 ``/health``, the waiting client and the launcher see it (``serving.py``)
 * ``chaos``     random faults of every kind during one long training run, against a fault-free
                 run of the same steps (``chaos.py``)
+* ``serving-chaos``  random faults (kill -9, SIGSTOP, segfault, an exception in a forward) in random
+                ranks of a server under client load, against a fault-free run of the same load
+                (``serving_chaos.py``)
 
 Signals come from outside (``launch.py`` finds a rank's process); the faults only a rank can
 cause itself (``inject.py``) are taken by ranks started as ``torchrun ... -m tools.faults.rank

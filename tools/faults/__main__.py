@@ -1,4 +1,4 @@
-"""``python -m tools.faults {training,serving,chaos} ...`` (see ``tools/faults/__init__.py``)."""
+"""``python -m tools.faults {training,serving,chaos,serving-chaos} ...`` (see ``tools/faults/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,54 @@ def _chaos(args) -> int:
     from tools.faults.chaos import chaos_run
 
     return chaos_run(args)
+
+
+def _configure_serving_chaos(p: argparse.ArgumentParser) -> None:
+    from tools.faults.serving_chaos import ChaosConfig, KINDS
+
+    d = ChaosConfig("", "", "")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--load", required=True, metavar="CKPT")
+    p.add_argument("--prompts", required=True, metavar="JSON",
+                   help="ShareGPT JSON (or JSONL with 'text'), e.g. "
+                        "../shared/data/prompts/sharegpt/ShareGPT_V3_filtered_500.json")
+    p.add_argument("--faults", type=positive_int, default=d.faults)
+    p.add_argument("--minutes", type=positive_float, default=d.minutes, help="of client load, per run")
+    p.add_argument("--rate", type=positive_float, default=d.rate, help="requests/s (Poisson arrivals)")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-output-len", type=positive_int, default=d.max_output_len)
+    p.add_argument("--stream-fraction", type=float, default=d.stream_fraction)
+    p.add_argument("--gap", type=positive_float, nargs=2, default=d.gap, metavar=("MIN", "MAX"),
+                   help="seconds of service between the server answering again and the next fault (uniform)")
+    p.add_argument("--stall-timeout", type=positive_float, default=d.stall_timeout)
+    p.add_argument("--watchdog-timeout", type=positive_float, default=d.watchdog_timeout)
+    p.add_argument("--client-timeout", type=positive_float, default=d.client_timeout,
+                   help="seconds without a byte after which a client counts as hung")
+    p.add_argument("--skip-baseline", action="store_true", help="reuse OUT/baseline.json from an earlier run")
+
+
+@commands.add("serving-chaos", "random faults of every kind in a server under client load, against a fault-free run",
+              _configure_serving_chaos)
+def _serving_chaos(args) -> int:
+    from tools.faults.serving_chaos import ChaosConfig, KINDS, serving_chaos
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"--kinds: choose from {', '.join(KINDS)} (got {args.kinds})")
+    if not 0 <= args.stream_fraction <= 1:
+        raise ValueError(f"--stream-fraction must be in [0, 1], got {args.stream_fraction}")
+    if args.gap[0] > args.gap[1]:
+        raise ValueError(f"--gap: MIN {args.gap[0]:g} is above MAX {args.gap[1]:g}")
+    for flag, path in (("--load", args.load), ("--prompts", args.prompts)):
+        if not os.path.exists(path):
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    return serving_chaos(ChaosConfig(
+        out=os.path.abspath(args.out), load=os.path.abspath(args.load), prompts=os.path.abspath(args.prompts),
+        faults=args.faults, minutes=args.minutes, rate=args.rate, kinds=kinds, seed=args.seed,
+        max_output_len=args.max_output_len, stream_fraction=args.stream_fraction, gap=tuple(args.gap),
+        stall_timeout=args.stall_timeout, watchdog_timeout=args.watchdog_timeout, client_timeout=args.client_timeout,
+        skip_baseline=args.skip_baseline))
 
 
 if __name__ == "__main__":

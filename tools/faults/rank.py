@@ -3,7 +3,8 @@ runs ``megatron.training.pretrain_gpt`` (or ``megatron.inference.serve``) with A
 ``-m megatron.training.pretrain_gpt ARGS`` would, after subscribing a ``tools.faults.inject``
 ``Injector`` to the loop's ``STEP_END`` event when ``$MEGATRON_FAULT_DIR`` is set. The fault
 requests are read from that directory after every step; nothing of this ships in the loops but
-the event.
+the event. ``python -m tools.faults.rank serve --nproc-per-node N ARGS`` is the server's front end
+process (``megatron.inference.launcher``) whose torchrun ranks run ``tools.faults.rank serve ARGS``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     directory = os.environ.get(ENV)
     if directory:
         STEP_END.subscribe(Injector(directory, int(os.environ.get("RANK", "0"))))
+    if entry == "serve":  # with --nproc-per-node, the front end starts its ranks through this module too
+        return module.main(args, rank_command=("tools.faults.rank", "serve"))
     return module.main(args)
 
 

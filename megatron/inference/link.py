@@ -1,0 +1,383 @@
+"""The link between the HTTP front end and rank 0 of the engine when they are two processes.
+
+``python -m megatron.inference.serve --nproc-per-node N`` runs the front end in its own process
+(``megatron.inference.launcher``) and the engine's ranks under torchrun, its child. The front end
+listens on a Unix socket in a private directory (``multiprocessing.connection``: every connection
+proves it holds the authentication key, which only the front end's children inherit, before a
+message is read); its address and key reach the ranks in ``$MOE_SERVE_FRONTEND`` and
+``$MOE_SERVE_FRONTEND_KEY``. Rank 0 connects once it has built its engine, after every restart
+too. Messages are pickled tuples, ``(kind, ...)``:
+
+engine (rank 0) -> front end
+    ``("hello", pid, machine id, protocol.Limits, info)`` first: the engine serves; ``info`` is
+    what the ready file holds;
+    ``("assigned", {request id: data-parallel rank})``, ``("publish", [TokenUpdate], [rank stats])``:
+    what the in-process ``Frontend`` is told by the loop;
+    ``("beat", age_s, longest_s, intervals)``: the loop heartbeat's ``Pulse``, from a thread, every
+    ``beat_interval(stall_timeout)`` seconds (``/health`` reads it as it reads a local heartbeat);
+    ``("drain",)``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
+    ``("dead", reason)``: the engine failed or its watchdog fired; rank 0 exits next.
+front end -> engine
+    ``frontend.Commands`` (new requests, cancellations, stop), as the loop takes them.
+
+The front end (``EngineBridge``) declares the engine lost when rank 0 closes the link (it exited:
+at once), sends ``dead``, or sends nothing for ``--stall-timeout`` seconds (stopped, or stuck in
+native code holding the GIL: its beat thread cannot run). Every in-flight request then gets a 503,
+new ones get a 503 with ``Retry-After``, ``/health`` says ``lost`` and why; a silent rank 0 is
+SIGKILLed (a stopped process ignores the SIGTERM torchrun would send, and its peers wait for it in
+a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once (``give_up``
+does the same for another stopped rank, which ``launcher`` finds while the loop stalls). The restarted
+rank 0 connects to the same socket and the same front end serves again on the same port. Rank 0
+(``EngineLink``) sees the front end close the link (it declared rank 0 lost, or it died) at its
+next loop iteration and fails as an engine failure (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+from typing import Callable, Optional
+
+from megatron.common.process import machine_id, same_machine
+from megatron.common.watchdog import Pulse
+from megatron.inference.frontend import Commands
+
+__all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "EngineLink", "EngineBridge", "RemoteHeartbeat",
+           "beat_interval"]
+
+ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket
+ENV_AUTHKEY = "MOE_SERVE_FRONTEND_KEY"  # its authentication key, hex
+
+
+def hang_up(conn) -> None:
+    """Close ``conn`` so that the peer sees the end at once, also while a thread of this process
+    blocks in a ``recv`` on it (a plain close would leave the socket open until that returns)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+    conn.close()
+
+
+def beat_interval(stall_timeout_s: float) -> float:
+    """Seconds between rank 0's beats: several per ``--stall-timeout``, at most 0.5 s."""
+    return min(0.5, stall_timeout_s / 5)
+
+
+class FrontendGone(ConnectionError):
+    """The front end closed the link (it declared this engine lost, or it exited)."""
+
+
+class EngineLink:
+    """Rank 0's side of the link: what ``serve_loop`` and ``serve`` call on an in-process
+    ``Frontend`` (``take_commands``, ``assigned``, ``publish``, ``request_stop``, ``mark_dead``),
+    over the socket; a thread beats the loop's heartbeat and one receives the commands."""
+
+    def __init__(self, conn, heartbeat, beat_interval_s: float):
+        self._conn = conn
+        self._heartbeat = heartbeat
+        self._send_lock = threading.Lock()
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._closed = threading.Event()
+        self.stop_requested = threading.Event()
+        threading.Thread(target=self._receive, name="frontend-link-receive", daemon=True).start()
+        threading.Thread(target=self._beat, args=(beat_interval_s,), name="frontend-link-beat", daemon=True).start()
+
+    @classmethod
+    def connect(cls, address: str, authkey: bytes, heartbeat, beat_interval_s: float,
+                timeout_s: float = 30.0) -> "EngineLink":
+        """Connect and authenticate within ``timeout_s`` (a front end that accepts nothing must
+        not hold rank 0 before its watchdog runs); ``ValueError`` naming the address otherwise."""
+        dialed: dict = {}
+
+        def dial():
+            try:
+                dialed["conn"] = Client(address, family="AF_UNIX", authkey=authkey)
+            except (OSError, EOFError, AuthenticationError) as err:
+                dialed["error"] = err
+
+        thread = threading.Thread(target=dial, name="frontend-link-connect", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if "conn" in dialed:
+            return cls(dialed["conn"], heartbeat, beat_interval_s)
+        err = dialed.get("error")
+        why = (f"the front end did not answer within {timeout_s:g} s" if err is None else
+               f"the front end refused ${ENV_AUTHKEY}" if isinstance(err, AuthenticationError) else
+               f"no front end listens there ({getattr(err, 'strerror', None) or err})")
+        raise ValueError(f"${ENV_ADDRESS} {address}: {why}")
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                self._inbox.put(self._conn.recv())
+            except (EOFError, OSError):
+                self._closed.set()
+                self._inbox.put(None)
+                return
+
+    def _beat(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            pulse = self._heartbeat.pulse()
+            try:
+                self._send(("beat", pulse.age_s, pulse.longest_s, pulse.intervals))
+            except OSError:
+                return
+
+    def hello(self, limits, info: dict) -> None:
+        self._send(("hello", os.getpid(), machine_id(), limits, info))
+
+    def take_commands(self, wait_s: float) -> Commands:
+        """Everything the front end sent since the last call (blocks up to ``wait_s`` for the
+        first); ``FrontendGone`` once it closed the link."""
+        cmds = Commands()
+        try:
+            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
+            while True:
+                if item is None:
+                    raise FrontendGone("the front end closed the link to rank 0 (it declared the engine lost, "
+                                       "or it exited)")
+                cmds.submits += item.submits
+                cmds.cancels += item.cancels
+                cmds.stop = cmds.stop or item.stop
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return cmds
+
+    def assigned(self, placed: dict) -> None:
+        if placed:
+            self._send(("assigned", placed))
+
+    def publish(self, updates: list, stats: list) -> None:
+        self._send(("publish", updates, stats))
+
+    def request_stop(self) -> None:
+        """The ranks were asked to stop: the front end drains and then sends ``stop``."""
+        if not self.stop_requested.is_set():
+            self.stop_requested.set()
+            self._send(("drain",))
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine failed: the front end answers every in-flight request with a 503."""
+        try:
+            self._send(("dead", reason))
+        except OSError:
+            pass
+
+    def wait_answered(self, timeout: float) -> None:
+        """Nothing to wait for: the front end, which outlives this process, answers its clients."""
+
+    def join(self, timeout: float) -> None:
+        self._closed.set()
+        hang_up(self._conn)
+
+
+class RemoteHeartbeat:
+    """The engine loop's heartbeat as rank 0 last reported it: ``pulse()`` as ``Heartbeat.pulse``,
+    its age grown by the time since the report; no pulse (starting) before the first."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._last: Optional[tuple] = None  # (Pulse, when it arrived)
+
+    def update(self, age_s: Optional[float], longest_s: float, intervals: int) -> None:
+        self._last = (Pulse(age_s, longest_s, intervals), self._clock())
+
+    def reset(self) -> None:
+        self._last = None
+
+    def pulse(self) -> Pulse:
+        last = self._last
+        if last is None:
+            return Pulse(None, 0.0, 0)
+        pulse, at = last
+        age = None if pulse.age_s is None else pulse.age_s + max(self._clock() - at, 0.0)
+        return Pulse(age, pulse.longest_s, pulse.intervals)
+
+
+class EngineBridge:
+    """The front end's side of the link (module docstring). ``start`` accepts rank 0's
+    connections from then on (one at a time: a new one replaces a lost one); ``wait_engine``
+    blocks until the first engine said hello; ``serve(frontend)`` then forwards the frontend's
+    commands and hands it what rank 0 sends."""
+
+    def __init__(self, listener, *, stall_timeout_s: float, log: Callable[[str], None] = print):
+        self.listener = listener
+        self.stall_timeout_s = stall_timeout_s
+        self.log = log
+        self.heartbeat = RemoteHeartbeat()
+        self.frontend = None
+        self.engines = 0  # engines that said hello so far
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._conn = None  # the engine serving now
+        self._hello: Optional[tuple] = None  # its hello
+        self._connected = threading.Condition(self._lock)
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    @property
+    def hello(self) -> Optional[tuple]:
+        return self._hello
+
+    def start(self) -> "EngineBridge":
+        threading.Thread(target=self._accept, name="engine-bridge-accept", daemon=True).start()
+        return self
+
+    def wait_engine(self, timeout_s: float) -> bool:
+        """Whether an engine is connected, waiting up to ``timeout_s`` for one."""
+        with self._lock:
+            return self._connected.wait_for(lambda: self._conn is not None, timeout_s)
+
+    def serve(self, frontend) -> None:
+        """Serve ``frontend`` from now on (once, after the first hello)."""
+        with self._lock:
+            self.frontend = frontend
+            conn = self._conn
+        if conn is not None:
+            self._start_receiving(conn)
+        threading.Thread(target=self._forward, name="engine-bridge-send", daemon=True).start()
+
+    def close(self) -> None:
+        self._closing = True
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            hang_up(conn)
+        self.listener.close()
+
+    # --- threads -------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError, AuthenticationError):  # closed, or a connection without the key
+                if self._closing:
+                    return
+                continue
+            try:
+                hello = conn.recv() if conn.poll(60) else None
+            except (EOFError, OSError):
+                hello = None
+            if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
+                conn.close()
+                continue
+            with self._lock:
+                old, self._conn, self._hello = self._conn, conn, hello
+                self.engines += 1
+                frontend = self.frontend
+                self._connected.notify_all()
+            if old is not None:
+                hang_up(old)
+            self.heartbeat.reset()
+            _, pid, _, limits, _ = hello
+            self.log(f"frontend: engine {self.engines} connected (rank 0 pid {pid})")
+            if frontend is not None:
+                frontend.engine_up(limits)
+                self._start_receiving(conn)
+
+    def _start_receiving(self, conn) -> None:
+        threading.Thread(target=self._receive, args=(conn,), name="engine-bridge-receive", daemon=True).start()
+
+    def _receive(self, conn) -> None:
+        """Rank 0's messages to the frontend until the link closes or falls silent."""
+        frontend = self.frontend
+        pid = self._hello[1]
+        last = time.monotonic()
+        poll_s = min(0.1, self.stall_timeout_s / 10)
+        while self._conn is conn:
+            try:
+                if not conn.poll(poll_s):
+                    silent = time.monotonic() - last
+                    if silent > self.stall_timeout_s:
+                        self._lose(conn, f"rank 0 of the engine (pid {pid}) sent nothing for {silent:.1f} s "
+                                         f"(--stall-timeout {self.stall_timeout_s:g}): it is stopped, or stuck "
+                                         f"holding the GIL", kill=[pid])
+                    continue
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._lose(conn, "rank 0 of the engine closed the link: it exited")
+                return
+            last = time.monotonic()
+            kind = message[0]
+            if kind == "publish":
+                frontend.publish(message[1], message[2])
+            elif kind == "assigned":
+                frontend.assigned(message[1])
+            elif kind == "beat":
+                self.heartbeat.update(*message[1:])
+            elif kind == "drain":
+                self.log("frontend: the engine was asked to stop: draining")
+                frontend.request_stop()
+            elif kind == "dead":
+                self._lose(conn, message[1])
+
+    def give_up(self, reason: str, kill: list) -> None:
+        """Declare the engine serving now lost (``reason``) and SIGKILL the processes ``kill`` (its
+        stopped ranks: ``launcher`` finds them while the engine stalls)."""
+        self._lose(self._conn, reason, kill=kill)
+
+    def _lose(self, conn, reason: str, *, kill: list = ()) -> None:
+        """The engine on ``conn`` is gone: fail what is in flight, refuse new requests until an
+        engine connects again; SIGKILL the pids ``kill`` (a silent rank 0, stopped ranks) if they
+        are on this machine."""
+        with self._lock:
+            if conn is None or self._conn is not conn:
+                return
+            self._conn = None
+            machine = self._hello[2]
+        hang_up(conn)
+        self.heartbeat.reset()
+        frontend = self.frontend
+        if frontend.stop_requested.is_set() and not frontend.in_flight:
+            self.log("frontend: the engine stopped")
+            return
+        while True:  # what was queued for the lost engine: its requests are failed below
+            try:
+                frontend.commands.get_nowait()
+            except queue.Empty:
+                break
+        frontend.mark_dead(reason, status="lost")
+        killed = []
+        for pid in kill if same_machine(machine) else ():
+            try:
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(str(pid))
+            except OSError:
+                pass
+        note = f"; SIGKILLed pid {', '.join(killed)} so that torchrun restarts the engine" if killed else ""
+        self.log(f"frontend: engine lost: {reason}{note}; waiting for it to come back")
+
+    def _forward(self) -> None:
+        """The frontend's commands to the engine serving now (nothing while none is)."""
+        frontend = self.frontend
+        stopped = None  # the connection told to stop
+        while not self._closing:
+            cmds = frontend.take_commands(0.05)
+            conn = self._conn
+            if conn is None or not (cmds.submits or cmds.cancels or (cmds.stop and stopped is not conn)):
+                continue
+            try:
+                with self._send_lock:
+                    conn.send(cmds)
+            except OSError:
+                self._lose(conn, "rank 0 of the engine closed the link: it exited")
+                continue
+            if cmds.stop:
+                stopped = conn

@@ -1,0 +1,222 @@
+"""The front end and rank 0 as two ends of a Unix socket (``megatron.inference.link``), in one
+process: the real ``Frontend`` on 127.0.0.1 behind the real ``EngineBridge`` (a ``Listener`` in a
+private directory, ``--stall-timeout`` 0.5 s), and on the engine's side the real ``EngineLink``
+driven by a scripted loop thread (take the commands, tick the heartbeat, answer each request with
+"ok"), or a bare authenticated connection that says hello and then nothing, as a stopped rank 0
+does. No model, no torch.distributed.
+
+- A connection without the key is refused (and the front end still accepts rank 0); requests
+  travel over the link (tokens, the ``x-dp-rank`` assignment); ``/health`` follows rank 0's beats.
+- A rank 0 that falls silent is declared lost after the stall timeout: the request in flight gets
+  a 503 naming it, ``/health`` 503 ``lost`` with the reason, a new request a 503 with
+  ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves.
+- A closed link (rank 0 exited) fails what is in flight at once; a ``dead`` message fails it with
+  the engine's reason.
+- Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
+  front end that closed the link as ``FrontendGone``.
+- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+
+import pytest
+
+from megatron.common.process import machine_id
+from megatron.common.watchdog import Heartbeat
+from megatron.inference import protocol as P
+from megatron.inference.engine import TokenUpdate
+from megatron.inference.frontend import Frontend, FrontendConfig
+from megatron.inference.link import EngineBridge, EngineLink, FrontendGone
+from tests.serving.test_frontend import CharTokenizer, _request
+
+STALL_S = 0.5
+LIMITS = P.Limits(context=64, vocab_size=300, max_request_tokens=48)
+
+
+class ScriptedRank0:
+    """Rank 0 behind an ``EngineLink``: a loop thread that answers every request with "ok" (or
+    nothing, ``answer=False``) and records the commands it got."""
+
+    def __init__(self, address: str, authkey: bytes, *, answer: bool = True):
+        self.heartbeat = Heartbeat()
+        self.link = EngineLink.connect(address, authkey, self.heartbeat, beat_interval_s=0.05, timeout_s=10)
+        self.link.hello(LIMITS, {"model": "m"})
+        self.answer = answer
+        self.commands = []
+        self.error = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                cmds = self.link.take_commands(0.01)
+            except FrontendGone as err:
+                self.error = err
+                return
+            self.heartbeat.tick()
+            if cmds.submits or cmds.cancels or cmds.stop:
+                self.commands.append(cmds)
+            for submit in cmds.submits if self.answer else ():
+                self.link.assigned({submit.request_id: 1})
+                self.link.publish([TokenUpdate(submit.request_id, [ord("o"), ord("k")], finished=True)], [])
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(5)
+        self.link.join(1)
+
+
+class Setup:
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="link-", dir="/tmp")  # a Unix socket path has at most 107 bytes
+        self.address = os.path.join(self.dir, "engine.sock")
+        self.authkey = os.urandom(32)
+        self.logs = []
+        self.bridge = EngineBridge(Listener(self.address, family="AF_UNIX", authkey=self.authkey),
+                                   stall_timeout_s=STALL_S, log=self.logs.append).start()
+        self.engines = []
+        self.frontend = None
+
+    def engine(self, **kw) -> ScriptedRank0:
+        self.engines.append(ScriptedRank0(self.address, self.authkey, **kw))
+        assert self.bridge.wait_engine(10)
+        return self.engines[-1]
+
+    def serve(self) -> Frontend:
+        self.frontend = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt,
+                                 heartbeat=self.bridge.heartbeat,
+                                 config=FrontendConfig(served_model="m", limits=self.bridge.hello[3], port=0,
+                                                       stall_timeout=STALL_S))
+        self.frontend.start()
+        self.frontend.url = f"http://127.0.0.1:{self.frontend.port}"
+        self.bridge.serve(self.frontend)
+        return self.frontend
+
+    def close(self):
+        for engine in self.engines:
+            engine.close()
+        self.bridge.close()
+        if self.frontend is not None:
+            self.frontend.request_stop()
+            self.frontend.join(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def linked():
+    setup = Setup()
+    yield setup
+    setup.close()
+
+
+def _until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _health(url):
+    return _request(url, "/health")[:2]
+
+
+def test_requests_travel_over_the_link_and_health_follows_the_beats(linked):
+    from multiprocessing import AuthenticationError
+
+    with pytest.raises(AuthenticationError):  # without the key nothing is read
+        Client(linked.address, family="AF_UNIX", authkey=b"not the key")
+    linked.engine()
+    f = linked.serve()
+    _until(lambda: _health(f.url)[0] == 200)
+    status, body, headers = _request(f.url, "/v1/completions", {"prompt": "ab", "max_tokens": 4})
+    assert status == 200 and body["choices"][0]["text"] == "ok" and headers["x-dp-rank"] == "1"
+    assert [c.submits[0].prompt for c in linked.engines[0].commands] == [[ord("a"), ord("b")]]
+
+
+def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
+    sleeper = subprocess.Popen(["sleep", "600"])  # plays the stopped rank 0's process
+    try:
+        conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
+        conn.send(("hello", sleeper.pid, machine_id(), LIMITS, {"model": "m"}))
+        conn.send(("beat", 0.0, 0.0, 1))
+        assert linked.bridge.wait_engine(10)
+        f = linked.serve()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+            status, body, _ = in_flight.result(timeout=30)
+        message = body["error"]["message"]
+        assert status == 503 and f"rank 0 of the engine (pid {sleeper.pid}) sent nothing for" in message
+        assert sleeper.wait(10) == -9  # SIGKILLed: torchrun restarts the ranks at once
+        status, health = _health(f.url)
+        assert status == 503 and health["status"] == "lost" and "--stall-timeout 0.5" in health["reason"]
+        status, body, headers = _request(f.url, "/v1/completions", {"prompt": "a"})
+        assert status == 503 and headers["retry-after"] == "1" and "sent nothing" in body["error"]["message"]
+        conn.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    linked.engine()  # the restarted rank 0
+    _until(lambda: _health(f.url)[0] == 200)
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a"})
+    assert status == 200 and body["choices"][0]["text"] == "ok"
+    assert any(f"SIGKILLed pid {sleeper.pid}" in line for line in linked.logs)
+
+
+def test_a_closed_link_or_a_dead_engine_fails_in_flight_requests_at_once(linked):
+    first = linked.engine(answer=False)
+    f = linked.serve()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+        _until(lambda: first.commands)
+        first.close()  # rank 0 exited: its socket closes
+        status, body, _ = in_flight.result(timeout=30)
+    assert status == 503 and "closed the link: it exited" in body["error"]["message"]
+    assert _health(f.url)[1]["status"] == "lost"
+
+    second = linked.engine(answer=False)
+    _until(lambda: _health(f.url)[0] == 200)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+        _until(lambda: second.commands)
+        second.link.mark_dead("the engine loop failed on rank 1 (RuntimeError: boom)")
+        status, body, _ = in_flight.result(timeout=30)
+    assert status == 503 and body["error"]["message"] == ("the engine stopped serving: the engine loop failed on "
+                                                           "rank 1 (RuntimeError: boom)")
+    _until(lambda: second.error is not None)  # the front end closed the link: rank 0 fails and exits
+    assert "the front end closed the link" in str(second.error)
+
+
+def test_rank0_drains_through_the_front_end_which_then_stops_it(linked):
+    engine = linked.engine()
+    f = linked.serve()
+    engine.link.request_stop()  # SIGTERM on the ranks
+    _until(lambda: f.stop_requested.is_set())
+    _until(lambda: any(c.stop for c in engine.commands))
+    assert sum(c.stop for c in engine.commands) == 1  # told once
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["--nproc-per-node", "0"], {}, "--nproc-per-node must be >= 1, got 0"),
+    (["--nproc-per-node", "2"], {"RANK": "0"}, "--nproc-per-node starts torchrun itself"),
+    (["--max-restarts", "1"], {}, "--max-restarts needs --nproc-per-node"),
+    (["--nproc-per-node", "2", "--max-restarts", "-1"], {}, "--max-restarts must be >= 0, got -1"),
+])
+def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts, monkeypatch, capsys):
+    from megatron.inference.serve import main
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--load", serve_ckpts["standard"], *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron.inference.serve: error: ") and message in err and "\n" not in err
