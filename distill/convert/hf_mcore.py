@@ -129,6 +129,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
     from megatron.training.checkpointing import layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig, validate
     from moe_variants.builder import build_model
+    from moe_variants.global_state import local_weights
     from megatron.training.parallel import initialize_parallel
 
     check_new_output(out)
@@ -159,7 +160,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
         build_layout = ParallelConfig()
         pgc = initialize_parallel(build_layout, seed=0)
         model = build_model(configs.model, build_layout, vocab_size=vocab, pg_collection=pgc)
-        params = dict(model.named_parameters())
+        params = local_weights(model)  # grouped experts as per-expert views: the rules' names
         _check_coverage(f"{family.model_type} rules vs our model", rules, params)
         _check_tensors(f"--hf-dir {hf_dir}", rules, {k: p.shape for k, p in params.items()}, weights.shapes,
                        vocab, lambda n: family.is_ignored(n) or (n == "lm_head.weight" and not
