@@ -49,7 +49,7 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from moe_variants.common import wgrad
 
 __all__ = ["GroupedExperts", "RoutedExperts", "grouped_gemm_refusal", "describe", "group_offsets",
-           "grouped_linear", "GROUPED", "LOOP"]
+           "grouped_linear", "local_expert_weights", "GROUPED", "LOOP"]
 
 GROUPED = "grouped GEMM"  # GroupedExperts
 LOOP = "SequentialMLP loop"
@@ -366,6 +366,18 @@ class RoutedExperts:
         module = loop_module(num_local_experts, config, submodules, pg_collection=pg_collection)
         module.expert_path_reason = reason
         return module
+
+
+def local_expert_weights(experts, *, grad: bool = False) -> list:
+    """``[(fc1 [glu*F/tp, H], fc2 [H, F/tp])]`` per local expert of a ``GroupedExperts`` (views of the
+    stacked parameters) or ``SequentialMLP`` module; with ``grad``, their ``.grad`` instead."""
+    if isinstance(experts, GroupedExperts):
+        fc1, fc2 = experts.fc1_weight, experts.fc2_weight
+        if grad:
+            fc1, fc2 = fc1.grad, fc2.grad
+        return list(zip(fc1.unbind(0), fc2.unbind(0)))
+    pairs = [(e.linear_fc1.weight, e.linear_fc2.weight) for e in experts.local_experts]
+    return [(a.grad, b.grad) for a, b in pairs] if grad else pairs
 
 
 def describe(model) -> Optional[str]:
