@@ -196,6 +196,8 @@ class GroupedExperts(MegatronModule):
             setattr(self, name, param)
         if config.perform_initialization:
             self._initialize(ffn * glu, ffn, glu, tp_rank, tp_size)
+        self.register_state_dict_post_hook(self._per_expert_keys)
+        self.register_load_state_dict_pre_hook(self._stacked_keys)
 
     @torch.no_grad()
     def _initialize(self, fc1_out: int, ffn: int, glu: int, tp_rank: int, tp_size: int) -> None:
@@ -263,40 +265,35 @@ class GroupedExperts(MegatronModule):
         return [(f"local_experts.{e}.{linear}.weight", getattr(self, name), e)
                 for e in range(self.num_local_experts) for name, linear in _LINEARS]
 
-    # -- checkpoints: SequentialMLP's keys ------------------------------------------------------
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, linear in _LINEARS:
-            param = getattr(self, name)
-            param = param if keep_vars else param.detach()
-            for e in range(self.num_local_experts):
-                destination[f"{prefix}local_experts.{e}.{linear}.weight"] = param[e]
-                destination[f"{prefix}local_experts.{e}.{linear}._extra_state"] = None
+    # -- checkpoints: SequentialMLP's keys (torch's public state-dict hooks, set in __init__) ------
+    @staticmethod
+    def _per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
+        """``state_dict()`` post-hook: each stacked parameter as ``SequentialMLP``'s per-expert
+        weights (views of it), with the linears' empty ``_extra_state``."""
+        stacked = {name: state_dict.pop(prefix + name) for name, _ in _LINEARS}
+        for e in range(module.num_local_experts):
+            for name, linear in _LINEARS:
+                state_dict[f"{prefix}local_experts.{e}.{linear}.weight"] = stacked[name][e]
+                state_dict[f"{prefix}local_experts.{e}.{linear}._extra_state"] = None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        used = set()
+    @staticmethod
+    def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+        """``load_state_dict`` pre-hook: per-expert weights (``SequentialMLP``'s keys) stacked into
+        the parameters' own keys; a stacked tensor (a dist-checkpoint load) passes as it is."""
+        for e in range(module.num_local_experts):
+            for _, linear in _LINEARS:
+                state_dict.pop(f"{prefix}local_experts.{e}.{linear}._extra_state", None)
         for name, linear in _LINEARS:
-            param = getattr(self, name)
-            if prefix + name in state_dict:  # the stacked tensor (a dist-checkpoint load)
-                used.add(prefix + name)
-                value = state_dict[prefix + name]
-            else:
-                keys = [f"{prefix}local_experts.{e}.{linear}.weight" for e in range(self.num_local_experts)]
-                absent = [k for k in keys if k not in state_dict]
-                if absent:
-                    missing_keys.extend(absent)
-                    continue
-                used.update(keys)
-                value = torch.stack([state_dict[k] for k in keys])
-            if tuple(value.shape) != tuple(param.shape):
-                error_msgs.append(f"size mismatch for {prefix}{linear} of {self.num_local_experts} experts: "
-                                  f"copying {tuple(value.shape)}, the model has {tuple(param.shape)}")
+            keys = [f"{prefix}local_experts.{e}.{linear}.weight" for e in range(module.num_local_experts)]
+            present = [k for k in keys if k in state_dict]
+            if not present:
                 continue
-            with torch.no_grad():
-                param.copy_(value)
-        extra = {f"{prefix}local_experts.{e}.{linear}._extra_state"
-                 for e in range(self.num_local_experts) for _, linear in _LINEARS}
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in used | extra)
+            if len(present) < len(keys):
+                missing_keys.extend(k for k in keys if k not in state_dict)
+            parts = [state_dict.pop(k) for k in present]
+            if len(parts) == len(keys) and prefix + name not in state_dict:
+                state_dict[prefix + name] = torch.stack(parts)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """``SequentialMLP``'s dist-checkpoint keys and global shapes (module docstring); one
