@@ -86,8 +86,9 @@ def grouped_gemm_refusal(config, device: Optional[torch.device] = None) -> Optio
     these widths and this dtype (a tiny forward and backward, once per shape)."""
     if not hasattr(F, "grouped_mm"):
         return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
-    if config.add_bias_linear or config.fp8 or config.fp4 or config.use_te_activation_func:
-        return "expert biases, FP8/FP4 and TE activations need the loop"
+    if (config.add_bias_linear or config.fp8 or config.fp4 or config.use_te_activation_func
+            or config.moe_apply_probs_on_input):
+        return "expert biases, FP8/FP4, TE activations and probabilities on the input need the loop"
     device = _device() if device is None else device
     dtype = config.params_dtype
     tp = config.expert_tensor_parallel_size or 1
@@ -243,16 +244,12 @@ class GroupedExperts(MegatronModule):
         return (out * probs.unsqueeze(-1)).to(out.dtype)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        x, probs = permuted_local_hidden_states, permuted_probs
-        if self.config.moe_apply_probs_on_input:  # top-1 only (megatron-core checks it)
-            x = (probs.unsqueeze(-1) * x).to(x.dtype)
-            probs = None
-        offs = group_offsets(tokens_per_expert, x.device)
-        hidden = grouped_linear(x, self.fc1_weight, offs, self)  # [N, glu * F]
-        hidden = self._activation(hidden, None if self.probs_on_output else probs)
+        offs = group_offsets(tokens_per_expert, permuted_local_hidden_states.device)
+        hidden = grouped_linear(permuted_local_hidden_states, self.fc1_weight, offs, self)  # [N, glu * F]
+        hidden = self._activation(hidden, None if self.probs_on_output else permuted_probs)
         output = grouped_linear(hidden, self.fc2_weight, offs, self)  # [N, H]
-        if self.probs_on_output and probs is not None:
-            output = (output * probs.unsqueeze(-1)).to(output.dtype)
+        if self.probs_on_output:
+            output = (output * permuted_probs.unsqueeze(-1)).to(output.dtype)
         return output, None
 
     def backward_dw(self):
