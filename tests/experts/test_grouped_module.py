@@ -1,25 +1,33 @@
-"""``GroupedExperts`` in one process: the path choice, the flag, state-dict keys, the autograd edges.
+"""``GroupedExperts`` on one rank: the path choice, the flag, state-dict keys, the autograd edges.
+
+Each test body runs in a forked one-rank world (``run_distributed(fn, 1)``): megatron-core's
+process groups are never created in the test process itself, whose later forks would otherwise
+inherit them half torn down.
 
 Tolerances: exact throughout (fp32 on the CPU, where torch's grouped_mm runs each expert's GEMM
-with the operands of the per-expert matmul it is compared with), except the single-expert
-references built with ``torch.matmul`` on a concatenation, which may block differently: rtol 1e-6.
+with the operands of the per-expert matmul it is compared with), except the references written
+out with ``torch.matmul`` per expert, whose fused SwiGLU products may round differently: 1e-6.
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from moe_variants.config import ParallelConfig
 from tests.helpers import batch, build_and_load, forward_loss, tiny_model_config
+from tools.spawn import run_distributed
 
 
-@pytest.fixture
-def one_rank():
-    from megatron.training.parallel import single_process_group
+def one_rank(test):
+    """Run ``test`` in a forked world of one gloo rank."""
 
-    with single_process_group():
-        yield
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        run_distributed(lambda rank, world: test(*args, **kwargs), 1, timeout_s=120)
+
+    return run
 
 
 def _model(seed=7, **overrides):
@@ -32,7 +40,8 @@ def _experts(model):
     return moe_layers(model)[0].experts
 
 
-def test_default_is_grouped_and_the_flag_selects_the_loop(one_rank):
+@one_rank
+def test_default_is_grouped_and_the_flag_selects_the_loop():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron.training.arguments import parse_configs
@@ -48,7 +57,8 @@ def test_default_is_grouped_and_the_flag_selects_the_loop(one_rank):
     assert describe(loop) == "SequentialMLP loop (--no-moe-grouped-gemm)"
 
 
-def test_unaligned_widths_fall_back_to_the_loop_with_the_reason(one_rank):
+@one_rank
+def test_unaligned_widths_fall_back_to_the_loop_with_the_reason():
     """An expert FFN of 30 fp32 values (120 bytes) breaks grouped_mm's 16-byte stride rule."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -61,7 +71,8 @@ def test_unaligned_widths_fall_back_to_the_loop_with_the_reason(one_rank):
     forward_loss(model, *batch(0)).sum().backward()  # the fallback trains
 
 
-def test_bigmac_latent_experts_take_the_grouped_path_or_the_latent_loop(one_rank):
+@one_rank
+def test_bigmac_latent_experts_take_the_grouped_path_or_the_latent_loop():
     from moe_variants.bigmac.layer import LatentSequentialMLP
     from moe_variants.common.experts import GroupedExperts
 
@@ -72,7 +83,8 @@ def test_bigmac_latent_experts_take_the_grouped_path_or_the_latent_loop(one_rank
     assert type(loop) is LatentSequentialMLP
 
 
-def test_state_dict_keys_are_sequential_mlps_and_load_both_ways(one_rank):
+@one_rank
+def test_state_dict_keys_are_sequential_mlps_and_load_both_ways():
     grouped, _ = _model()
     loop, _ = _model(moe_grouped_gemm=False, seed=11)  # other weights
     assert list(grouped.state_dict()) == list(loop.state_dict())
@@ -87,7 +99,8 @@ def test_state_dict_keys_are_sequential_mlps_and_load_both_ways(one_rank):
         fresh.load_state_dict({k: v for k, v in loop.state_dict().items() if "local_experts.3.linear_fc2.weight" not in k})
 
 
-def test_sharded_state_dict_has_sequential_mlps_keys_and_global_shapes(one_rank):
+@one_rank
+def test_sharded_state_dict_has_sequential_mlps_keys_and_global_shapes():
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
@@ -129,7 +142,8 @@ def _reference(experts, x, counts, probs):
     return torch.cat(outs)
 
 
-def test_empty_experts_and_a_broadcast_gradient(one_rank):
+@one_rank
+def test_empty_experts_and_a_broadcast_gradient():
     """Experts with no tokens get zero gradients; ``y.sum().backward()`` (a zero-stride gradient,
     which the kernels reject as such) works."""
     experts = _experts(_model()[0])
@@ -149,7 +163,8 @@ def test_empty_experts_and_a_broadcast_gradient(one_rank):
     assert not grads[2][1].any() and not grads[2][3].any() and not grads[3][1].any()
 
 
-def test_gradient_accumulation_fusion_adds_into_main_grad(one_rank):
+@one_rank
+def test_gradient_accumulation_fusion_adds_into_main_grad():
     """megatron-core's fused accumulation semantics: the weight gradient goes into ``main_grad`` and
     DDP is told (``grad_added_to_main_grad``) through a placeholder gradient."""
     experts = _experts(_model()[0])

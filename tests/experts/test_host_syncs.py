@@ -14,6 +14,7 @@ import torch
 from moe_variants.config import ParallelConfig
 from tests.helpers import build_and_load, requires_gpu, tiny_model_config
 from tools.bench.host_syncs import HostSyncCounter, count_cuda_syncs
+from tools.spawn import run_distributed
 
 GROUPED_SYNCS = 0  # per MoE layer, forward + backward, EP = 1
 LOOP_SYNCS = 1  # SequentialMLP's tokens_per_expert.tolist()
@@ -87,29 +88,33 @@ def _forward_backward(layer, hidden):
     out.sum().backward()
 
 
+def _counted_syncs(rank, world, grouped):
+    layer, hidden = _layer(grouped)
+    with HostSyncCounter() as syncs:
+        _forward_backward(layer, hidden)
+    assert hidden.grad is not None and layer.router.weight.grad is not None
+    return syncs.calls
+
+
 @pytest.mark.parametrize("grouped,expected", [(True, GROUPED_SYNCS), (False, LOOP_SYNCS)], ids=["grouped", "loop"])
 def test_moe_layer_syncs_at_ep1(grouped, expected):
-    from megatron.training.parallel import single_process_group
+    [calls] = run_distributed(_counted_syncs, 1, grouped, timeout_s=120)  # one forked rank
+    assert len(calls) == expected, calls
 
-    with single_process_group():
-        layer, hidden = _layer(grouped)
-        with HostSyncCounter() as syncs:
-            _forward_backward(layer, hidden)
-    assert syncs.count == expected, syncs.calls
-    assert hidden.grad is not None and layer.router.weight.grad is not None
+
+def _cuda_syncs(rank, world):
+    from moe_variants.common.experts import GroupedExperts
+
+    layer, hidden = _layer(True, bf16=True)
+    assert isinstance(layer.experts, GroupedExperts) and hidden.is_cuda
+    _forward_backward(layer, hidden)  # warm-up: kernels, autotuning, allocator
+    return count_cuda_syncs(lambda: _forward_backward(layer, hidden))
 
 
 @requires_gpu
 @pytest.mark.gpu
 def test_moe_layer_cuda_syncs_at_ep1():
-    """The same budget on a GPU, by CUDA's sync debug mode, for the grouped path in bf16."""
-    from megatron.training.parallel import single_process_group
-
-    from moe_variants.common.experts import GroupedExperts
-
-    with single_process_group():
-        layer, hidden = _layer(True, bf16=True)
-        assert isinstance(layer.experts, GroupedExperts) and hidden.is_cuda
-        _forward_backward(layer, hidden)  # warm-up: kernels, autotuning, allocator
-        count, messages = count_cuda_syncs(lambda: _forward_backward(layer, hidden))
+    """The same budget on a GPU, by CUDA's sync debug mode, for the grouped path in bf16 (one
+    spawned NCCL rank)."""
+    [(count, messages)] = run_distributed(_cuda_syncs, 1, backend="nccl", timeout_s=300)
     assert count == GROUPED_SYNCS, messages

@@ -154,11 +154,12 @@ def run(preset_name: str, *, sections=SECTIONS, time_budget_s: float = 300.0, pe
         return False
 
     with single_process_group(only="python -m tools.bench.gpu", backend=default_backend()):
+        pgc = None
         if "layer" in sections:
-            pgc = initialize_parallel(ParallelConfig(), seed=1234)
             for shape in preset.layers:
                 if fits(f"layer {shape.name}", preset.layer_estimate_s):
                     began = budget.elapsed()
+                    pgc = pgc or initialize_parallel(ParallelConfig(), seed=1234)
                     result = measure_layer(shape, bf16=preset.bf16, warmup=preset.warmup, iters=preset.iters,
                                            pg_collection=pgc, peak_tflops=peak)
                     out["layer"].append({**result, "wall_s": budget.elapsed() - began})
