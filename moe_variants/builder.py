@@ -2,7 +2,7 @@
 
 The spec comes from megatron-core's own ``get_gpt_decoder_block_spec`` (local or Transformer
 Engine modules, dense-first patterns from ``moe_layer_freq``); the builder swaps in the project's
-MoE layer and router, then lets every enabled variant (``moe_variants.registry``) change each MoE
+MoE layer, router and (local spec) grouped-GEMM experts (``common/experts.py``), then lets every enabled variant (``moe_variants.registry``) change each MoE
 layer's spec and, once built, the model. It names no variant.
 """
 
@@ -21,12 +21,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_variants import registry
+from moe_variants.common.experts import RoutedExperts
 from moe_variants.common.moe_layer import ProjectMoELayer, ProjectRouter
 from moe_variants.config import ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl, plain, validate
 from moe_variants.features import GroupMaxRouter, MLADotProductAttention
@@ -173,7 +175,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
             num_moe_experts=model.num_experts,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
             moe_token_dispatcher_type=model.moe_token_dispatcher_type.value,
-            moe_grouped_gemm=te,
+            moe_grouped_gemm=te and model.moe_grouped_gemm,  # TE's TEGroupedMLP (the local path: _experts)
             moe_shared_expert_overlap=False,
         )
     if model.multi_latent_attention:
@@ -223,6 +225,15 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
     return ModuleSpec(module=spec.module, params=spec.params, submodules=sub, metainfo=spec.metainfo)
 
 
+def _experts(spec, model: ModelConfig, te: bool):
+    """The local spec's routed experts: ``RoutedExperts`` (grouped GEMMs where the kernel runs,
+    megatron-core's ``SequentialMLP`` otherwise, on the same submodules); TE's experts unchanged."""
+    if te or not isinstance(spec, ModuleSpec) or spec.module is not SequentialMLP:
+        return spec
+    return ModuleSpec(module=RoutedExperts, params={**spec.params, "grouped": model.moe_grouped_gemm},
+                      submodules=spec.submodules)
+
+
 def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_rank=None, upstream_moe=False):
     router = GroupMaxRouter if model.moe_router_group_score == RouterGroupScore.max else ProjectRouter
     block = get_gpt_decoder_block_spec(
@@ -249,7 +260,8 @@ def _project_block_spec(config, model: ModelConfig, pg_collection, te: bool, pp_
             mlp = ModuleSpec(
                 module=ProjectMoELayer,
                 params={**mlp.params, "pg_collection": pg_collection},
-                submodules=dataclasses.replace(mlp.submodules, router=router),
+                submodules=dataclasses.replace(mlp.submodules, router=router,
+                                               experts=_experts(mlp.submodules.experts, model, te)),
                 metainfo=mlp.metainfo,
             )
             for variant in variants:

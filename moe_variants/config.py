@@ -212,6 +212,9 @@ class ModelConfig:
     # megatron-core's fused weight-gradient accumulation into DDP's main_grad (GPU, where Transformer
     # Engine or apex provides the kernel); --no-gradient-accumulation-fusion for a backward without DDP
     gradient_accumulation_fusion: bool = dataclasses.field(default=True, metadata={"help": "fused weight-gradient accumulation into DDP's main_grad (GPU, with Transformer Engine or apex); --no-gradient-accumulation-fusion for a backward without DDP"})
+    # routed experts as grouped GEMMs (moe_variants/common/experts.py; Transformer Engine: TEGroupedMLP)
+    # wherever the kernel runs; megatron-core's SequentialMLP loop otherwise, or with --no-moe-grouped-gemm
+    moe_grouped_gemm: bool = dataclasses.field(default=True, metadata={"help": "routed experts as grouped GEMMs (torch grouped_mm; TEGroupedMLP with Transformer Engine) where the kernel runs, else megatron-core's SequentialMLP loop; --no-moe-grouped-gemm for the loop"})
     # multi-latent attention (DeepSeek-V2/V3)
     multi_latent_attention: bool = dataclasses.field(default=False, metadata={"help": "multi-latent attention (DeepSeek-V2/V3)"})
     q_lora_rank: Optional[int] = dataclasses.field(default=None, metadata={"help": "MLA: query low-rank dimension (none: full-rank queries)"})

@@ -8,23 +8,34 @@ Sem-MoE placement pass use it as their interchange format. Checkpoints for train
 megatron-core ``dist_checkpointing`` instead (``megatron.training.checkpointing``), which reshards
 without ever holding full tensors.
 
+Grouped-GEMM experts (``moe_variants.common.experts.GroupedExperts``) appear under
+``SequentialMLP``'s per-expert names (``...experts.local_experts.{i}.linear_fc1.weight``): each is a
+slice of the stacked parameter, so both expert paths share one layout-free format (``named_weights``).
+
 Pipeline parallelism is not handled here: each stage holds different layers (names are global
 already via megatron-core's layer offsets); call this per stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.common import collectives
+
+from moe_variants.common.experts import GroupedExperts
 
 __all__ = [
     "gather_global_state_dict",
     "gather_global_grads",
     "load_global_state_dict",
     "global_param_name",
+    "Weight",
+    "named_weights",
+    "local_weights",
 ]
 
 _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
@@ -39,6 +50,47 @@ def _moe_info(model):
         if isinstance(module, MoELayer):
             info[name] = (module.num_local_experts, module.local_expert_indices[0] // module.num_local_experts)
     return info
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One weight of this rank under its state-dict name: a parameter, or expert ``index`` of a
+    stacked grouped-experts parameter (whose expert axis is dimension 0)."""
+
+    name: str
+    param: torch.nn.Parameter
+    index: Optional[int] = None
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This weight's part of ``tensor`` (shaped like ``param``: its data, gradient, ...)."""
+        return tensor if self.index is None else tensor[self.index]
+
+    @property
+    def tensor_model_parallel(self) -> bool:
+        return bool(getattr(self.param, "tensor_model_parallel", False))
+
+    @property
+    def partition_dim(self) -> int:
+        return self.param.partition_dim - (0 if self.index is None else 1)
+
+
+def named_weights(model) -> list[Weight]:
+    """This rank's weights in ``named_parameters`` order, grouped experts split per expert."""
+    stacked = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for name, param, index in module.expert_weights():
+                stacked.setdefault(id(param), []).append(Weight(f"{prefix}.{name}", param, index))
+    out = []
+    for name, param in model.named_parameters():
+        out.extend(stacked.get(id(param), [Weight(name, param)]))
+    return out
+
+
+def local_weights(model) -> dict[str, torch.Tensor]:
+    """``{state-dict name: tensor}`` of this rank's weights (``named_weights``); a grouped expert's
+    entry is a view of its stacked parameter, so copying into it sets the parameter."""
+    return {w.name: w.param if w.index is None else w.param.detach()[w.index] for w in named_weights(model)}
 
 
 def global_param_name(name: str, moe_info: dict) -> str:
@@ -69,11 +121,12 @@ def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _gather_tp(name, param, data, model, pg_collection):
-    if not getattr(param, "tensor_model_parallel", False):
+def _gather_tp(weight: Weight, data, model, pg_collection):
+    name = weight.name
+    if not weight.tensor_model_parallel:
         return data
     group = _tp_group_for(name, pg_collection)
-    dim = param.partition_dim
+    dim = weight.partition_dim
     if _is_gated_fc1(name, model) and dim == 0:
         gate, up = torch.chunk(data, 2, dim=0)
         return torch.cat([_all_gather_cat(gate, group, 0), _all_gather_cat(up, group, 0)], dim=0)
@@ -122,13 +175,15 @@ def _gather_global(model, pg_collection, tensor_of) -> dict[str, torch.Tensor]:
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     moe_info = _moe_info(model)
     out: dict[str, torch.Tensor] = {}
-    names = [name for name, _ in model.named_parameters()]
-    params = dict(model.named_parameters())
     # expert parameters: gather across EP so every rank sees all experts
     ep_group = pg_collection.ep
     ep_world = dist.get_world_size(ep_group)
-    for name in names:
-        full = _gather_tp(name, params[name], tensor_of(params[name]), model, pg_collection)
+    values = {}  # one tensor_of per parameter (a stacked one serves all its experts)
+    for weight in named_weights(model):
+        name = weight.name
+        if id(weight.param) not in values:
+            values = {id(weight.param): tensor_of(weight.param)}
+        full = _gather_tp(weight, weight.of(values[id(weight.param)]), model, pg_collection)
         if _LOCAL_EXPERT.search(name) and ep_world > 1:
             gathered = [torch.empty_like(full) for _ in range(ep_world)]
             collectives.all_gather(gathered, full.contiguous(), group=ep_group)
@@ -147,15 +202,16 @@ def _gather_global(model, pg_collection, tensor_of) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tp_slice(name, param, full, model, pg_collection):
-    if not getattr(param, "tensor_model_parallel", False):
+def _tp_slice(weight: Weight, full, model, pg_collection):
+    name = weight.name
+    if not weight.tensor_model_parallel:
         return full
     group = _tp_group_for(name, pg_collection)
     world = dist.get_world_size(group)
     if world == 1:
         return full
     rank = dist.get_rank(group)
-    dim = param.partition_dim
+    dim = weight.partition_dim
     if _is_gated_fc1(name, model) and dim == 0:
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, world, 0)[rank], torch.chunk(up, world, 0)[rank]], 0)
@@ -192,19 +248,20 @@ def load_global_state_dict(
     used = set()
     missing = []
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            key = global_param_name(name, moe_info)
+        for weight in named_weights(model):
+            key = global_param_name(weight.name, moe_info)
             if key not in state:
                 missing.append(key)
                 continue
-            full = _pad_vocab(key, state[key], param, pg_collection)
-            local = _tp_slice(name, param, full, model, pg_collection)
-            if tuple(local.shape) != tuple(param.shape):
+            target = weight.of(weight.param)
+            full = _pad_vocab(key, state[key], weight.param, pg_collection)
+            local = _tp_slice(weight, full, model, pg_collection)
+            if tuple(local.shape) != tuple(target.shape):
                 raise ValueError(
                     f"{key}: checkpoint shape {tuple(state[key].shape)} gives a local shard "
-                    f"{tuple(local.shape)}, but the model expects {tuple(param.shape)}"
+                    f"{tuple(local.shape)}, but the model expects {tuple(target.shape)}"
                 )
-            param.copy_(local.to(param.dtype))
+            target.copy_(local.to(target.dtype))
             used.add(key)
     if strict and missing:
         raise KeyError(f"missing from the state dict: {', '.join(missing)}")

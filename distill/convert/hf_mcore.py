@@ -130,6 +130,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
     from megatron.training.checkpointing import layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig, validate
     from moe_variants.builder import build_model
+    from moe_variants.global_state import local_weights
     from megatron.training.parallel import initialize_parallel
 
     with user_input():  # the HF directory, the output path and the requested layout
@@ -161,7 +162,7 @@ def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_paralle
         build_layout = ParallelConfig()
         pgc = initialize_parallel(build_layout, seed=0)
         model = build_model(configs.model, build_layout, vocab_size=vocab, pg_collection=pgc)
-        params = dict(model.named_parameters())
+        params = local_weights(model)  # grouped experts as per-expert views: the rules' names
         _check_coverage(f"{family.model_type} rules vs our model", rules, params)
         tied = not configs.model.untie_embeddings_and_output_weights
         with user_input():  # the HF weights' names and shapes

@@ -110,17 +110,19 @@ def destroy_parallel() -> None:
 
 
 @contextlib.contextmanager
-def single_process_group(*, only: Optional[str] = None):
-    """A world of one gloo rank on a private file store, for tools that run in one process; torn down
+def single_process_group(*, only: Optional[str] = None, backend: str = "gloo"):
+    """A world of one rank on a private file store, for tools that run in one process; torn down
     (with megatron-core's groups) on exit. An existing group (a test harness, torchrun) is used as it
-    is; ``only`` names the tool for the one-line error when that group has more than one rank."""
+    is; ``only`` names the tool for the one-line error when that group has more than one rank.
+    ``backend``: gloo (the tools that move host tensors), or ``default_backend()`` for one that
+    trains on the GPU (NCCL: gloo would stage every gradient reduction through the host)."""
     if dist.is_initialized():
         if only is not None and dist.get_world_size() != 1:
             raise ValueError(f"{only} runs in one process: run it without torchrun")
         yield
         return
     with tempfile.TemporaryDirectory(prefix="pg-") as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         try:
             yield
         finally:

@@ -406,6 +406,11 @@ class Trainer:
             f"of {c.training.micro_batch_size} per step, global batch {self.global_batch}, starting at iteration "
             f"{self.iteration}" + (f"; configuration in {config_file}" if config_file else "")
         )
+        from moe_variants.common.experts import describe
+
+        experts = describe(self.chunks[0])
+        if experts:
+            self.writer.print(f"{self.prog}: routed experts: {experts}")
 
     # ----------------------------------------------------------------------------------- loop
     def loop(self) -> None:

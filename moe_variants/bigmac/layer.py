@@ -10,11 +10,11 @@ the local spec on CPU and with either spec on GPU, with both dispatchers, EP, TP
 capacity-factor routing. Probabilities weight and sum the top-k expert outputs in the low dimension
 before the single up-projection, which equals projecting each because the projection is linear.
 
-With the local (``SequentialMLP``) experts the routing probabilities scale each expert's L-wide
-output instead of its F-wide intermediate activation (megatron-core's ``per_token_scale``): the same
-product, since the expert's fc2 is linear, but on a tensor F / L (8x at r = 0.25) times narrower in
-the forward and in the two backward products (the activation's gradient and the probabilities'
-gradient) -- see docs/bigmac.md, "Compute overhead on CPU".
+With the local experts (grouped GEMMs or the ``SequentialMLP`` loop) the routing probabilities scale
+each expert's L-wide output instead of its F-wide intermediate activation (megatron-core's
+``per_token_scale``): the same product, since the expert's fc2 is linear, but on a tensor F / L (8x
+at r = 0.25) times narrower in the forward and in the two backward products (the activation's
+gradient and the probabilities' gradient) -- see docs/bigmac.md, "Compute overhead on CPU".
 
 Shape legend: T tokens, H hidden, L latent (r*H), F expert intermediate, N routed token copies.
 """
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from moe_variants.common.experts import RoutedExperts
 from moe_variants.common.moe_layer import ProjectMoELayer
 
 __all__ = ["BigMacMoELayer", "DuplicatedLinear", "LatentExperts", "LatentSequentialMLP"]
@@ -91,17 +92,23 @@ class LatentExperts:
     ``build_module`` passes ``(num_local_experts, config, submodules=, pg_collection=)``; this
     returns the real expert class built on a copy of the config whose ``moe_latent_size`` and
     ``moe_ffn_hidden_size`` are BigMac's (megatron-core's ``MLP`` sizes expert fc1-in/fc2-out from
-    ``moe_latent_size``, ``mlp.py:117-153``). ``SequentialMLP`` becomes ``LatentSequentialMLP``.
+    ``moe_latent_size``, ``mlp.py:117-153``). The probabilities scale the expert output:
+    ``SequentialMLP`` becomes ``LatentSequentialMLP``, and the project's ``RoutedExperts`` builds
+    ``GroupedExperts`` with ``probs_on_output`` (or ``LatentSequentialMLP`` where the grouped
+    kernel refuses the latent widths). ``expert_params`` are the expert spec's own params.
     """
 
     def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None, *,
-                expert_module, latent_size: int, ffn_hidden_size: int):
+                expert_module, latent_size: int, ffn_hidden_size: int, **expert_params):
         latent_config = copy.deepcopy(config)
         latent_config.moe_latent_size = latent_size
         latent_config.moe_ffn_hidden_size = ffn_hidden_size
         if expert_module is SequentialMLP:
             expert_module = LatentSequentialMLP
-        return expert_module(num_local_experts, latent_config, submodules, pg_collection=pg_collection)
+        elif expert_module is RoutedExperts:
+            expert_params = {**expert_params, "probs_on_output": True, "loop_module": LatentSequentialMLP}
+        return expert_module(num_local_experts, latent_config, submodules, pg_collection=pg_collection,
+                             **expert_params)
 
 
 class BigMacMoELayer(ProjectMoELayer):

@@ -11,6 +11,17 @@ dispatch, and one all-reduce sums the local experts' outputs.
 
 Both expose ``self.comm`` (a ``CommCounters``), which the training loop and the EP benchmark sum
 over layers.
+
+In dropless routing (every token goes to exactly ``topk`` experts: no capacity factor, no padding
+for quantization) ``AlltoAllDispatcher`` permutes without a host sync: megatron-core's unfused
+``permute`` selects with ``masked_select`` (an output of data-dependent size: two device-to-host
+syncs per layer), ours sorts the routed copies by expert (``sort_tokens_by_expert``: a top-k, a
+stable sort and an ``index_select``, the same order), and at EP = 1 with no expert-TP it keeps
+``tokens_per_expert`` on the device and skips the per-expert chunk sort, an identity with one
+chunk per expert (upstream copies the counts to the host and waits for them there). With
+``GroupedExperts`` an EP = 1 MoE layer then runs without a host sync (``tests/experts``).
+
+Shape legend: T tokens, E experts, K top-k, N = T x K routed copies.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from moe_variants.common import timing
 from moe_variants.common.comm import CommCounters, all_to_all, start_all_reduce
 
 __all__ = ["AlltoAllDispatcher", "AllGatherDispatcher", "ReplicatedDispatcher", "build_token_dispatcher",
-           "host_splits", "use_replicated_experts"]
+           "host_splits", "sort_tokens_by_expert", "use_replicated_experts"]
 
 
 def host_splits(splits) -> list[int]:
@@ -33,14 +44,63 @@ def host_splits(splits) -> list[int]:
     return [int(n) for n in splits]
 
 
+def sort_tokens_by_expert(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """Dropless permutation order without a host sync.
+
+    routing_map: [T, E] bool with exactly ``topk`` experts per token; probs: [T, E].
+    Returns (token_index [N] int64, permuted_probs [N]), N = T x topk: the source token of each
+    routed copy, grouped by expert in expert order and by token within an expert (the order of
+    megatron-core's ``permute``), and its probability (differentiable in ``probs``).
+    """
+    experts = torch.topk(routing_map.to(torch.int8), topk, dim=1, sorted=False).indices  # [T, K]
+    order = torch.argsort(experts.reshape(-1), stable=True)  # entry t*K + k: expert-major, t ascending
+    return order // topk, probs.gather(1, experts).reshape(-1)[order]
+
+
 class AlltoAllDispatcher(AlltoAllTokenDispatcher):
     """All-to-all dispatcher whose EP collectives go through ``moe_variants.common.comm`` (upstream's
     ``MoEAlltoAllTokenDispatcher`` through ``megatron.compat.token_dispatcher``, which keeps the
-    split sizes on the host on the CPU)."""
+    split sizes on the host on the CPU), and whose dropless permutation needs no host sync (module
+    docstring)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
         self.comm = CommCounters()
+        # dropless: the routed copies are T x K, known without reading the routing map
+        self.sorted_permutation = not (
+            self.drop_and_pad or config.moe_expert_capacity_factor is not None
+            or config.moe_router_padding_for_quantization or config.moe_permute_fusion
+        )
+        # one rank, one expert-TP rank: each expert's tokens form one chunk, in expert order
+        self.single_chunk = self.sorted_permutation and self.ep_size * self.tp_size == 1
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """Upstream's step (metadata, split sizes to the host where EP or expert-TP needs them, then
+        permutation 1) with the sorted permutation in dropless routing."""
+        if not self.sorted_permutation:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        assert self.shared_experts is None  # ProjectMoELayer refuses the shared-expert overlap
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if not self.single_chunk:
+            self.tokens_per_expert = self.synchronize_splits("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        token_index, permuted_probs = sort_tokens_by_expert(routing_map, probs, self.config.moe_router_topk)
+        self.reversed_local_input_permutation_mapping = token_index
+        return hidden_states.index_select(0, token_index), permuted_probs
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self.single_chunk:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None  # on the device
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self.single_chunk:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
 
     def dispatch_splits(self) -> tuple[list[int], list[int]]:
         """(output_splits, input_splits) of the dispatch all-to-all, as host ints."""

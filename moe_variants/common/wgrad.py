@@ -9,9 +9,11 @@ first gradient all-to-all: its weight gradient then fills that collective's wind
 runs while a later gradient all-to-all is in flight (``run_while``, called by the all-to-all's
 wait hook before it blocks), and whatever is left runs when the backward pass ends (an autograd
 engine callback), before gradient synchronisation and the optimizer. Work queued by a backward
-that raised is dropped when the next backward queues, never added to its gradients. The same idea as megatron-core's ``delay_wgrad_compute`` for
-Transformer Engine's grouped GEMM and DeepSeek's DualPipe; this is the local (``SequentialMLP``)
-expert version used on CPU/gloo.
+that raised is dropped when the next backward queues, never added to its gradients. The same idea
+as megatron-core's ``delay_wgrad_compute`` for Transformer Engine's grouped GEMM and DeepSeek's
+DualPipe, for the project's expert modules: the local ``SequentialMLP`` linears (wrapped here) and
+``GroupedExperts`` (``experts.py``), whose grouped GEMM queues its weight gradient ``dy^T x`` per
+expert through ``queue`` when its ``defer_wgrad`` is on.
 
 Gradients are the same values as without deferral (the same matmul, accumulated into
 ``main_grad`` as megatron-core's DDP hook would, or into ``.grad`` without DDP); only when they
@@ -37,7 +39,8 @@ from megatron.compat.autograd import current_graph_task_id, queue_engine_callbac
 
 from megatron.compat.linear import wrap_local_linear
 
-__all__ = ["defer_expert_wgrad", "defer_wgrad", "disable", "flush", "is_deferred", "pending", "run_while"]
+__all__ = ["accumulate", "defer_expert_wgrad", "defer_wgrad", "disable", "flush", "is_deferred", "pending", "queue",
+           "run_while"]
 
 DEFERRED = "deferred-wgrad"
 _EAGER = "_deferred_wgrad_off"  # attribute set on the weight of a linear whose deferral is disabled
@@ -51,7 +54,9 @@ def pending() -> int:
     return len(_QUEUE)
 
 
-def _push(task: Callable[[], None]) -> None:
+def queue(task: Callable[[], None]) -> None:
+    """Queue a weight-gradient computation from inside a backward pass (it runs in a later
+    collective's window or when this backward ends)."""
     global _GRAPH_TASK
     current = current_graph_task_id()
     if current != _GRAPH_TASK:  # the first of this backward pass: make sure it ends with a flush
@@ -75,7 +80,8 @@ def flush() -> None:
     _GRAPH_TASK = None
 
 
-def _accumulate(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
+def accumulate(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add a weight gradient where autograd or megatron-core DDP's hook would have put it."""
     if getattr(weight, "main_grad", None) is not None:  # megatron-core DDP's buffer
         weight.main_grad.add_(grad)
     elif weight.grad is None:
@@ -101,9 +107,9 @@ class _DeferredWgradLinear(torch.autograd.Function):
         def wgrad():
             g = grad_output.reshape(-1, grad_output.shape[-1])
             x = inp.reshape(-1, inp.shape[-1])
-            _accumulate(weight, g.t().matmul(x))
+            accumulate(weight, g.t().matmul(x))
 
-        _push(wgrad)
+        queue(wgrad)
         return grad_input, None
 
 
@@ -126,35 +132,47 @@ def defer_wgrad(linear) -> bool:
     return wrap_local_linear(linear, _deferred_forward_impl, DEFERRED)
 
 
-def is_deferred(linear) -> bool:
-    """True if ``linear`` defers its weight gradient (wrapped and not disabled)."""
-    return DEFERRED in getattr(linear, "_compat_linear_wraps", ()) and not getattr(linear.weight, _EAGER, False)
+def is_deferred(module) -> bool:
+    """True if ``module`` defers its weight gradients: a wrapped local linear (not disabled), or
+    grouped-GEMM experts with ``defer_wgrad`` on."""
+    if hasattr(module, "defer_wgrad"):
+        return bool(module.defer_wgrad)
+    return DEFERRED in getattr(module, "_compat_linear_wraps", ()) and not getattr(module.weight, _EAGER, False)
 
 
 def disable(model) -> int:
-    """Compute the weight gradients of every deferring linear of ``model`` in the backward again;
+    """Compute the weight gradients of every deferring module of ``model`` in the backward again;
     returns how many were deferring."""
     count = 0
     for module in model.modules():
         if is_deferred(module):
-            setattr(module.weight, _EAGER, True)
+            if hasattr(module, "defer_wgrad"):
+                module.defer_wgrad = False
+            else:
+                setattr(module.weight, _EAGER, True)
             count += 1
     return count
 
 
 def defer_expert_wgrad(moe_layer) -> int:
-    """Make the local experts' linears of ``moe_layer`` (a megatron-core ``MoELayer`` with
-    ``SequentialMLP`` experts) defer their weight gradients; returns how many were switched.
+    """Make the routed experts of ``moe_layer`` (a megatron-core ``MoELayer``) defer their weight
+    gradients; returns how many modules were switched: the ``GroupedExperts`` module (one for all
+    experts), or each local linear of ``SequentialMLP`` experts.
 
     Linears that need tensor-parallel communication, a bias or fused accumulation keep
-    megatron-core's path (per call, so nothing changes for them). Grouped-GEMM experts
-    (Transformer Engine) are left alone: they have no local ``_forward_impl``, and megatron-core's
-    own ``delay_wgrad_compute`` for them (TE's ``GroupedLinear.backward_dw``) is accepted by its
-    config only together with ``overlap_moe_expert_parallel_comm`` (``transformer_config.py:1909-1912``,
+    megatron-core's path (per call, so nothing changes for them). Transformer Engine's grouped
+    experts are left alone: they have no local ``_forward_impl``, and megatron-core's own
+    ``delay_wgrad_compute`` for them (TE's ``GroupedLinear.backward_dw``) is accepted by its config
+    only together with ``overlap_moe_expert_parallel_comm`` (``transformer_config.py:1909-1912``,
     its combined 1F1B schedule), and it would apply to every TE linear sharing the config. So on
     the TE path the expert weight gradients are computed in the backward as usual.
     """
     experts = getattr(moe_layer, "experts", None)
+    if hasattr(experts, "defer_wgrad"):
+        if experts.defer_wgrad:
+            return 0
+        experts.defer_wgrad = True
+        return 1
     switched = 0
     for expert in getattr(experts, "local_experts", []):
         for name in ("linear_fc1", "linear_fc2"):

@@ -2,7 +2,8 @@
 
 megatron-core's EP split is contiguous: EP rank r owns experts ``[r * N/EP, (r+1) * N/EP)`` in the
 order of the expert index. So a placement is realised by permuting, in the layout-free global
-state dict (``moe_variants.global_state``), the experts of every MoE layer into the order of
+state dict (``moe_variants.global_state``, which names the experts of both local expert paths,
+``GroupedExperts`` and ``SequentialMLP``, per expert), the experts of every MoE layer into the order of
 the tables' ``physical_to_logical`` map (devices in order, experts ascending within a device)
 together with the router rows (``router.weight`` [N, H], and ``router.bias`` / ``expert_bias``
 [N] where present). The permuted model computes the same function: the router scores the same
@@ -57,8 +58,8 @@ def moe_layer_prefixes(state: Mapping[str, torch.Tensor]) -> list[str]:
     grouped = sorted({m.group("prefix") for k in state for m in [_GROUPED.match(k)] if m})
     if grouped:
         raise ValueError(
-            f"{grouped[0]}: grouped-GEMM experts (weight1/weight2) cannot be permuted by this pass; "
-            "use the SequentialMLP experts (--transformer-impl local, no grouped GEMM)"
+            f"{grouped[0]}: megatron-core's legacy GroupedMLP experts (weight1/weight2) cannot be permuted by "
+            "this pass; use the local spec's experts (--transformer-impl local: grouped GEMM or the loop)"
         )
     prefixes = {m.group("prefix") for k in state for m in [_EXPERT.match(k)] if m}
 

@@ -189,7 +189,7 @@ def test_layer_0_imports_nothing_of_the_project():
 MODEL_LIBRARY_API = ("moe_variants.config", "moe_variants.registry", "moe_variants.builder",
                      "moe_variants.global_state", "moe_variants.features", "moe_variants.common.moe_layer",
                      "moe_variants.common.comm", "moe_variants.common.routing", "moe_variants.common.dispatcher",
-                     "moe_variants.common.timing", "moe_variants.common.wgrad")
+                     "moe_variants.common.timing", "moe_variants.common.wgrad", "moe_variants.common.experts")
 # a tool that exists for one variant may import it: a tool named after it (``tools/semmoe/``,
 # ``scripts/profile_bigmac_layer.py``: the variant's name is a word of the module's path), and FCSD
 # (``distill``), FarSkip's self-distillation

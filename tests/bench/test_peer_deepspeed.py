@@ -32,6 +32,7 @@ def _assert_close_scaled(got, ref, name=""):
 
 def _both_layers(rank, world, topk, shared=None):
     from moe_variants.common.comm import CommCounters
+    from moe_variants.common.experts import local_expert_weights
     from moe_variants.common.moe_layer import comm_counters, moe_layers
     from tests.helpers import build_and_load
     from tools.bench.peers import deepspeed_moe
@@ -48,7 +49,7 @@ def _both_layers(rank, world, topk, shared=None):
     xi = x.clone().requires_grad_(True)
     out, _ = ours(xi)
     out.square().sum().backward()
-    local = [(e.linear_fc1.weight.grad.clone(), e.linear_fc2.weight.grad.clone()) for e in ours.experts.local_experts]
+    local = [(fc1.clone(), fc2.clone()) for fc1, fc2 in local_expert_weights(ours.experts, grad=True)]
     results.append((out.detach(), xi.grad, ours.router.weight.grad.clone(), local,
                     CommCounters.total(comm_counters([model]))))  # fmt: skip
     ours_bytes = results[0][4]["bytes_dispatch"]

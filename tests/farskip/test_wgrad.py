@@ -1,8 +1,8 @@
 """Deferred expert weight gradients (moe_variants/common/wgrad.py): same gradients, computed later.
 
 Tolerance: exact. Deferral runs the very matmul megatron-core's local linear runs
-(``grad_output.t() @ input`` on the 2-D views) and accumulates it the way autograd / megatron-core
-DDP would; only when it runs changes.
+(``grad_output.t() @ input`` on the 2-D views), or the grouped experts' grouped weight-gradient GEMM,
+and accumulates it the way autograd / megatron-core DDP would; only when it runs changes.
 """
 
 import pytest
@@ -69,15 +69,18 @@ def test_deferred_gradient_accumulates_into_main_grad():
     assert torch.equal(w.main_grad, 1 + torch.ones(6).unsqueeze(1) * x.sum(0))
 
 
-def _grads_and_queue(rank, world, defer):
+def _grads_and_queue(rank, world, defer, grouped):
     from moe_variants.common.moe_layer import moe_layers
 
     cfg = tiny_model_config(farskip="all", farskip_impl="overlapped", farskip_defer_wgrad=defer, num_layers=2,
-                            moe_layer_freq=1)
+                            moe_layer_freq=1, moe_grouped_gemm=grouped)
     model, _ = build_and_load(cfg, ParallelConfig(expert_model_parallel_size=world))
-    linears = [lin for layer in moe_layers(model) for e in layer.experts.local_experts
-               for lin in (e.linear_fc1, e.linear_fc2)] + [model.output_layer]
-    switched = sum(wgrad.is_deferred(lin) for lin in linears)
+    if grouped:  # one GroupedExperts module per layer
+        deferring = [layer.experts for layer in moe_layers(model)]
+    else:
+        deferring = [lin for layer in moe_layers(model) for e in layer.experts.local_experts
+                     for lin in (e.linear_fc1, e.linear_fc2)]
+    switched = sum(wgrad.is_deferred(m) for m in deferring + [model.output_layer])
     if defer:  # wrapping is idempotent: a second pass switches nothing
         assert sum(wgrad.defer_expert_wgrad(layer) for layer in moe_layers(model)) == 0
         assert not wgrad.defer_wgrad(model.output_layer)
@@ -99,14 +102,18 @@ def _grads_and_queue(rank, world, defer):
     return switched, sum(ran_in_windows), wgrad.pending(), grads
 
 
-def test_overlapped_farskip_defers_expert_wgrad_with_identical_gradients():
-    """EP=2: every local expert linear and the output layer is switched, the queue is empty after the backward, and the
-    gradients equal the eager ones bit for bit. (Whether a task runs inside a window or at the
-    final flush depends on timing, so only the total is pinned, not the split.)"""
-    deferred = run_distributed(_grads_and_queue, 2, True)
-    eager = run_distributed(_grads_and_queue, 2, False)
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+def test_overlapped_farskip_defers_expert_wgrad_with_identical_gradients(grouped):
+    """EP=2: every expert module (the grouped experts, or each local expert linear of the loop) and
+    the output layer is switched, the queue is empty after the backward, and the gradients equal
+    the eager ones bit for bit. (Whether a task runs inside a window or at the final flush depends
+    on timing, so only the total is pinned, not the split.)"""
+    deferred = run_distributed(_grads_and_queue, 2, True, grouped)
+    eager = run_distributed(_grads_and_queue, 2, False, grouped)
+    # 2 MoE layers x (one grouped module | 2 local experts (4 on EP=2) x fc1/fc2), + the output layer
+    expected = 2 * 1 + 1 if grouped else 2 * 2 * 2 + 1
     for (switched, _, left, grads), (eager_switched, eager_ran, _, eager_grads) in zip(deferred, eager):
-        assert switched == 2 * 2 * 2 + 1  # 2 MoE layers x 2 local experts (4 on EP=2) x fc1/fc2, + output layer
+        assert switched == expected
         assert eager_switched == 0 and eager_ran == 0
         assert left == 0
         assert grads.keys() == eager_grads.keys()
@@ -156,6 +163,6 @@ def test_overlap_grad_reduce_turns_the_deferral_off_with_a_warning():
     overlapped = run_distributed(_train_with_overlap, 2, True, timeout_s=240)
     deferred = run_distributed(_train_with_overlap, 2, False, timeout_s=240)
     for (n_on, losses_on, warn_on), (n_off, losses_off, warn_off) in zip(overlapped, deferred):
-        assert n_on == 0 and n_off == 2 * 2 * 2 + 1
+        assert n_on == 0 and n_off == 2 * 1 + 1  # 2 layers' grouped experts + the output layer
         assert len(warn_on) == 1 and warn_off == []
         assert losses_on == pytest.approx(losses_off, rel=1e-5)

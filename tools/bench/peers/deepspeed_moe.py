@@ -280,17 +280,21 @@ def _copy_layer_weights(ds_moe, ours) -> None:
     torch = _torch()
     gate = ds_moe.deepspeed_moe.gate.wg.weight
     local = ds_moe.deepspeed_moe.experts.deepspeed_experts
-    experts = getattr(ours.experts, "local_experts", None)
-    if experts is None:
-        raise ValueError(f"the deepspeed-moe peer copies weights from megatron-core's SequentialMLP experts, "
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_variants.common.experts import GroupedExperts, local_expert_weights
+
+    if not isinstance(ours.experts, (GroupedExperts, SequentialMLP)):
+        raise ValueError(f"the deepspeed-moe peer copies weights from the local spec's experts, "
                          f"not {type(ours.experts).__name__} (use --transformer-impl local)")  # fmt: skip
+    experts = local_expert_weights(ours.experts)
     if len(experts) != len(local):
         raise ValueError(f"{len(experts)} local experts here, {len(local)} in DeepSpeed's layer")
     with torch.no_grad():
         gate.copy_(ours.router.weight)
-        for theirs, mine in zip(local, experts):
-            theirs.fc1.weight.copy_(mine.linear_fc1.weight)
-            theirs.fc2.weight.copy_(mine.linear_fc2.weight)
+        for theirs, (fc1, fc2) in zip(local, experts):
+            theirs.fc1.weight.copy_(fc1)
+            theirs.fc2.weight.copy_(fc2)
 
 
 def replace_moe_layers(model, model_cfg, pg_collection) -> list:
