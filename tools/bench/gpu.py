@@ -122,6 +122,23 @@ def _log(message: str) -> None:
     print(f"bench_gpu: {message}", file=sys.stderr, flush=True)
 
 
+def _measure_training_isolated(shape, overrides: dict, **train_args) -> dict:
+    """On a GPU every trained model runs in its own process: megatron-core's DDP keeps a model
+    alive through the autograd hooks it puts on the parameters (a cycle through C++ that Python's
+    collector cannot free), so models trained one after another in one process add up (three
+    1.3B models with their Adam states do not fit 80 GB). Its exit returns the memory."""
+    import torch
+
+    from megatron.training.parallel import default_backend
+    from tools.bench.gpu_measure import measure_training, train_in_child
+    from tools.spawn import run_distributed
+
+    if not torch.cuda.is_available():  # the CPU smoke run's toy models: in process
+        return measure_training(shape, overrides, **train_args)
+    return run_distributed(train_in_child, 1, shape, overrides, train_args, backend=default_backend(),
+                           timeout_s=900, num_threads=4)[0]
+
+
 def run(preset_name: str, *, sections=SECTIONS, time_budget_s: float = 300.0, peak_tflops: Optional[float] = None,
         iters: Optional[int] = None, start: Optional[float] = None) -> dict:
     """Measure ``sections`` of preset ``preset_name`` (``iters`` timed repetitions instead of the
@@ -130,7 +147,7 @@ def run(preset_name: str, *, sections=SECTIONS, time_budget_s: float = 300.0, pe
     from megatron.training.parallel import default_backend, initialize_parallel, single_process_group
     from moe_variants import registry
     from moe_variants.config import ParallelConfig
-    from tools.bench.gpu_measure import measure_layer, measure_training
+    from tools.bench.gpu_measure import measure_layer
 
     preset = PRESETS[preset_name]
     if iters:
@@ -168,7 +185,7 @@ def run(preset_name: str, *, sections=SECTIONS, time_budget_s: float = 300.0, pe
             for path, grouped in (("grouped", True), ("loop", False)):
                 if fits(f"train {path}", preset.train_estimate_s):
                     began = budget.elapsed()
-                    result = measure_training(preset.train, {"moe_grouped_gemm": grouped}, **train_args)
+                    result = _measure_training_isolated(preset.train, {"moe_grouped_gemm": grouped}, **train_args)
                     out["train"][path] = {**result, "wall_s": budget.elapsed() - began}
             if {"grouped", "loop"} <= out["train"].keys():
                 out["train"]["check"] = _loss_check(out["train"]["grouped"], out["train"]["loop"], preset.bf16)
@@ -178,7 +195,7 @@ def run(preset_name: str, *, sections=SECTIONS, time_budget_s: float = 300.0, pe
                     continue
                 if fits(f"variant {variant.name}", preset.train_estimate_s):
                     began = budget.elapsed()
-                    result = measure_training(preset.train, {"moe_variant": variant.moe_layer,
+                    result = _measure_training_isolated(preset.train, {"moe_variant": variant.moe_layer,
                                                              "moe_grouped_gemm": True}, **train_args)
                     out["variants"].append({"variant": variant.name, **result, "wall_s": budget.elapsed() - began})
     out["elapsed_s"] = budget.elapsed()

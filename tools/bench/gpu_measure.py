@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["LayerShape", "TrainShape", "timed", "measure_layer", "measure_training", "a2a_bytes_per_step"]
+__all__ = ["LayerShape", "TrainShape", "timed", "measure_layer", "measure_training", "train_in_child", "a2a_bytes_per_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,3 +288,8 @@ def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: 
             bytes_per_element=2 if model_cfg.bf16 else 4),
     }
     return out  # the model is freed with this frame; the next measurement collects it first
+
+
+def train_in_child(rank: int, world: int, shape: TrainShape, overrides: dict, train_args: dict) -> dict:
+    """``measure_training`` in a process of its own (``tools.spawn``'s one-rank world)."""
+    return measure_training(shape, overrides, **train_args)
