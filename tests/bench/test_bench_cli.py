@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tools.bench.collectives import aggregate_rows, default_sizes, repeats_for
+from tools.bench.calibration import aggregate_rows, default_sizes, repeats_for
 from tools import repo_root
 from tools.bench.schema import STEP_FIELDS, RankResult
 from tools.bench.synthetic_worker import even_splits

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from . import netns, peers
 from .aggregate import (RUN_FIGURES, format_table, merge_runs, over_runs_stats, ratios_vs, uncontended_comm_fraction,
                         variant_stats)
-from .collectives import OPS, default_sizes, run_calibration, write_csv
+from .calibration import OPS, default_sizes, run_calibration, write_csv
 from .discipline import LoadGate, add_discipline_arguments, format_ci, rotations
 from .launcher import LaunchError, launch
 from .schema import RankResult, SyntheticOptions, WorkerSpec

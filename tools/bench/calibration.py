@@ -1,6 +1,6 @@
 """Calibration (``--collectives``): time gloo collectives over the shaped link, write a CSV.
 
-Worker (``python -m tools.bench.collectives SPEC.json``, one process per rank): for
+Worker (``python -m tools.bench.calibration SPEC.json``, one process per rank): for
 each op and message size it runs ``warmup`` untimed calls, then ``repeats`` timed ones, each
 preceded by a barrier so all ranks start together; messages under 1 MiB get more repeats (see
 :func:`repeats_for`) because their times are short and scheduler noise on a busy CPU is large.
@@ -44,7 +44,7 @@ from megatron.common import collectives
 __all__ = ["OPS", "default_sizes", "repeats_for", "aggregate_rows", "write_csv", "run_calibration", "main"]
 
 OPS = ("all_to_all", "all_reduce")
-WORKER_MODULE = "tools.bench.collectives"
+WORKER_MODULE = "tools.bench.calibration"
 
 
 def default_sizes(lo: int = 4 << 10, hi: int = 64 << 20, per_octave: int = 1) -> list[int]:
