@@ -34,7 +34,7 @@ def _logits(rank, world, original, placed, physical_to_logical, tokens):
     from moe_variants.builder import causal_attention_mask
     from moe_variants.common.moe_layer import moe_layers
     from moe_variants.config import ParallelConfig
-    from moe_variants.global_state import gather_global_state_dict
+    from moe_variants.global_state import gather_global_state_dict, local_weights
 
     seq = tokens.shape[1]
     pos = torch.arange(seq)[None].expand_as(tokens)
@@ -49,12 +49,16 @@ def _logits(rank, world, original, placed, physical_to_logical, tokens):
             if name == "original":
                 full = gather_global_state_dict(model, pgc)
         if ep == 2:  # rank r holds the original weights of the experts the tables put on device r
+            weights = local_weights(model)  # per-expert names on either expert path
             for l, layer in enumerate(moe_layers(model)):
-                for j, expert in enumerate(layer.experts.local_experts):
+                for j in range(layer.num_local_experts):
                     logical = int(physical_to_logical[l][layer.local_expert_indices[j]])
-                    prefix = f"decoder.layers.{l}.mlp.experts.local_experts.{logical}."
-                    for pname, p in expert.named_parameters():
-                        assert torch.equal(p, full[prefix + pname]), (l, j, pname)
+                    local = f"decoder.layers.{l}.mlp.experts.local_experts.{j}."
+                    owned = {n[len(local):]: w for n, w in weights.items() if n.startswith(local)}
+                    assert sorted(owned) == ["linear_fc1.weight", "linear_fc2.weight"]
+                    for pname, w in owned.items():
+                        key = f"decoder.layers.{l}.mlp.experts.local_experts.{logical}.{pname}"
+                        assert torch.equal(w, full[key]), (l, j, pname)
                     out[("owned", l, j)] = logical
     return out
 
