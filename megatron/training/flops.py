@@ -23,12 +23,14 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, 
                     "B200": 2250.0, "GB200": 2500.0, "L40S": 362.1, "MI300X": 1307.4}
 
 
-def active_weights(model, *, num_experts: Optional[int], topk: int, tp_size: int = 1,
-                   expert_tp_size: int = 1, num_local_experts: int = 1) -> int:
+def active_weights(model, *, num_experts: Optional[int], topk: int, num_local_experts: int, tp_size: int = 1,
+                   expert_tp_size: int = 1) -> int:
     """Weights one token multiplies by in the whole model (not this rank's shard): matrices only
     (norm scales and biases are element-wise), without the embedding tables unless they are
     also the output projection. Expert weights sit under ``.experts.`` (and carry
-    ``allreduce=False`` at EP > 1); tensor-parallel shards carry ``tensor_model_parallel=True``."""
+    ``allreduce=False`` at EP > 1); tensor-parallel shards carry ``tensor_model_parallel=True``.
+    ``num_local_experts`` (the experts this rank holds) has no default: the expert weights summed
+    here are divided by it to get one expert's, so a wrong count multiplies the routed FLOPs."""
     dense, expert = 0, 0
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     for name, p in model.named_parameters():

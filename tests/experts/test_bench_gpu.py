@@ -45,6 +45,8 @@ def test_cpu_smoke_run_writes_the_schema_and_checks_grouped_against_the_loop(tmp
     for path in ("grouped", "loop"):
         assert TRAIN <= set(train[path]) and TIMING == set(train[path]["step_time"])
         assert train[path]["a2a_bytes_per_step_measured"] == 0  # EP = 1
+        # top-2 of 8 experts: far fewer weights per token than the model holds (all 8 counted: 4x too many)
+        assert train[path]["active_weights_per_token"] < 0.6 * train[path]["parameters"]
     assert train["grouped"]["experts"].startswith("grouped GEMM") and train["loop"]["experts"].startswith("SequentialMLP")
     [variant] = result["variants"]  # every registered variant with its own MoE layer (today one)
     assert TRAIN <= set(variant) and variant["experts"].startswith("grouped GEMM")

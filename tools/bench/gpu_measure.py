@@ -266,7 +266,8 @@ def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: 
     first = step()
     timing = timed(step, warmup=max(warmup - 1, 0), iters=iters)
     tokens = shape.micro_batch_size * model_cfg.seq_length
-    active = active_weights(model, num_experts=model_cfg.num_experts, topk=model_cfg.moe_router_topk)
+    active = active_weights(model, num_experts=model_cfg.num_experts, topk=model_cfg.moe_router_topk,
+                            num_local_experts=model_cfg.num_experts or 1)  # EP = 1: every expert is local
     per_token = flops_per_token(model.config, active, seq_length=model_cfg.seq_length)
     tflops = per_token * tokens / timing["median_s"] / 1e12
     out = {
