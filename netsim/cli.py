@@ -608,6 +608,37 @@ def _validate(args) -> int:
     return 0
 
 
+def _configure_report(p):
+    p.add_argument("validations", nargs="+", metavar="NAME=VALIDATE_JSON",
+                   help="a configuration's name and its `validate --json` output (its bench_serve run is read from it)")
+    p.add_argument("--goal", type=positive_float, default=0.15, help="the error goal each pooled figure is held to")
+    p.add_argument("--json", metavar="OUT", help="write the reports here")
+
+
+@command("report", "validation errors per configuration with their range over the run's repeats", _configure_report)
+def _report(args) -> int:
+    from megatron.common.files import write_json
+
+    from .report import configuration_report, format_report
+    from .validation import read_json
+
+    reports = []
+    for item in args.validations:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"{item!r}: expected NAME=VALIDATE_JSON")
+        validation = read_json(path, name)
+        if not isinstance(validation, dict) or validation.get("schema") != "netsim-validate/1":
+            raise UserError(f"{name}: {path} is not a `python -m netsim validate --json` output")
+        run = read_json(validation["bench_serve"], f"{name}'s bench_serve")
+        reports.append(configuration_report(name, validation, run))
+    print(format_report(reports, args.goal))
+    if args.json:
+        write_json(args.json, {"schema": "netsim-report/1", "goal": args.goal, "configurations": reports})
+        print(f"wrote {args.json}")
+    return 0
+
+
 def replace_ns(ns: argparse.Namespace, **kw) -> argparse.Namespace:
     d = vars(ns).copy()
     d.update(kw)
