@@ -21,7 +21,7 @@ RUNS = sorted(p.parent for p in (REPO / "docs" / "figures" / "netsim_validation"
 def test_every_run_of_docs_netsim_is_here():
     assert {p.name for p in RUNS} == {"heldout_composed", "heldout_semmoe", "heldout_composed2", "heldout_tp",
                                       "heldout_tp2", "heldout_composed3", "heldout_semmoe2", "shaping1", "shaping2",
-                                      "serving_composed", "semmoe_recorded"}
+                                      "serving_composed", "semmoe_recorded", "ooc_n1", "ooc_n2", "ooc_n3", "ooc_n4"}
 
 
 @pytest.mark.parametrize("run_dir", RUNS, ids=[p.name for p in RUNS])
@@ -38,3 +38,16 @@ def test_the_committed_validation_is_what_the_replay_gives(run_dir):
     assert pred == committed["predicted"]
     got = validate_run(run, pred)
     assert got["rows"] == committed["rows"] and got["by_figure"] == committed["by_figure"]
+
+
+def test_the_out_of_configuration_report_is_what_its_validations_give():
+    """``docs/figures/netsim_validation/ooc_report.json`` (``python -m netsim report``) is recomputed
+    from the committed validations and their runs."""
+    from netsim.report import configuration_report
+
+    committed = json.loads((REPO / "docs" / "figures" / "netsim_validation" / "ooc_report.json").read_text())
+    for rep in committed["configurations"]:
+        validation = json.loads((REPO / rep["bench_serve"]).parent.joinpath("validate.json").read_text())
+        assert validation["model_version"] == rep["model_version"] == MODEL_VERSION
+        run = read_json(str(REPO / rep["bench_serve"]), "run")
+        assert configuration_report(rep["name"], validation, run) == rep
