@@ -6,6 +6,12 @@ the test harness do). It is idempotent. Two kinds of adaptation exist:
 - **bug fixes**, active everywhere: ``te_general_gemm`` is undefined without Transformer Engine
   (``transformer/moe/moe_utils.py:22-39`` vs ``:1192``), so the router's gating GEMM raises a
   NameError on any machine without TE, GPU included. Upstream main defines it as ``None``; so do we.
+  And the distributed optimizer cannot reload its own checkpoint with torch's Adam (no apex/TE):
+  the loader leaves each parameter's ``step`` out of what it reads (step lives in the param groups)
+  but then copies every key of the optimizer's state, ``step`` included (``KeyError: 'step'``), and
+  its ``load_state_dict`` hands every parameter's state one shared ``step`` tensor, which torch's
+  Adam then increments once per parameter (a wrong bias correction from the first resumed step);
+  ``_fix_distributed_optimizer_step`` keeps the state's own ``step`` and gives each its own tensor.
 - **CPU execution**, active only when CUDA is unavailable: ``cpu_device.install()`` redirects the
   CUDA allocations, streams and type-string checks of megatron-core's DDP, optimizers, schedules
   and tensor-parallel mappings to the CPU (sites in ``sites.py``).
@@ -88,6 +94,41 @@ def _fix_te_general_gemm() -> bool:
     return True
 
 
+def _fix_distributed_optimizer_step() -> bool:
+    """Two fixes to reloading megatron-core's distributed optimizer with torch's Adam (sites
+    ``DIST_OPT_LOAD_SITES``): ``_set_main_param_and_optimizer_states`` given tensors without ``step``
+    keeps the state's own ``step`` (restored from the param groups by ``load_state_dict``) instead of
+    raising ``KeyError``; and after ``load_state_dict`` every parameter's ``step`` is a tensor of its
+    own (upstream assigns one tensor to all, and Adam's in-place ``step += 1`` then counts it once
+    per parameter)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    original_load = DistributedOptimizer.load_state_dict
+    if getattr(original, "_keeps_step", False):
+        return False
+
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states._keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+    return True
+
+
 def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
     """Apply the adaptations for this machine (idempotent) and return what is active."""
     global _applied
@@ -109,6 +150,7 @@ def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
 
         dynamo.config.disable = True
     te_fixed = _fix_te_general_gemm()
+    _fix_distributed_optimizer_step()
     if cpu:
         cpu_device.install()
     _applied = AppliedCompat(

@@ -131,8 +131,16 @@ TE_GENERAL_GEMM_SITES = [
 ]
 
 # DistributedOptimizer.state_dict asserts every torch-Adam state has one common `step`, which a
-# fresh optimizer lacks when loading (prepare_optimizer_for_load).
+# fresh optimizer lacks when loading (prepare_optimizer_for_load); the fully reshardable loader
+# leaves `step` out of the tensors it hands _set_main_param_and_optimizer_states, which copies every
+# key of the state; load_state_dict gives every state the same `step` tensor
+# (_fix_distributed_optimizer_step).
 DIST_OPT_LOAD_SITES = [
+    Site("optimizer/distrib_optimizer.py", "DistributedOptimizer._set_main_param_and_optimizer_states",
+         "dst_tensors[key].copy_(tensors[key])"),
+    Site("optimizer/distrib_optimizer.py", "DistributedOptimizer.load_parameter_state_from_fully_reshardable",
+         'if k == "step":'),
+    Site("optimizer/distrib_optimizer.py", "DistributedOptimizer.load_state_dict", 's["step"] = step'),
     Site("optimizer/distrib_optimizer.py", "DistributedOptimizer.state_dict", "assert len(steps) == 1"),
     Site("optimizer/distrib_optimizer.py", "DistributedOptimizer._init_optimizer_states_with_dummy_values",
          "def _init_optimizer_states_with_dummy_values(self):"),

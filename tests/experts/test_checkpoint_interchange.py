@@ -95,9 +95,12 @@ def _assert_same(got, ref, what):
         torch.testing.assert_close(weights[key], ref_weights[key], rtol=0, atol=0, msg=lambda m: f"{what} {key}: {m}")
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-optimizer"])
 @pytest.mark.parametrize("saver_grouped", [False, True], ids=["loop-to-grouped", "grouped-to-loop"])
-def test_checkpoint_loads_in_the_other_expert_path(tmp_path, saver_grouped):
-    results = run_distributed(_rank, 2, str(tmp_path), saver_grouped, False, timeout_s=300)
+def test_checkpoint_loads_in_the_other_expert_path(tmp_path, saver_grouped, distributed_optimizer):
+    """Weights, optimizer state and the next step carry over exactly; with the distributed optimizer
+    too (its reload raised ``KeyError: 'step'`` before ``compat._fix_distributed_optimizer_step``)."""
+    results = run_distributed(_rank, 2, str(tmp_path), saver_grouped, distributed_optimizer, timeout_s=300)
     for saved, restored, (saver_loss, saver_after), (loader_loss, loader_after) in results:
         _assert_same(restored, saved, "restored")
         assert loader_loss == saver_loss
@@ -117,8 +120,7 @@ def _save_with_distributed_optimizer(rank, world, save_dir, grouped):
 def test_distributed_optimizer_checkpoints_of_both_paths_hold_the_same_tensors(tmp_path):
     """With megatron-core's distributed optimizer (fully reshardable format) the two paths, trained
     alike, write the same tensors under the same keys: model weights, fp32 main parameters and Adam
-    moments. (Reloading that format fails in megatron-core 0.16.1 with torch 2.13 on either path,
-    ``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``, so the files are compared.)"""
+    moments, compared in the files (the reload is tested above)."""
     from megatron.core.dist_checkpointing import load_plain_tensors
 
     paths = {grouped: run_distributed(_save_with_distributed_optimizer, 2, str(tmp_path / str(grouped)), grouped,
