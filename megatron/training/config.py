@@ -123,7 +123,9 @@ class TrainingConfig:
         gbs = self.resolved_global_batch_size(data_parallel_size)
         per_step = self.micro_batch_size * data_parallel_size
         if gbs % per_step:
-            raise ValueError(
+            from megatron.common.cli import UserError
+
+            raise UserError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {data_parallel_size}"
             )

@@ -51,6 +51,9 @@ def _in_process(argv, capsys):
     (["--load", "MISSING", "--input-len", "8", "--no-netns"], "--load"),
     (["--mode", "prefill", "--input-len", "600", "--no-netns"], "--prefill-tokens"),
     (["--load-threshold", "-1", "--input-len", "8", "--no-netns"], "--load-threshold"),
+    # the checkpoints are trained on --ranks first: 16 = 8 x 2 ranks fits, not 8 x 4
+    (["--config", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "bench_bigmac_top8_cpu.yaml"), "--ranks", "4", "--input-len", "8", "--no-netns"],
+     "--global-batch-size 16 is not divisible by --micro-batch-size 8 x data-parallel size 4"),
 ])
 def test_bad_flags_give_one_line_and_write_nothing(argv, flag, tmp_path, capsys):
     argv = [a.replace("MISSING", str(tmp_path / "missing")) for a in argv]

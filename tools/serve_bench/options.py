@@ -173,6 +173,13 @@ def check_args(args) -> None:
         raise UserError(f"--probe-variant {args.probe_variant} is not one of --variants")
     if args.num_requests is not None and args.duration is not None:
         raise UserError("give --num-requests or --duration, not both")
+    if not args.load:  # each variant is trained on --ranks first: its batch sizes must fit them
+        from megatron.training.arguments import configs_from_dict
+        from tools.serve_bench.checkpoints import train_config
+
+        for v in variants:
+            configs = configs_from_dict(train_config(args, v, "unused"))
+            configs.training.num_microbatches(configs.parallel.data_parallel_size(args.ranks))
     if args.mode == "serve":
         if not args.request_rates:
             raise UserError("--request-rates is empty")
