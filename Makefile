@@ -34,9 +34,9 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 # the site: mkdocs (the `docs` extra, installed on first use) builds docs/ into site/; --strict makes
-# a link to a missing page or anchor an error
+# a link to a missing page or anchor an error (not with -q: mkdocs 1.6 then counts no warnings)
 docs: $(VENV)/.docs-installed
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[docs]"

@@ -82,6 +82,13 @@ def test_link_out_of_docs_is_caught(tmp_path):
     assert len(problems) == 1 and "leaves docs/" in problems[0] and "examples/tiny.yaml" in problems[0]
 
 
+def test_link_to_a_folder_is_caught_in_docs_only(tmp_path):
+    changes = {"README.md": CLEAN["README.md"] + "\nThe [figures](docs/figures/).\n",
+               "docs/results/serving.md": CLEAN["docs/results/serving.md"] + "\nThe [figures](../figures/).\n"}
+    problems = _problems(tmp_path, changes)
+    assert len(problems) == 1 and problems[0].startswith("docs/results/serving.md:7: link ../figures/ is a folder")
+
+
 @pytest.mark.parametrize("sentence", [
     "This was measured in session 3.",
     "Measured over two sessions.",
@@ -199,3 +206,32 @@ def test_real_docs_pass():
     """README.md and every docs/ page of this checkout (what `make check-docs` runs)."""
     problems = check_tree(ROOT)
     assert not problems, "\n".join(str(p) for p in problems)
+
+
+def _mkdocs_strict(root: Path) -> subprocess.CompletedProcess:
+    (root / "mkdocs.yml").write_text((ROOT / "mkdocs.yml").read_text())
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(root / "site")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("broken", [
+    "[gone](../guides/missing.md)",
+    "[anchor](../guides/serve.md#no-such-heading)",
+    "[folder](../figures/)",
+    "[outside](../../examples/tiny.yaml)",
+])
+def test_site_build_agrees(tmp_path, broken):
+    """The site (mkdocs.yml, `mkdocs build --strict`) builds the clean tree, and refuses each broken
+    link the check catches: a tree the check passes is one the site builds."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    files = {**CLEAN, "examples/tiny.yaml": "a: 1\n"}
+    clean = _tree(tmp_path / "clean", files)
+    assert check_tree(clean) == []
+    built = _mkdocs_strict(clean)
+    assert built.returncode == 0, built.stderr
+    bad = _tree(tmp_path / "bad", {**files, "docs/results/serving.md": CLEAN["docs/results/serving.md"] + broken + "\n"})
+    assert len(check_tree(bad)) == 1
+    refused = _mkdocs_strict(bad)
+    assert refused.returncode != 0 and "serving.md" in refused.stderr, refused.stderr

@@ -3,7 +3,7 @@
 * a relative link whose file does not exist, or whose ``#anchor`` names no heading of the page it
   points to (mkdocs' slugs for docs/ pages, which the site is built with; GitHub's from README.md,
   which GitHub renders); a docs/ page linking out of docs/ (the site has no such page: name the file
-  as a ``code`` path) or an absolute path;
+  as a ``code`` path) or to a folder; an absolute path;
 * words that tell how the work was organised or how a page changed (``FORBIDDEN``) rather than what
   the software does, in prose (code blocks and spans are left alone); data under docs/figures/ is
   not checked for them;
@@ -103,6 +103,10 @@ def _link_problems(repo: Path, path: Path, text: str, anchors: _Anchors) -> list
         if in_docs and not dest.resolve().is_relative_to(docs):
             out.append(Problem(rel, line, f"link {target} leaves docs/ (the site has no such page): "
                                           f"name {_rel(repo, dest)} as a `code` path instead"))
+            continue
+        if in_docs and dest.is_dir():
+            out.append(Problem(rel, line, f"link {target} is a folder (the site cannot resolve it): link a page "
+                                          "or a file in it"))
             continue
         if fragment and dest.suffix == ".md" and dest.is_file() and unquote(fragment) not in anchors(dest, renderer):
             out.append(Problem(rel, line, f"broken anchor {target}: {_rel(repo, dest)} has no heading "
