@@ -36,7 +36,8 @@ __all__ = ["Block", "Result", "DEFAULT_TIMEOUT_S", "GUIDES", "guide_blocks", "gu
 
 GUIDES = "docs/guides"
 DEFAULT_TIMEOUT_S = 300
-TAIL_LINES = 20
+TAIL_LINES = 20  # of a failing block's output
+PASS_TAIL_LINES = 3  # of a passing one's
 MARKER = re.compile(r"^<!--\s*ci:\s*run(?:\s+timeout=(\d+))?\s*-->\s*$")
 _MARKER_LIKE = re.compile(r"<!--\s*ci\s*:")
 
@@ -148,17 +149,18 @@ def run_page(repo: Path, page: Path, *, shared: Optional[Path], keep: bool = Fal
         for block in blocks:
             if results and not results[-1].ok:
                 results.append(Result(block, "skipped", None, ""))
-            else:
-                started = time.monotonic()
-                results.append(_run_block(block, root, env))
-                report(f"{rel}:{block.line}: {results[-1].status} ({time.monotonic() - started:.0f} s)")
-            if results[-1].status in ("fail", "timeout"):
-                what = (f"exit code {results[-1].returncode}" if results[-1].status == "fail"
-                        else f"no end within {block.timeout_s} s")
-                report(f"  {what}; the last lines of its output:\n" +
-                       "\n".join("  | " + line for line in results[-1].tail().splitlines()))
-            elif results[-1].status == "skipped":
                 report(f"{rel}:{block.line}: skipped (an earlier block failed)")
+                continue
+            started = time.monotonic()
+            result = _run_block(block, root, env)
+            results.append(result)
+            report(f"{rel}:{block.line}: {result.status} ({time.monotonic() - started:.0f} s)")
+            if result.ok and result.output.strip():
+                report("\n".join("  | " + line for line in result.tail(PASS_TAIL_LINES).splitlines()))
+            elif not result.ok:
+                what = f"exit code {result.returncode}" if result.status == "fail" else f"no end within {block.timeout_s} s"
+                report(f"  {what}; the last lines of its output:\n" +
+                       "\n".join("  | " + line for line in result.tail().splitlines()))
         return results
     finally:
         if keep:
