@@ -26,6 +26,10 @@ def test_blocks_are_the_marked_bash_blocks():
         (4, DEFAULT_TIMEOUT_S, "echo one\n"), (13, 7, "echo two\necho three\n")]
 
 
+def test_a_marker_named_in_a_code_span_is_no_marker():
+    assert guide_blocks("Put `<!-- ci: run -->` before a ```bash block.\n") == ([], [])
+
+
 def test_a_marker_before_anything_but_a_bash_block_is_a_problem():
     text = "<!-- ci: run -->\n```python\nprint(1)\n```\n<!-- ci: run timeout=0 -->\n```bash\ntrue\n```\n<!-- ci: runs -->\n"
     blocks, problems = guide_blocks(text)

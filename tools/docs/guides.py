@@ -72,7 +72,7 @@ def guide_blocks(text: str) -> tuple[list[Block], list[tuple[int, str]]]:
     scanned = list(markdown.lines(text))
     blocks, problems = [], []
     for i, (number, line, kind, _) in enumerate(scanned):
-        if kind != "text" or not _MARKER_LIKE.search(line):
+        if kind != "text" or not _MARKER_LIKE.search(markdown.blank_code_spans(line)):
             continue
         m = MARKER.match(line.strip())
         if not m:

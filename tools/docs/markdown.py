@@ -13,7 +13,7 @@ import re
 import unicodedata
 from typing import Callable, Iterator
 
-__all__ = ["Fence", "lines", "fences", "prose_lines", "headings", "anchors", "slug_mkdocs", "slug_github", "links",
+__all__ = ["Fence", "lines", "fences", "blank_code_spans", "prose_lines", "headings", "anchors", "slug_mkdocs", "slug_github", "links",
            "SLUGS"]
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`]*)$")
@@ -70,11 +70,16 @@ def fences(text: str) -> list[Fence]:
     return out
 
 
+def blank_code_spans(line: str) -> str:
+    """``line`` with its inline code spans turned to spaces (columns kept)."""
+    return _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
+
+
 def prose_lines(text: str) -> Iterator[tuple[int, str]]:
     """(line number, line) outside fenced blocks, inline code spans blanked out."""
     for number, line, kind, _ in lines(text):
         if kind == "text":
-            yield number, _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
+            yield number, blank_code_spans(line)
 
 
 def headings(text: str) -> list[tuple[int, int, str]]:
