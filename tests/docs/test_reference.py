@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -25,10 +28,15 @@ def pages():
     return generate(ROOT)
 
 
-def test_committed_reference_is_current(pages):
-    """docs/reference/ equals a fresh generation: run `python -m tools.docs reference` after changing a
-    flag, a config field, a route or a schema."""
-    assert stale_pages(ROOT, pages) == []
+def test_committed_reference_is_current():
+    """docs/reference/ equals a fresh generation (`make check-docs` runs the same command): run
+    `python -m tools.docs reference` after changing a flag, a config field, a route or a schema. In a
+    process of its own: some help texts list the registered variants in registration order, which in
+    the test process depends on what earlier tests imported first."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "tools.docs", "reference", "--check"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_every_page_is_small_and_indexed(pages):

@@ -228,7 +228,7 @@ def _groups(parser: argparse.ArgumentParser, level: str, link_sections: dict, co
     out, links = [], []
     for group in parser._action_groups:
         if group.title in link_sections:
-            links.append(f"[{group.title}]({config_dir}/{group.title}.md)")
+            links.append(group.title)
             continue
         table = _flag_rows(group._group_actions, parser.prog)
         if not table:
@@ -243,7 +243,7 @@ def _groups(parser: argparse.ArgumentParser, level: str, link_sections: dict, co
         out += ["", f"{level} Config sections", "",
                 "Every key of these sections is a flag too (`--moe-router-topk 8` or `moe_router_topk: 8` in the "
                 "`--config` YAML); their pages list the keys, types, defaults and help:", "",
-                ", ".join(links) + "."]
+                ", ".join(f"[{name}]({config_dir}/{name}.md)" for name in link_sections if name in links) + "."]
     return out
 
 
@@ -320,7 +320,9 @@ def config_sections() -> dict[str, tuple[type, list[str]]]:
     for command in COMMANDS:
         if not command.takes_config:
             continue
-        for name, cls in {**SECTIONS, **registry.config_sections(), **command.extra_sections()}.items():
+        # the variants' sections by name: their registration order depends on what was imported first
+        variants = dict(sorted(registry.config_sections().items()))
+        for name, cls in {**SECTIONS, **variants, **command.extra_sections()}.items():
             out.setdefault(name, (cls, []))[1].append(command.page)
     return out
 
