@@ -290,13 +290,13 @@ def _type_name(hint) -> str:
 
 def config_page(section: str, cls: type, commands: list[str]) -> str:
     """The keys of one config section."""
-    from megatron.training.arguments import _cli_fields, _default_of  # the fields and defaults the flags have
+    from megatron.training.arguments import cli_fields, default_of
 
     hints = typing.get_type_hints(cls)
     rows = []
-    for field in _cli_fields(cls):
+    for field in cli_fields(cls):
         flag = "--" + field.name.replace("_", "-")
-        rows.append([_code(field.name), _code(flag), _cell(_type_name(hints[field.name])), _value(_default_of(field)),
+        rows.append([_code(field.name), _code(flag), _cell(_type_name(hints[field.name])), _value(default_of(field)),
                      _cell(field.metadata.get("help", ""))])
     doc = inspect.getdoc(cls) or ""
     if doc.startswith(f"{cls.__name__}("):  # dataclasses' generated signature: no docstring
