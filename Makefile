@@ -1,6 +1,7 @@
 # Set-up and the two commands a newcomer needs: `make demo` (the main job on the embedded default)
 # and `make test` (the test suite; `make test-fast` for the unit tier). All install into a local
-# virtual environment first.
+# virtual environment first. `make docs` builds the documentation site, `make check-docs` checks the
+# docs' links, words, sizes and generated reference.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 # machines; pip picks the CUDA build elsewhere).
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast docs check-docs clean
 
 install: $(VENV)/.installed
 
@@ -32,5 +33,19 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# the site: mkdocs (the `docs` extra, installed on first use) builds docs/ into site/; --strict makes
+# a link to a missing page or anchor an error (not with -q: mkdocs 1.6 then counts no warnings)
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+# broken links and anchors, history words, oversized pages; docs/reference/ as the code generates it
+check-docs: install
+	$(PY) -m tools.docs check
+	$(PY) -m tools.docs reference --check
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

@@ -22,6 +22,8 @@ EXTRAS = {
     # (DS_ACCELERATOR=cpu; it JIT-builds a small C++ op on first use). Its only torch requirement is
     # unversioned, so an installed torch is kept.
     "deepspeed": ["deepspeed==0.19.8"],
+    # the documentation site (mkdocs.yml, `make docs`); mkdocs-material brings its pymdown-extensions
+    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "gpu" for dep in deps})
 

@@ -1,6 +1,7 @@
 """Tools built on the model library and the applications: the EP and serving benchmarks
 (``tools.bench``, ``tools.serve_bench``), the Sem-MoE passes (``tools.semmoe``), the profilers
-(``tools.profile``), data preparation (``tools.data``). ``scripts/`` holds their entry points.
+(``tools.profile``), data preparation (``tools.data``), the docs' checks and generated reference
+(``tools.docs``). ``scripts/`` holds their entry points.
 See docs/ARCHITECTURE.md."""
 
 import os

@@ -24,7 +24,8 @@ from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig
 from moe_variants import registry
 from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
 
-__all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict", "option_names"]
+__all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict", "option_names",
+           "cli_fields", "default_of"]
 
 SECTIONS = {
     "model": ModelConfig,
@@ -73,11 +74,13 @@ def _all_sections(extra_sections: Optional[dict] = None) -> dict:
     return {**SECTIONS, **registry.config_sections(), **(extra_sections or {})}
 
 
-def _cli_fields(cls) -> list:
+def cli_fields(cls) -> list:
+    """The fields of a config dataclass that are flags and YAML keys (``metadata["cli"]`` not false)."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
-def _default_of(field: dataclasses.Field):
+def default_of(field: dataclasses.Field):
+    """A field's default value (its factory's product), None when it has none."""
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -89,7 +92,7 @@ def _help(field: dataclasses.Field, extra: str = "") -> str:
     """The flag's help: the field's ``metadata["help"]`` and its default (the parser itself uses
     SUPPRESS defaults, so argparse cannot show them)."""
     text = field.metadata.get("help", "")
-    default = plain(_default_of(field))
+    default = plain(default_of(field))
     shown = "unset" if default is None else (
         json.dumps(default) if isinstance(default, (list, dict)) else str(default))
     text = f"{text} (default: {shown}{extra})" if text else f"(default: {shown}{extra})"
@@ -107,7 +110,7 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
         hint, origin, args = args[0], typing.get_origin(args[0]), list(typing.get_args(args[0]))
     flag = _flag(field.name)
     if hint is bool:
-        if field.name.startswith("no_") and _default_of(field) is False:
+        if field.name.startswith("no_") and default_of(field) is False:
             # Megatron-LM's --no-load-optim style: a plain switch (never --no-no-load-optim)
             group.add_argument(flag, dest=field.name, action="store_true", help=_help(field))
         else:
@@ -141,7 +144,7 @@ def build_parser(prog: str, extra_sections: Optional[dict] = None,
     for name, cls in _all_sections(extra_sections).items():
         group = parser.add_argument_group(name)
         hints = typing.get_type_hints(cls)
-        for field in _cli_fields(cls):
+        for field in cli_fields(cls):
             _add_field(group, field, hints[field.name])
     return parser
 
@@ -154,7 +157,7 @@ def option_names(extra_sections: Optional[dict] = None) -> set:
 def _field_owner(sections: dict) -> dict:
     owner = {}
     for name, cls in sections.items():
-        for field in _cli_fields(cls):
+        for field in cli_fields(cls):
             assert field.name not in owner, f"{field.name} defined in two config sections"
             owner[field.name] = name
     return owner
