@@ -50,7 +50,7 @@ class KnobSource(str, Enum):
     MEASURED = "measured"
     """This project's measurements: FarSkip's share of the all-to-all hidden while serving, decode
     steps nearly all, on the DeepSeek-V2-Lite shape at its 27 layers, EP = 2, at about the paper's
-    all-to-all share (0.853; docs/farskip.md, "Decode at depth");
+    all-to-all share (0.853; docs/results/farskip.md, "Decode at depth");
     Sem-MoE's attention-TP LAR (Algorithm 3) as a function of EP, from the solver on the
     DeepSeek-V2-Lite routing layout pretrained here (64 experts, top-6), solved on a mix of six
     prompt domains and predicted on their held-out 80% (docs/semmoe.md), applied by device count;

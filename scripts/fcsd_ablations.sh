@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FarSkip-Collective's Table 2 ablations and Fig. 3 sweep at the scale of scripts/fcsd_demo.sh (docs/fcsd.md):
+# FarSkip-Collective's Table 2 ablations and Fig. 3 sweep at the scale of scripts/fcsd_demo.sh (docs/results/fcsd.md):
 #
 #   scripts/fcsd_ablations.sh [SHARED_DATA_DIR] [RUNS_DIR]
 #

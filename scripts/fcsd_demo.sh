@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The FCSD demonstration of docs/fcsd.md, end to end on this machine (2 CPU ranks; the teacher and
+# The FCSD demonstration of docs/results/fcsd.md, end to end on this machine (2 CPU ranks; the teacher and
 # each distillation corpus take about an hour at 300 steps):
 #
 #   scripts/fcsd_demo.sh [SHARED_DATA_DIR] [RUNS_DIR]

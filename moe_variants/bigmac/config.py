@@ -5,7 +5,7 @@ or ``--moe-latent-size L`` (megatron-core's name for the same dimension) sets L 
 ``--bigmac-ffn-hidden-size F`` sets the reversed experts' intermediate size (default f / r, which
 keeps the expert parameters of the fine-grained baseline); ``--bigmac-up-init plain`` initialises the
 up-projection L -> H like the down-projection instead of with the output-layer scaling (the ablation
-of docs/bigmac.md).
+of docs/results/bigmac.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class UpProjectionInit(Choice):
 
 @dataclasses.dataclass
 class BigMacConfig(VariantConfig):
-    """BigMac (DCCA): descend, communicate, compute, communicate, ascend (docs/bigmac.md)."""
+    """BigMac (DCCA): descend, communicate, compute, communicate, ascend (docs/design/bigmac.md)."""
 
     SECTION = "bigmac"
 

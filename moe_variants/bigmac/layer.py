@@ -14,7 +14,7 @@ With the local experts (grouped GEMMs or the ``SequentialMLP`` loop) the routing
 each expert's L-wide output instead of its F-wide intermediate activation (megatron-core's
 ``per_token_scale``): the same product, since the expert's fc2 is linear, but on a tensor F / L (8x
 at r = 0.25) times narrower in the forward and in the two backward products (the activation's
-gradient and the probabilities' gradient) -- see docs/bigmac.md, "Compute overhead on CPU".
+gradient and the probabilities' gradient) -- see docs/design/bigmac.md, "Where the routing probabilities are applied".
 
 Shape legend: T tokens, H hidden, L latent (r*H), F expert intermediate, N routed token copies.
 """

@@ -32,7 +32,7 @@ class FarSkipMode(str, enum.Enum):
 class FarSkipConnectivity(str, enum.Enum):
     """What the standard MoE layer right before a FarSkip range hands the range's first layer.
 
-    ``reference``: the authors' wiring (their Instella-MoE modelling, docs/farskip.md): its
+    ``reference``: the authors' wiring (their Instella-MoE modelling, docs/design/farskip.md): its
     routed-free stream as the attention stream and its full output as the full stream, so the
     first FarSkip layer's attention skips that layer's routed experts like every other FarSkip
     layer's. ``paper-text``: one collapsed stream (its full output), this project's first reading
@@ -115,7 +115,7 @@ class LayerSelection:
 
 @dataclasses.dataclass
 class FarSkipConfig(VariantConfig):
-    """FarSkip-Collective (docs/farskip.md)."""
+    """FarSkip-Collective (docs/design/farskip.md)."""
 
     SECTION = "farskip"
 

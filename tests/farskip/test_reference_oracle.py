@@ -1,6 +1,6 @@
 """Our FarSkip model against an oracle of the authors' connectivity, written here in plain torch.
 
-The oracle follows the authors' reference layers as read in docs/farskip.md ("Connectivity: ours
+The oracle follows the authors' reference layers as read in docs/design/farskip.md ("Connectivity: ours
 beside the authors' reference"): AMD-AGI/FarSkip-Collective's SGLang
 ``DeepseekV2ReferenceFarSkipDecoderLayer.forward`` and ``DeepseekV2Model.forward``
 (``inference/sglang/python/sglang/srt/models/deepseek_v2.py``), its Instella top-k

@@ -32,7 +32,7 @@ def _model_config(config_path: str, variant: str):
     from megatron.training.arguments import configs_from_dict, load_yaml
 
     values = load_yaml(config_path)
-    # the study of docs/bigmac.md profiles the SequentialMLP loop's per-expert products
+    # the profile of docs/design/bigmac.md runs the SequentialMLP loop's per-expert products
     values.update(expert_model_parallel_size=1, transformer_impl="local", moe_grouped_gemm=False)
     values["moe_variant"] = variant
     return configs_from_dict(values)
