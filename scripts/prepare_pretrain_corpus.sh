@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Preprocess the shared pretraining corpus into megatron-core indexed datasets (docs/data.md).
+# Preprocess the shared pretraining corpus into megatron-core indexed datasets (docs/guides/data.md).
 #
 #   scripts/prepare_pretrain_corpus.sh [SHARED_DATA_DIR] [OUT_DIR]
 #

@@ -6,7 +6,7 @@
     python -m distill.convert --from mcore --load CKPT --to hf --out DIR [--family NAME]
 
 Families: Qwen3-MoE (``qwen3_moe``), DeepSeek-V2 / V2-Lite (``deepseek_v2``), Mixtral (``mixtral``);
-see docs/convert.md. Runs in one process on the CPU. Bad input exits 2 with one ``error:`` line and
+see docs/guides/convert.md. Runs in one process on the CPU. Bad input exits 2 with one ``error:`` line and
 writes nothing.
 """
 

@@ -193,7 +193,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 def test_prepare_corpus_script_checks_its_input(tmp_path):
     """The corpus recipe stops with one line naming the missing file (the full run, about 50 s,
-    is documented in docs/data.md rather than run here)."""
+    is documented in docs/guides/data.md rather than run here)."""
     proc = subprocess.run(
         ["bash", str(REPO / "scripts/prepare_pretrain_corpus.sh"), str(tmp_path / "no_shared"), str(tmp_path / "out")],
         capture_output=True, text=True, timeout=60,

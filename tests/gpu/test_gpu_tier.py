@@ -133,7 +133,7 @@ def test_pretrain_nccl_world_size_1(pretrained, report):
 
 
 # NCCL's own refusal of two ranks on one device ("Duplicate GPU detected", reported as
-# ncclInvalidUsage: "NCCL error in: ... invalid usage", as the H100 run in docs/gpu.md printed): the
+# ncclInvalidUsage: "NCCL error in: ... invalid usage", as an H100 run printed): the
 # only failure that means "this machine cannot run the check"; anything else is a failure
 NCCL_SHARED_GPU_REFUSAL = re.compile(r".*(?:Duplicate GPU detected|ncclInvalidUsage|NCCL error.*invalid usage).*")
 
@@ -461,7 +461,7 @@ def test_farskip_ep2_overlapped_vs_simple(report):
     ran inside gradient all-to-all windows (> 0 on every rank, over 3 steps; sized so the GPU trails
     the host, see ``FARSKIP_EP2``; 0 would mean the backward waits on the host, e.g. a sync) and
     none is left after the backward. Skipped on one GPU: NCCL refuses two ranks on one device
-    (docs/gpu.md), and the EP=1 check does not stand in for this one."""
+    (docs/guides/gpu.md), and the EP=1 check does not stand in for this one."""
     num_gpus = torch.cuda.device_count()
     if num_gpus < 2:
         pytest.skip(f"needs 2 GPUs for EP=2 on NCCL, found {num_gpus} (NCCL refuses two ranks on one GPU); "
