@@ -53,7 +53,7 @@ class KnobSource(str, Enum):
     all-to-all share (0.853; docs/results/farskip.md, "Decode at depth");
     Sem-MoE's attention-TP LAR (Algorithm 3) as a function of EP, from the solver on the
     DeepSeek-V2-Lite routing layout pretrained here (64 experts, top-6), solved on a mix of six
-    prompt domains and predicted on their held-out 80% (docs/semmoe.md), applied by device count;
+    prompt domains and predicted on their held-out 80% (docs/results/semmoe.md), applied by device count;
     BigMac's r = 0.25 (a design choice, not a measurement)."""
     PAPER = "paper"
     """The papers' figures: FarSkip's 88.9% overlap, Sem-MoE's LAR 0.5, BigMac's r = 0.25."""

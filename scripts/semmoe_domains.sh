@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sem-MoE per domain on one checkpoint (docs/semmoe.md, "DeepSeek-V2-Lite routing layout, per domain"):
+# Sem-MoE per domain on one checkpoint (docs/results/semmoe.md, "LAR per domain"):
 # prompts from six domains of ../shared/data (ShareGPT chat, MMLU exams, MBPP code, BoolQ Wikipedia
 # passages, LAMBADA fiction, ARC science questions), each capped and split 20 / 80; the router profiled
 # on every part; placements solved on the mixed 20% at every EP size; their LAR and imbalance

@@ -4,7 +4,7 @@
 # the held-out split, then serve the held-out prompts with bench_serve.py: standard (contiguous,
 # round-robin), eplb and affinity-eplb (placed, round-robin) and semmoe (placed, Algorithm 2
 # request scheduling; with TP = EP, attention tensor-parallel with Algorithm 3 token re-batching,
-# the EPLB baselines on contiguous slices). docs/semmoe.md.
+# the EPLB baselines on contiguous slices). docs/guides/semmoe.md; figures: docs/results/semmoe.md.
 #
 #   sudo CKPT=runs/corpus_moe8_cpu EP=2 scripts/semmoe_serving.sh runs/semmoe_serve
 #   sudo CKPT=runs/corpus_moe8_cpu EP=2 TP=2 scripts/semmoe_serving.sh runs/semmoe_serve_tp

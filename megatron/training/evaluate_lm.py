@@ -6,7 +6,7 @@
         [--log-samples] --output results.json
     python -m megatron.training.evaluate_lm ...        (one process, TP = EP = 1)
 
-``--semmoe-tables`` assigns requests to data-parallel ranks by Sem-MoE's Algorithm 2 (docs/semmoe.md);
+``--semmoe-tables`` assigns requests to data-parallel ranks by Sem-MoE's Algorithm 2 (docs/design/semmoe.md);
 with or without it the output's ``moe`` section reports the local activation rate, the requests per
 rank and the all-to-all bytes sent off-rank.
 
