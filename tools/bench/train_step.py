@@ -35,8 +35,7 @@ def one_run(checkout: str, interval: int, args) -> float:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "megatron.training.pretrain_gpt", "--config", os.path.join(repo_root(), "examples/tiny_moe_cpu.yaml"),
                "--train-iters", str(args.train_iters), "--log-interval", str(interval), "--eval-interval", "100000",
-               "--eval-iters", "0", "--metrics-file", metrics, "--data-cache-path", args.cache,
-               "--save", os.path.join(tmp, "save"), "--save-interval", str(10**9)]
+               "--eval-iters", "0", "--metrics-file", metrics, "--data-cache-path", args.cache]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.abspath(checkout))
         proc = subprocess.run(cmd, cwd=os.path.abspath(checkout), env=env, capture_output=True, text=True)
         if proc.returncode != 0:
