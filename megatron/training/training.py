@@ -19,7 +19,7 @@ from megatron.training.arguments import Configs, configs_to_dict
 from megatron.common import collectives
 from megatron.common.cli import UserError, one_line, user_input
 from megatron.common.events import Event
-from megatron.common.process import EXIT_PREEMPTED
+from megatron.common.process import EXIT_PREEMPTED, record_failure
 
 __all__ = ["Trainer", "TrainerHooks", "STEP_END", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of",
            "build_data", "config_yaml"]
@@ -570,7 +570,10 @@ class Trainer:
         summary["metrics_file"] = self.metrics_path
         summary["wall_time_s"] = time.monotonic() - self.started
         self.writer.log_event("summary", it, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-        self.writer.print(_closing_line(self.prog, summary, c, self.start_iteration))
+        closing = _closing_line(self.prog, summary, c, self.start_iteration)
+        self.writer.print(closing)
+        if self.interrupted:  # exit 75 under torchrun: its closing summary shows how to resume
+            record_failure(closing)
         self.writer.close()
         return summary
 
