@@ -366,6 +366,7 @@ class Trainer:
                 if not loaded.optimizer_loaded:
                     self.scheduler.step(increment=self.iteration)  # keep the LR schedule's position
         resumed_from = loaded.path if loaded is not None and not ck.finetune else None
+        self.loaded_from = loaded.path if loaded is not None else None
         if self.lineage is None:
             self.lineage = (loaded.manifest.get("lineage") if resumed_from else None) or new_lineage()
         self.start_iteration = self.iteration
@@ -404,7 +405,8 @@ class Trainer:
         self.writer.print(
             f"{self.prog}: world size {self.world} (data-parallel {self.dp_size}), {self.num_micro} micro-batch(es) "
             f"of {c.training.micro_batch_size} per step, global batch {self.global_batch}, starting at iteration "
-            f"{self.iteration}" + (f"; configuration in {config_file}" if config_file else "")
+            f"{self.iteration}{_loaded_note(self.loaded_from, ck.finetune)}"
+            + (f"; configuration in {config_file}" if config_file else "")
         )
         from moe_variants.common.experts import describe
 
@@ -576,6 +578,14 @@ class Trainer:
             record_failure(closing)
         self.writer.close()
         return summary
+
+
+def _loaded_note(path, finetune: bool) -> str:
+    """Where the start line says the run's state came from: the checkpoint it resumed from (its
+    iteration is the start) or, for ``--finetune``, the one whose weights it starts with."""
+    if path is None:
+        return ""
+    return f" (weights of {path})" if finetune else f" (resumed from {path})"
 
 
 def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:
