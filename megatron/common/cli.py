@@ -20,9 +20,9 @@ that stops the ranks when one exits (torchrun) cannot end rank 0 before it has p
 that can fail on one rank alone (rank 0 writing the outputs, a rank's own files) agrees on its
 outcome (``megatron.common.collectives.agreed``) so that every rank raises its error and none
 waits in a later collective for a rank that has exited; a user error a rank still running after
-the wait raised alone, unagreed, is printed by that rank (``prog: error: rank N: ...``). Every
-rank also writes its line to torchrun's error file (``process.record_failure``), so that torchrun's
-closing summary, the last lines on the screen, names the error rather than a link to its docs.
+the wait raised alone, unagreed, is printed by that rank (``prog: error: rank N: ...``). The rank
+that prints the line also writes it to torchrun's error file (``process.record_failure``), so that
+torchrun's closing summary, the last lines on the screen, names the error, not a link to its docs.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def run_cli(
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except user_errors as e:
         rank = int(os.environ.get("RANK", "0"))
-        alone = rank != 0 and not getattr(e, "agreed", False)
-        line = f"{prog}: error: {f'rank {rank}: ' if alone else ''}{one_line(e)}"
-        record_failure(line)  # under torchrun its closing summary shows the line, last on the screen
         if rank != 0:
             _wait_for_rank0()
-        if rank == 0 or alone:
-            print(line, file=sys.stderr, flush=True)
+            if getattr(e, "agreed", False):
+                return 2
+        line = f"{prog}: error: {f'rank {rank}: ' if rank else ''}{one_line(e)}"
+        record_failure(line)  # under torchrun its closing summary shows the line, last on the screen
+        print(line, file=sys.stderr, flush=True)
         return 2
     finally:
         if cleanup is not None:
