@@ -189,7 +189,7 @@ def test_under_torchrun_a_refused_command_ends_the_screen_with_its_error(tmp_pat
     screen (torchrun's closing summary reads it from the worker's error file), not 30 lines above
     them, under torchrun's own traceback and a link to its docs."""
     proc = _torchrun(1, "-m", "megatron.training.pretrain_gpt", "--config", "examples/tiny_moe_cpu.yaml",
-                     "--save-interval", "5")
+                     "--expert-model-parallel-size", "1", "--save-interval", "5")
     expected = "pretrain_gpt: error: --save-interval needs --save DIR"
     assert proc.returncode != 0
     assert [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt: error:")] == [expected]
