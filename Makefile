@@ -20,11 +20,13 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[dev,data,eval,serve,deepspeed]"
 	touch $@
 
-# --load of the --save directory (Megatron-LM's idiom): a second `make demo` resumes (and, when the
-# first one finished, only evaluates) instead of colliding with the first run's checkpoints
+# the checkpoint directory is named here, not in the YAML (variant runs on the YAML write nowhere
+# unless given --save); --load of the --save directory (Megatron-LM's idiom): a second `make demo`
+# resumes (and, when the first one finished, only evaluates) instead of colliding with the first
+# run's checkpoints
 demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m megatron.training.pretrain_gpt \
-		--config examples/tiny_moe_cpu.yaml --load runs/tiny_moe_cpu
+		--config examples/tiny_moe_cpu.yaml --save runs/tiny_moe_cpu --load runs/tiny_moe_cpu --save-interval 100
 
 test: install
 	$(PY) -m pytest -q

@@ -20,7 +20,9 @@ that stops the ranks when one exits (torchrun) cannot end rank 0 before it has p
 that can fail on one rank alone (rank 0 writing the outputs, a rank's own files) agrees on its
 outcome (``megatron.common.collectives.agreed``) so that every rank raises its error and none
 waits in a later collective for a rank that has exited; a user error a rank still running after
-the wait raised alone, unagreed, is printed by that rank (``prog: error: rank N: ...``).
+the wait raised alone, unagreed, is printed by that rank (``prog: error: rank N: ...``). The rank
+that prints the line also writes it to torchrun's error file (``process.record_failure``), so that
+torchrun's closing summary, the last lines on the screen, names the error, not a link to its docs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import dataclasses
 import os
 import sys
 from typing import Callable, Optional
+
+from megatron.common.process import record_failure
 
 __all__ = [
     "UserError",
@@ -101,12 +105,13 @@ def run_cli(
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except user_errors as e:
         rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:
-            print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
-        else:
+        if rank != 0:
             _wait_for_rank0()
-            if not getattr(e, "agreed", False):
-                print(f"{prog}: error: rank {rank}: {one_line(e)}", file=sys.stderr, flush=True)
+            if getattr(e, "agreed", False):
+                return 2
+        line = f"{prog}: error: {f'rank {rank}: ' if rank else ''}{one_line(e)}"
+        record_failure(line)  # under torchrun its closing summary shows the line, last on the screen
+        print(line, file=sys.stderr, flush=True)
         return 2
     finally:
         if cleanup is not None:

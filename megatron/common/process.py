@@ -8,19 +8,36 @@ Standard library only. The exit codes are the project's contract with launchers 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 import sys
+import time
 from functools import lru_cache
 
 __all__ = ["EXIT_OK", "EXIT_CRASH", "EXIT_USAGE", "EXIT_WATCHDOG", "EXIT_PREEMPTED", "exit_now", "fatal_exit",
-           "pid_alive", "machine_id", "same_machine"]
+           "record_failure", "pid_alive", "machine_id", "same_machine"]
 
 EXIT_OK = 0  # finished (or drained) cleanly
 EXIT_CRASH = 1  # an exception on this rank: a bug, a failed collective, a dead peer seen by torch
 EXIT_USAGE = 2  # bad input: a flag, a config, a file (one line on stderr)
 EXIT_WATCHDOG = 3  # ended by a watchdog: a rank was lost, hung or failed elsewhere, or a step stalled
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; run the same command again to resume
+
+
+def record_failure(line: str) -> None:
+    """Hand the launcher ``line``, the one-line error this process exits with. Under torchrun
+    (``TORCHELASTIC_ERROR_FILE`` set) it goes into the worker's error file, which torchrun's closing
+    summary prints as the root cause (``traceback : <line>``): the last lines on the screen, below
+    torchrun's own traceback, instead of a link to its documentation. Without a launcher: nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:  # the error is printed anyway; an unwritable error file must not hide it
+        pass
 
 
 def exit_now(code: int) -> None:
@@ -32,7 +49,9 @@ def exit_now(code: int) -> None:
 
 
 def fatal_exit(code: int, message: str) -> None:
-    """Print ``message`` and every thread's stack to stderr, then :func:`exit_now`."""
+    """Print ``message`` (and hand it to the launcher) and every thread's stack to stderr, then
+    :func:`exit_now`."""
+    record_failure(message)
     print(message, file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     exit_now(code)

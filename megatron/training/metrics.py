@@ -43,13 +43,21 @@ def format_duration(seconds: float) -> str:
 
 def format_step_line(record: dict, train_iters: int, elapsed_s: Optional[float] = None,
                      eta_s: Optional[float] = None) -> str:
-    """The one-line console summary of a logged step (with the run's elapsed time and ETA)."""
+    """The one-line console summary of a logged step (with the run's elapsed time and ETA).
+
+    The first loss column is what the step optimises, besides the MoE ``aux`` loss: ``loss`` (the
+    next-token loss ``lm`` plus ``aux``) in pretraining; in distillation (the record has
+    ``kd_loss``) ``kd``, the KL to the teacher, and ``l2``, the hidden-state term of ``kl+l2``,
+    while ``lm``, the student's own next-token loss, is only watched and no ``loss`` is shown."""
+    if "kd_loss" in record:
+        losses = [f"kd {record['kd_loss']:.4f}", *([f"l2 {record['hidden_l2']:.4f}"] if "hidden_l2" in record else [])]
+    else:
+        losses = [f"loss {record['loss']:.4f}"]
     parts = [
         f"iter {record['step']:>6}/{train_iters}",
-        f"loss {record['loss']:.4f}",
+        *losses,
         f"lm {record['lm_loss']:.4f}",
         f"aux {record['aux_loss']:.4f}",
-        *([f"kd {record['kd_loss']:.4f}"] if "kd_loss" in record else []),
         f"lr {record['lr']:.2e}",
     ]
     if record.get("grad_norm") is not None:

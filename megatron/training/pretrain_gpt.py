@@ -47,7 +47,7 @@ from megatron.training.training import (  # the entry points' shared helpers liv
     tokenizer_files_of,
 )
 from megatron.common.cli import UserError, run_cli, user_input
-from megatron.common.process import EXIT_CRASH, EXIT_PREEMPTED
+from megatron.common.process import EXIT_CRASH, EXIT_PREEMPTED, record_failure
 
 logger = logging.getLogger("megatron.training")
 
@@ -86,8 +86,9 @@ def main(argv=None, prog: str = "pretrain_gpt") -> int:
             print(f"{prog}: interrupted", file=sys.stderr, flush=True)
             return 130
         except dist.DistBackendError as e:  # a peer rank died or hung past --distributed-timeout-minutes
-            print(f"{prog}: error: lost contact with another rank ({str(e).strip().splitlines()[0]})",
-                  file=sys.stderr, flush=True)
+            line = f"{prog}: error: lost contact with another rank ({str(e).strip().splitlines()[0]})"
+            record_failure(line)
+            print(line, file=sys.stderr, flush=True)
             return EXIT_CRASH
         return EXIT_PREEMPTED if summary["interrupted"] else 0
 

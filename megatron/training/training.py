@@ -19,7 +19,7 @@ from megatron.training.arguments import Configs, configs_to_dict
 from megatron.common import collectives
 from megatron.common.cli import UserError, one_line, user_input
 from megatron.common.events import Event
-from megatron.common.process import EXIT_PREEMPTED
+from megatron.common.process import EXIT_PREEMPTED, record_failure
 
 __all__ = ["Trainer", "TrainerHooks", "STEP_END", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of",
            "build_data", "config_yaml"]
@@ -366,6 +366,7 @@ class Trainer:
                 if not loaded.optimizer_loaded:
                     self.scheduler.step(increment=self.iteration)  # keep the LR schedule's position
         resumed_from = loaded.path if loaded is not None and not ck.finetune else None
+        self.loaded_from = loaded.path if loaded is not None else None
         if self.lineage is None:
             self.lineage = (loaded.manifest.get("lineage") if resumed_from else None) or new_lineage()
         self.start_iteration = self.iteration
@@ -404,7 +405,8 @@ class Trainer:
         self.writer.print(
             f"{self.prog}: world size {self.world} (data-parallel {self.dp_size}), {self.num_micro} micro-batch(es) "
             f"of {c.training.micro_batch_size} per step, global batch {self.global_batch}, starting at iteration "
-            f"{self.iteration}" + (f"; configuration in {config_file}" if config_file else "")
+            f"{self.iteration}{_loaded_note(self.loaded_from, ck.finetune)}"
+            + (f"; configuration in {config_file}" if config_file else "")
         )
         from moe_variants.common.experts import describe
 
@@ -570,9 +572,20 @@ class Trainer:
         summary["metrics_file"] = self.metrics_path
         summary["wall_time_s"] = time.monotonic() - self.started
         self.writer.log_event("summary", it, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-        self.writer.print(_closing_line(self.prog, summary, c, self.start_iteration))
+        closing = _closing_line(self.prog, summary, c, self.start_iteration)
+        self.writer.print(closing)
+        if self.interrupted:  # exit 75 under torchrun: its closing summary shows how to resume
+            record_failure(closing)
         self.writer.close()
         return summary
+
+
+def _loaded_note(path, finetune: bool) -> str:
+    """Where the start line says the run's state came from: the checkpoint it resumed from (its
+    iteration is the start) or, for ``--finetune``, the one whose weights it starts with."""
+    if path is None:
+        return ""
+    return f" (weights of {path})" if finetune else f" (resumed from {path})"
 
 
 def _closing_line(prog: str, summary: dict, c: Configs, start_iteration: int) -> str:

@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from megatron.common.process import EXIT_WATCHDOG, exit_now
+from megatron.common.process import EXIT_WATCHDOG, exit_now, record_failure
 from megatron.common.watchdog import Deadline, Heartbeat, StorePeers, Watchdog
 
 __all__ = ["WatchdogConfig", "RankWatchdog", "start_watchdog", "STEP_GROWTH", "STARTUP_FACTOR"]
@@ -155,9 +155,10 @@ class RankWatchdog:
             if self._state == "failed" or now - self._abort_seen_at < self.config.interval_s:
                 return
             self.fired = reason
+            line = f"{self.prog}: error: {reason}; stopping every rank (exit code {EXIT_WATCHDOG})"
+            record_failure(line)
             if self.rank == 0:
-                print(f"{self.prog}: error: {reason}; stopping every rank (exit code {EXIT_WATCHDOG})",
-                      file=sys.stderr, flush=True)
+                print(line, file=sys.stderr, flush=True)
             self._exit(EXIT_WATCHDOG)
             return
         lost = self.peers.lost()
@@ -191,8 +192,9 @@ class RankWatchdog:
 
     def _fire(self, reason: str, *, kill=None, publish: bool = True) -> None:
         self.fired = reason
-        print(f"{self.prog}: error: {reason}; stopping the job (exit code {EXIT_WATCHDOG})",
-              file=sys.stderr, flush=True)
+        line = f"{self.prog}: error: {reason}; stopping the job (exit code {EXIT_WATCHDOG})"
+        record_failure(line)  # torchrun's closing summary names the reason
+        print(line, file=sys.stderr, flush=True)
         if publish:
             self._try(lambda: self.peers.abort(reason))
         if kill is not None:

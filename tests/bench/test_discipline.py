@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 
 from tools.bench import discipline
-from tools.bench.discipline import LoadGate, LoadRefused, format_ci, median_ci, paired_ratios, rotations
+from tools.bench.discipline import (
+    DEFAULT_RUNS,
+    LoadGate,
+    LoadRefused,
+    format_ci,
+    interval_name,
+    median_ci,
+    paired_ratios,
+    rotations,
+)
 from tools.bench.overlap import transfer_skew, transfer_skew_steps
 
 
@@ -35,19 +44,50 @@ def test_bootstrap_interval_covers_the_true_median(draw, true_median):
 
 
 def test_bootstrap_exact_cases():
-    # {1, 2, 3}: a resample's median is 1 with probability 7/27 (two or three 1s), 3 likewise, so the
-    # 2.5% and 97.5% quantiles are the extremes, the 40% and 60% ones the middle value
+    # {1, 2, 3}: a resample's median is 1 with probability 7/27 (two or three 1s), 3 likewise, so a
+    # 95% bootstrap gives the extremes: below 5 runs the interval is the range, named so
     assert (median_ci([3.0, 1.0, 2.0])["ci_low"], median_ci([3.0, 1.0, 2.0])["ci_high"]) == (1.0, 3.0)
-    narrow = median_ci([3.0, 1.0, 2.0], level=0.2)
-    assert (narrow["ci_low"], narrow["ci_high"]) == (2.0, 2.0)
+    assert median_ci([3.0, 1.0, 2.0])["interval_kind"] == "range"
+    # {1, ..., 5}: the resample median is <= 2 with probability 0.317 and <= 3 with 0.683, so the 40%
+    # and 60% quantiles are the middle value
+    narrow = median_ci([5.0, 1.0, 4.0, 2.0, 3.0], level=0.2)
+    assert (narrow["ci_low"], narrow["ci_high"], narrow["interval_kind"]) == (3.0, 3.0, "bootstrap")
     one = median_ci([7.5])
-    assert one == {"median": 7.5, "ci_low": 7.5, "ci_high": 7.5, "level": 0.95, "n": 1, "values": [7.5]}
+    assert one == {"median": 7.5, "ci_low": 7.5, "ci_high": 7.5, "level": None, "n": 1, "values": [7.5],
+                   "interval_kind": "range"}
     assert median_ci([4.0] * 6)["ci_low"] == median_ci([4.0] * 6)["ci_high"] == 4.0
     assert median_ci([1.0, 2.0, 3.0, 4.0])["median"] == 2.5
     a, b = median_ci([1.0, 5.0, 2.0, 8.0, 3.0], seed=3), median_ci([1.0, 5.0, 2.0, 8.0, 3.0], seed=3)
     assert a == b  # deterministic given the seed
     with pytest.raises(ValueError):
         median_ci([])
+
+
+def test_intervals_are_named_for_what_they_are():
+    """At the default 3 runs the interval is the range of the runs, never "95%"; from 5 runs on the
+    95% bootstrap interval of the median with its n. Tables say so; the JSON says ``interval_kind``,
+    and a file written before that field (no ``interval_kind``) still formats."""
+    from tools.bench.aggregate import format_table
+    from tools.serve_bench.report import _footer
+
+    assert (DEFAULT_RUNS, interval_name(3), interval_name(1, unit="seed")) == (3, "range of 3 runs", "range of 1 seed")
+    assert interval_name(7) == "95% bootstrap interval of the median, n = 7"
+    assert [median_ci(range(n))["interval_kind"] for n in (1, 4, 5, 9)] == ["range", "range", "bootstrap", "bootstrap"]
+    assert _footer({"config": {"runs": 3}}, None, "tok/s") == [
+        "tok/s: medians over 3 runs [range of 3 runs]; the rest pooled over the runs"]
+    old = {"median": 2.0, "ci_low": 1.0, "ci_high": 3.0, "level": 0.95, "n": 3, "values": [1.0, 2.0, 3.0]}
+    assert format_ci(old) == "2.0 [1.0-3.0]"
+    seven = median_ci([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    stats = {"standard": {key: {"median": 0.5, "min": 0.4, "max": 0.6, "pooled": 0.5}
+                          for key in ("step_time_s", "fwd_time_s", "bwd_time_s", "a2a_time_s", "exposed_comm_s",
+                                      "a2a_bytes", "tokens_per_s", "peak_rss_mb")}}
+    over = {"standard": {"step_time_s": seven, "comm_fraction": seven, "transfer_fraction": None,
+                         "skew_fraction": None, "step_time_speedup": seven}}
+    text = format_table(stats, over_runs=over)
+    assert "medians over 7 runs [95% bootstrap interval of the median, n = 7]" in text and "range" not in text
+    over["standard"] = {k: v and median_ci([1.0, 2.0, 3.0]) for k, v in over["standard"].items()}
+    text = format_table(stats, over_runs=over)
+    assert "medians over 3 runs [range of 3 runs]" in text and "95%" not in text
 
 
 def test_rotations_put_every_variant_in_every_position():

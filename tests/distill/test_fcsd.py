@@ -177,6 +177,22 @@ def test_lm_eval_scores_restore_rng_and_repeat(tmp_path):
 
 
 @pytest.mark.slow
+def test_step_line_leads_with_what_distillation_optimises():
+    """The console step line names its columns truthfully: distillation optimises ``kd`` (plus
+    ``l2`` with ``kl+l2``), so that comes first and no ``loss`` (next-token + aux, which it does
+    not optimise) is shown; pretraining and ``sft`` lead with ``loss``."""
+    from megatron.training.metrics import format_step_line
+
+    base = {"step": 10, "loss": 9.0163, "lm_loss": 9.0093, "aux_loss": 0.007, "lr": 5e-4, "grad_norm": 0.054,
+            "tokens_per_sec": 6023.0, "step_time_s": 0.34, "peak_rss_mb": 2090.0}
+    assert format_step_line(base, 30).split(" | ")[1:4] == ["loss 9.0163", "lm 9.0093", "aux 0.0070"]
+    kd = format_step_line(dict(base, kd_loss=0.0015), 30).split(" | ")
+    assert kd[1:4] == ["kd 0.0015", "lm 9.0093", "aux 0.0070"]
+    assert not any(part.startswith("loss ") for part in kd)
+    kl_l2 = format_step_line(dict(base, kd_loss=0.0015, hidden_l2=0.25), 30).split(" | ")
+    assert kl_l2[1:5] == ["kd 0.0015", "l2 0.2500", "lm 9.0093", "aux 0.0070"]
+
+
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
     parameters never need gradients, the best checkpoint is kept, early stopping reports. No

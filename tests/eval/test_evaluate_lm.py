@@ -64,6 +64,13 @@ def _generated_data(root, num_questions=6):
 @pytest.mark.parametrize("case", ["missing_checkpoint", "unknown_task", "missing_data_dir", "missing_file",
                                   "output_exists", "no_lm_eval"])
 def test_bad_input_is_one_line_error_and_writes_nothing(case, ckpt_dir, tmp_path, capsys, monkeypatch):
+    """Every bad input, an unknown task included, is reported before the model loads."""
+    from megatron.training.lm_eval_adapter import MegatronCheckpointLM
+
+    def no_model(cls, *args, **kwargs):
+        pytest.fail("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(MegatronCheckpointLM, "from_checkpoint", classmethod(no_model))
     out = tmp_path / "results.json"
     ckpt = ckpt_dir["standard"]
     tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))

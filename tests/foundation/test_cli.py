@@ -55,6 +55,20 @@ def test_a_value_error_deep_inside_keeps_its_traceback(capsys):
     assert "error:" not in capsys.readouterr().err
 
 
+def test_a_user_error_is_what_torchruns_summary_reports(tmp_path, monkeypatch, capsys):
+    """Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) the error line goes into the worker's error
+    file as well, and torchrun's closing summary, built from that file, ends with it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert _commands().main(["bad", "--lr", "-1"]) == 2
+    assert capsys.readouterr().err == "prog: error: --lr must be >= 0, got -1\n"
+    failure = ProcessFailure(local_rank=0, pid=os.getpid(), exitcode=2, error_file=str(error_file))
+    summary = ChildFailedError("prog", {0: failure}).format_msg().strip().splitlines()
+    assert summary[-2].strip() == "traceback : prog: error: --lr must be >= 0, got -1", summary
+
+
 @pytest.mark.parametrize("call", ["run_cli('prog', deep_bug)", "_commands().main(['bug'])"])
 def test_a_command_with_a_bug_exits_1_with_the_traceback(call):
     code = textwrap.dedent(f"""
@@ -149,11 +163,34 @@ def test_under_torchrun_the_error_line_is_printed_once_and_never_lost(case, expe
     """torchrun stops every rank as soon as one exits. A user error every rank raises is printed
     once, by rank 0, even when another rank gets there first; one that rank 1 raised alone is
     printed by rank 1. (Before, rank 1 exited silently at once and torchrun ended rank 0 before it
-    printed: no error line at all.)"""
+    printed: no error line at all.) torchrun's closing summary, the last lines, names it too."""
     script = tmp_path / "cmd.py"
     script.write_text(RANK_SCRIPT.format(case=case))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    proc = _torchrun(2, str(script))
     assert proc.returncode != 0
-    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [expected], proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("prog: error:")] == [expected], \
+        proc.stderr[-3000:]
+    assert expected in "\n".join(_last_lines(proc.stderr)), proc.stderr[-3000:]
+
+
+def _torchrun(nproc: int, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *command], cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+
+
+def _last_lines(text: str, n: int = 2) -> list:
+    return [line for line in text.splitlines() if line.strip()][-n:]
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_refused_command_ends_the_screen_with_its_error(tmp_path):
+    """A refused training command under torchrun: its one-line error is in the last lines on the
+    screen (torchrun's closing summary reads it from the worker's error file), not 30 lines above
+    them, under torchrun's own traceback and a link to its docs."""
+    proc = _torchrun(1, "-m", "megatron.training.pretrain_gpt", "--config", "examples/tiny_moe_cpu.yaml",
+                     "--expert-model-parallel-size", "1", "--save-interval", "5")
+    expected = "pretrain_gpt: error: --save-interval needs --save DIR"
+    assert proc.returncode != 0
+    assert [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt: error:")] == [expected]
+    assert any(line.endswith(expected) for line in _last_lines(proc.stderr)), proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """``python -m netsim`` commands run in-process (and one subprocess check that netsim never imports torch)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,8 @@ def test_sweep_quick_writes_outputs(tmp_path, capsys):
     assert main(["sweep", "--out", str(out), "--quick"]) == 0
     text = capsys.readouterr().out
     assert "Pareto frontier" in text and "switchless gain" in text
+    # one wall time for the whole sweep (the summary's, also sweep.json's wall_s), not a second one
+    assert len(re.findall(r"(?:wall time|\bin) [0-9.]+s\b", text)) == 1, text[-500:]
     res = json.loads((out / "sweep.json").read_text())
     assert res["format"] == "netsim-sweep/1" and res["records"]
     assert (out / "summary.txt").read_text().startswith("Topologies at the 1x provision")

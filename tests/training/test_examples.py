@@ -87,3 +87,35 @@ def test_every_example_builds_on_the_meta_device():
     assert set(counts) == {os.path.basename(p) for p in EXAMPLES}
     for name, (published, _) in PUBLISHED.items():
         assert abs(counts[name] - published) / published < 0.01, (name, counts[name])
+
+
+def _train_in(rank, world, cwd, argv):
+    """``pretrain_gpt.main(argv)`` in a forked rank whose working directory is ``cwd``."""
+    from tests.training.test_reliability import main_in_rank
+
+    os.chdir(cwd)
+    return main_in_rank(rank, world, "megatron.training.pretrain_gpt", argv)
+
+
+def test_tiny_default_names_no_save_dir_so_variant_runs_need_no_save(tmp_path):
+    """``examples/tiny_moe_cpu.yaml`` names no save directory: a plain run and a variant run on it,
+    one after the other in the same working directory and without ``--save``, both train and write
+    nothing there (a save directory in the YAML had the second refused as another run's
+    checkpoints). ``make demo`` names the directory itself, the same for ``--save`` and ``--load``."""
+    from tests.helpers import SMALL_PRETRAIN_ARGS
+
+    tiny = os.path.join(REPO, "examples", "tiny_moe_cpu.yaml")
+    checkpoint = _configs(tiny).checkpoint
+    assert checkpoint.save is None and checkpoint.save_interval is None
+    base = ["--config", tiny, *map(str, SMALL_PRETRAIN_ARGS), "--expert-model-parallel-size", "1",
+            "--train-iters", "1", "--eval-iters", "0", "--data-cache-path", str(tmp_path / "cache")]
+    work = tmp_path / "work"
+    work.mkdir()
+    for variant in ([], ["--farskip", "all"]):
+        code, out, err = run_distributed(_train_in, 1, str(work), base + variant, timeout_s=240)[0]
+        assert code == 0, err
+    assert os.listdir(work) == []
+
+    with open(os.path.join(REPO, "Makefile")) as f:
+        demo = f.read().split("\ndemo:", 1)[1].split("\n\n", 1)[0].split()
+    assert demo[demo.index("--save") + 1] == demo[demo.index("--load") + 1] == "runs/tiny_moe_cpu"

@@ -102,6 +102,7 @@ def test_reused_save_dir_refused_at_start_and_pruning_keeps_other_runs(tmp_path,
     code, out, err = run_main(SHORT + ["--train-iters", 4, "--save", save, "--load", save, "--save-interval", 1,
                                        "--keep-last-checkpoints", 1, "--data-cache-path", cache])
     assert code == 0, err
+    assert f"starting at iteration 2 (resumed from {save / 'iter_0000002'})" in out  # the newest of this run
     assert "another run: kept, never pruned" in err
     assert _iters(save) == ["iter_0000000", "iter_0000004"]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
@@ -175,7 +176,7 @@ def test_corrupt_newest_reported_fallback_and_moved_aside(tmp_path, cache):
 
     code, out, err = run_main(resume + ["--load-fallback"])
     assert code == 0, err
-    assert "starting at iteration 1" in out
+    assert f"starting at iteration 1 (resumed from {save / 'iter_0000001'})" in out  # the good one, named
     names = sorted(os.listdir(save))
     aside = [n for n in names if n.startswith("iter_0000002.corrupt-")]
     assert len(aside) == 1 and os.path.isfile(save / aside[0] / shard.name)  # moved, not deleted

@@ -36,9 +36,9 @@ get the in-flight time split into ``transfer_s`` and ``skew_s`` (rank-skew wait)
 
 Several runs (``--runs``): ``merge_runs`` pools a variant's runs as more steps (``variant_stats`` of
 the merge is over runs x ranks x steps); ``over_runs_stats`` takes each run's median of the
-``RUN_FIGURES`` and gives their median with a bootstrap 95% interval
-(``tools.bench.discipline.median_ci``), and the step-time speedup paired by run (the baseline's run-r
-median over the variant's run-r median: they ran side by side).
+``RUN_FIGURES`` and gives their median with an interval (the range of the runs, or at 5 runs or
+more a 95% bootstrap interval: ``tools.bench.discipline.median_ci``), and the step-time speedup
+paired by run (the baseline's run-r median over the variant's run-r median: they ran side by side).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional, Sequence
 
-from .discipline import format_ci, median_ci, paired_ratios
+from .discipline import format_ci, interval_name, median_ci, paired_ratios
 from .overlap import transfer_skew_steps
 from .schema import RankResult
 
@@ -260,8 +260,8 @@ def format_table(stats: dict, ratios: Optional[dict] = None, over_runs: Optional
                  loaded: Optional[dict] = None) -> str:
     """A fixed-width table, one row per variant: medians, the step time with [min-max] over ranks x
     steps; with ``over_runs`` (several runs) the step time, the all-to-all shares and the speedup are
-    medians over the runs with [95% interval]. ``loaded`` (variant -> indices of loaded runs, from 0)
-    marks a variant with ``*`` and lists its loaded runs (from 1) under the table."""
+    medians over the runs with [their interval] (named under the table). ``loaded`` (variant -> indices
+    of loaded runs, from 0) marks a variant with ``*`` and lists its loaded runs (from 1) under it."""
     rows = [TABLE_COLUMNS]
 
     def pct(s, key):
@@ -294,7 +294,7 @@ def format_table(stats: dict, ratios: Optional[dict] = None, over_runs: Optional
     lines = [format_rows(rows[0], rows[1:])]
     if over_runs:
         n = max((o["step_time_s"]["n"] for o in over_runs.values() if o.get("step_time_s")), default=1)
-        lines.append(f"step ms, comm/xfer/skew %, speedup: medians over {n} runs [bootstrap 95% interval]; "
+        lines.append(f"step ms, comm/xfer/skew %, speedup: medians over {n} runs [{interval_name(n)}]; "
                      "the rest pooled over runs x ranks x steps")
     for name, runs in (loaded or {}).items():
         if runs:

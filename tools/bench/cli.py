@@ -5,7 +5,7 @@ requested variant's training step, W warm-up + N measured steps, one launch per 
 same link, the whole comparison repeated ``--runs`` times with the variant order rotated by one each
 run (``tools.bench.discipline``); the load is sampled between launches and a run taken on a loaded
 machine is marked (``--strict``: refused). The command prints a table (medians over the runs with
-bootstrap 95% intervals) and writes JSON (``--json``). With
+their range, or at 5 runs or more their 95% bootstrap interval) and writes JSON (``--json``). With
 ``--target-comm-fraction F`` it first picks the link rate at which the probe variant
 (``standard`` if requested, else the first) spends about F of its step in all-to-all.
 Calibration mode (``--collectives``): times gloo all_to_all / all_reduce at 2 and 4 ranks over

@@ -9,12 +9,13 @@ weights (``drop_tokens=True`` at the same capacity, every expert's buffer padded
 ``tools/bench/peers/deepspeed_moe.py``). Seeds vary the initial weights and data order; the variant
 order alternates and the mode order rotates between seeds.
 
-Per (mode, stack): step time (median over ranks x steps per run, then the median over seeds with a
-bootstrap 95% interval), all-to-all MiB per step (forward dispatch + combine, per rank), the
-dropped fraction of routed (token, expert) pairs, the buffer padding factor, and the LM loss at the
-end of the short run (rank 0's mean over the last 5 steps; median and range over seeds, and per seed
-its difference from megatron-core's dropless run of the same seed: the seeds' spread is larger than
-the modes' effect at this length, the paired difference is not).
+Per (mode, stack): step time (median over ranks x steps per run, then the median over seeds with
+the range of the seeds, or at 5 seeds or more a 95% bootstrap interval), all-to-all MiB per step
+(forward dispatch + combine, per rank), the dropped fraction of routed (token, expert) pairs, the
+buffer padding factor, and the LM loss at the end of the short run (rank 0's mean over the last 5
+steps; median and range over seeds, and per seed its difference from megatron-core's dropless run
+of the same seed: the seeds' spread is larger than the modes' effect at this length, the paired
+difference is not).
 
     sudo .venv/bin/python -m tools.bench.deepspeed_modes --out runs/ds_modes --json docs/figures/deepspeed_modes.json
 
@@ -33,7 +34,7 @@ import sys
 
 from tools import repo_root
 from tools.bench.aggregate import format_rows
-from tools.bench.discipline import median_ci
+from tools.bench.discipline import interval_name, median_ci
 
 PROG = "deepspeed_modes.py"
 
@@ -103,11 +104,12 @@ def _paired(d) -> str:
 
 
 def table(summary: dict) -> str:
-    rows = []
+    rows, seeds = [], 1
     for mode, stacks in summary.items():
         base = stacks["standard"]["step_ms"]["median"]
         for stack, s in stacks.items():
             ci, loss = s["step_ms"], s["final_lm_loss"]
+            seeds = max(seeds, ci["n"])
             rows.append((mode, stack + ("*" if s["loaded"] else ""),
                          f"{ci['median']:.1f} [{ci['ci_low']:.1f}-{ci['ci_high']:.1f}]",
                          f"{base / ci['median']:.2f}", f"{s['a2a_mib_per_step']:.3f}",
@@ -115,8 +117,8 @@ def table(summary: dict) -> str:
                          "-" if s["padding_factor"] is None else f"{s['padding_factor']:.3f}",
                          f"{loss['median']:.4f} [{loss['min']:.4f}-{loss['max']:.4f}]",
                          _paired(s.get("loss_vs_dropless_standard"))))
-    header = ("mode", "stack", "step ms [95% CI]", "std/this", "a2a MiB/step", "dropped %", "buffer x",
-              f"loss, last {LAST} steps [min-max]", "loss - dropless standard's, per seed")
+    header = ("mode", "stack", f"step ms [{interval_name(seeds, unit='seed')}]", "std/this", "a2a MiB/step",
+              "dropped %", "buffer x", f"loss, last {LAST} steps [min-max]", "loss - dropless standard's, per seed")
     return format_rows(header, rows, left=2)
 
 

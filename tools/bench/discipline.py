@@ -1,11 +1,14 @@
 """Benchmark discipline shared by bench_ep, bench_serve and time_to_quality (pure, standard library
 and numpy; the load sampler reads ``/proc``).
 
-* ``median_ci``  the median of per-run figures with a percentile-bootstrap interval (resample the
-  runs with replacement ``reps`` times, take each resample's median, report the ``(1 - level) / 2``
-  and ``(1 + level) / 2`` quantiles of those medians). Deterministic given ``seed``. With 3 runs a
-  95% interval is the range of the runs (each value is a resample median with probability > 2.5%):
-  it says how far the runs disagree, not more.
+* ``median_ci``  the median of per-run figures with an interval: at ``BOOTSTRAP_MIN_RUNS`` (5) runs
+  or more the percentile-bootstrap interval (resample the runs with replacement ``reps`` times, take
+  each resample's median, report the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of those
+  medians; deterministic given ``seed``), below that the range of the runs (min-max), which is what
+  a 95% bootstrap gives there (each value is a resample median with probability > 2.5%): it says how
+  far the runs disagree, not more. ``interval_kind`` in the dict and ``interval_name`` in tables and
+  plots say which; a dict without ``interval_kind`` (files written before it) follows the same rule
+  by its ``n``.
 * ``rotations``  the variant order of each run: run ``r`` uses the order rotated left by ``r``, so
   over ``len(variants)`` runs every variant takes every position once (drift in the machine's speed
   over a run then does not favour the variant that always goes first).
@@ -28,17 +31,20 @@ from typing import Callable, Optional, Sequence
 
 from megatron.common.cli import UserError
 
-__all__ = ["median_ci", "over_runs", "paired_ratios", "rotations", "machine_load", "cpu_counts", "load_from_counts",
-           "LoadGate", "LoadRefused", "format_ci", "DEFAULT_LOAD_THRESHOLD", "DEFAULT_RUNS", "add_discipline_arguments"]
+__all__ = ["median_ci", "interval_name", "BOOTSTRAP_MIN_RUNS", "over_runs", "paired_ratios", "rotations",
+           "machine_load", "cpu_counts", "load_from_counts", "LoadGate", "LoadRefused", "format_ci",
+           "DEFAULT_LOAD_THRESHOLD", "DEFAULT_RUNS", "add_discipline_arguments"]
 
 DEFAULT_RUNS = 3
 DEFAULT_LOAD_THRESHOLD = 1.3
 DEFAULT_REPS = 2000
+BOOTSTRAP_MIN_RUNS = 5  # below this the interval is the range of the runs
 
 
 def median_ci(values: Sequence[float], level: float = 0.95, reps: int = DEFAULT_REPS, seed: int = 0) -> dict:
-    """``{"median", "ci_low", "ci_high", "level", "n", "values"}``: the median of ``values`` (one per
-    run) and its percentile-bootstrap interval at ``level`` (see the module docstring)."""
+    """``{"median", "ci_low", "ci_high", "level", "n", "values", "interval_kind"}``: the median of
+    ``values`` (one per run) and its interval, ``interval_kind`` "bootstrap" (at ``level``) or, below
+    ``BOOTSTRAP_MIN_RUNS`` runs, "range" (min-max; ``level`` None). See the module docstring."""
     import numpy as np
 
     x = np.asarray([float(v) for v in values], dtype=np.float64)
@@ -47,14 +53,23 @@ def median_ci(values: Sequence[float], level: float = 0.95, reps: int = DEFAULT_
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     median = float(np.median(x))
-    if x.size == 1:
-        low = high = median
+    if x.size < BOOTSTRAP_MIN_RUNS:
+        kind, level, low, high = "range", None, float(x.min()), float(x.max())
     else:
         rng = np.random.default_rng(seed)
         medians = np.median(x[rng.integers(0, x.size, size=(reps, x.size))], axis=1)
+        kind = "bootstrap"
         low, high = (float(q) for q in np.quantile(medians, [(1 - level) / 2, (1 + level) / 2]))
     return {"median": median, "ci_low": low, "ci_high": high, "level": level, "n": int(x.size),
-            "values": [float(v) for v in x]}
+            "values": [float(v) for v in x], "interval_kind": kind}
+
+
+def interval_name(n: int, level: float = 0.95, unit: str = "run") -> str:
+    """What the interval of a median over ``n`` runs (or seeds: ``unit``) is, in words, for table
+    headers and plots."""
+    if n < BOOTSTRAP_MIN_RUNS:
+        return f"range of {n} {unit}{'' if n == 1 else 's'}"
+    return f"{level:.0%} bootstrap interval of the median, n = {n}"
 
 
 def over_runs(per_run: Sequence[dict], keys: Sequence[str], seed: int = 0) -> dict:
@@ -212,7 +227,8 @@ def add_discipline_arguments(group, *, default_runs: int = DEFAULT_RUNS, runs_he
 
     group.add_argument("--runs", type=positive_int, default=default_runs, metavar="N",
                        help=f"repeat the whole comparison N times, the variant order rotated by one each run; "
-                            f"figures are medians over the runs with a bootstrap 95%% interval (default {default_runs})"
+                            f"figures are medians over the runs with the range of the runs (fewer than "
+                            f"{BOOTSTRAP_MIN_RUNS}) or their 95%% bootstrap interval (default {default_runs})"
                             + (f"; {runs_help}" if runs_help else ""))
     group.add_argument("--load-threshold", type=float, default=DEFAULT_LOAD_THRESHOLD, metavar="CPUS",
                        help="mark a run as loaded when, before or after it, the 1-minute load average exceeds the "

@@ -50,7 +50,7 @@ import sys
 from typing import Optional, Sequence
 
 from tools.bench.aggregate import format_rows
-from tools.bench.discipline import median_ci
+from tools.bench.discipline import interval_name, median_ci
 from tools.bench.ttq import Curve, load_curve, time_to_target
 
 __all__ = ["reclocked_points", "ppl_at_clock", "compare_pair", "summarize_pairs", "clock_from_ttq", "SEED_FIGURES",
@@ -286,6 +286,7 @@ def main(argv=None) -> int:
                      _ci(s["speedup_to_own_final"], "{:.2f}"), _ci(s["baseline_ppl_at_variant_end"], "{:.1f}"),
                      f"{s['speedup_per_step']:.2f}x ({step_s[v]['median'] * 1e3:.0f} ms)"))
     print(format_rows(header, rows))
+    print(f"medians over seeds [{interval_name(len(seeds), unit='seed')}]")
     if args.plot:
         plot(curves, step_s, variants, seeds, base_final["median"], args.plot, args.title)
         print(f"wrote {args.plot}")

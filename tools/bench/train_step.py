@@ -4,8 +4,10 @@
 Each run trains ``examples/tiny_moe_cpu.yaml`` on 2 ranks under torchrun from one checkout and
 reads the loop's own clock from its metrics: seconds per step between step ``--skip`` and the
 last step (the first steps pay for warm-up). Runs rotate over (checkout, interval) in a different
-order each repeat; the table and JSON give the median and a bootstrap 95% interval per cell
-(``tools.bench.discipline.median_ci``) and the ratio to the first checkout at the same interval.
+order each repeat; the table and JSON give the median and its interval per cell (the range of the
+runs, or at 5 runs or more a 95% bootstrap interval: ``tools.bench.discipline.median_ci``; the JSON's
+``ci95_ms`` holds it whatever its ``interval_kind``) and the ratio to the first checkout at the same
+interval.
 
     git worktree add /tmp/before <commit before the change>
     scripts/bench_train_step.py --checkout before=/tmp/before --checkout after=. \\
@@ -25,7 +27,7 @@ import sys
 import tempfile
 
 from tools import repo_root
-from tools.bench.discipline import median_ci
+from tools.bench.discipline import interval_name, median_ci
 
 
 def one_run(checkout: str, interval: int, args) -> float:
@@ -35,8 +37,7 @@ def one_run(checkout: str, interval: int, args) -> float:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "megatron.training.pretrain_gpt", "--config", os.path.join(repo_root(), "examples/tiny_moe_cpu.yaml"),
                "--train-iters", str(args.train_iters), "--log-interval", str(interval), "--eval-interval", "100000",
-               "--eval-iters", "0", "--metrics-file", metrics, "--data-cache-path", args.cache,
-               "--save", os.path.join(tmp, "save"), "--save-interval", str(10**9)]
+               "--eval-iters", "0", "--metrics-file", metrics, "--data-cache-path", args.cache]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.abspath(checkout))
         proc = subprocess.run(cmd, cwd=os.path.abspath(checkout), env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -82,13 +83,13 @@ def main(argv=None) -> int:
         ratio = statistics.median(t) / statistics.median(times[(base, interval)])
         rows.append({"checkout": name, "log_interval": interval, "ms_per_step": [x * 1e3 for x in t],
                      "median_ms": statistics.median(t) * 1e3, "ci95_ms": [lo * 1e3, hi * 1e3],
-                     f"ratio_to_{base}": ratio})
-    print(f"{'checkout':<10} {'log-interval':>12} {'median ms/step':>15} {'95% interval':>18} {'vs ' + base:>10}")
+                     "interval_kind": ci["interval_kind"], f"ratio_to_{base}": ratio})
+    print(f"{'checkout':<10} {'log-interval':>12} {'median ms/step':>15} {'interval':>18} {'vs ' + base:>10}")
     for row in rows:
         lo, hi = row["ci95_ms"]
         print(f"{row['checkout']:<10} {row['log_interval']:>12} {row['median_ms']:>15.1f} "
               f"{f'{lo:.1f}-{hi:.1f}':>18} {row[f'ratio_to_{base}']:>10.3f}")
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    print(f"interval: {interval_name(args.runs)}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {**vars(args), "checkouts": checkouts}, "load_before": load_before,

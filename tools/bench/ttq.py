@@ -24,8 +24,8 @@ best validation perplexity the standard model reaches? (The paper: BigMac 1.71x 
    (the curves repeat; the clocks measure the machine), the variant order rotated by one each run.
    Run 1 lives in ``OUT/<variant>/``, run k > 1 in ``OUT/run<k>/<variant>/``; each is resumable on its
    own. Every run is summarized against its own standard; the time to target, the speed-ups, the
-   step time and the all-to-all share are then given as medians over the runs with a bootstrap 95%
-   interval (``tools.bench.discipline``).
+   step time and the all-to-all share are then given as medians over the runs with their range, or
+   at 5 runs or more a 95% bootstrap interval (``tools.bench.discipline``).
 
 Writes ``OUT/ttq.json`` (link, tuning, per-variant curves and results; the first run at the top
 level, every run under ``runs``, the medians under ``over_runs``) and ``OUT/ttq.png`` (the first
@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 from moe_variants import registry
 from megatron.common.cli import UserError, nonneg_int, positive_int, run_cli, user_input
 from megatron.common.files import write_json
-from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, rotations
+from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, interval_name, rotations
 
 __all__ = [
     "Curve",
@@ -203,7 +203,7 @@ def summarize_runs(summaries: Sequence[dict], seed: int = 0) -> dict:
 def plot_curves(summary: dict, path: str, title: str = "", over_runs: Optional[dict] = None) -> None:
     """Validation perplexity against the training clock (hours), one line per variant, the target
     dashed; with ``over_runs`` (several runs) each variant's time to target as a band over the runs'
-    95% interval. matplotlib is imported here (an optional dependency)."""
+    interval (``interval_name``). matplotlib is imported here (an optional dependency)."""
     try:
         import matplotlib
 
@@ -495,7 +495,7 @@ def _print(result) -> None:
               f"{fmt(v['speedup_per_step'], '8.3f')}"
               + ("" if v["done"] else "  (running)"))  # fmt: skip
     if runs > 1:
-        print(f"step ms, a2a %, to target s, speedup: medians over {runs} runs [bootstrap 95% interval]; "
+        print(f"step ms, a2a %, to target s, speedup: medians over {runs} runs [{interval_name(runs)}]; "
               "the rest: the first run")
     for item in result.get("loaded_launches") or []:
         print(f"* {item['variant']} run {item['run'] + 1}: a launch was taken on a loaded machine (see launches)")

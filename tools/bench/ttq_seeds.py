@@ -14,7 +14,8 @@ variant order rotated by one per seed (time_to_quality's ``--rotate``), and summ
   seed where the variant does not reach it; the count that reached is reported);
 * ``speedup_per_step``, ``mean_step_s``, ``a2a_share_median``;
 
-each as the median over seeds with a bootstrap 95% interval (``tools.bench.discipline.median_ci``).
+each as the median over seeds with the range of the seeds, or at 5 seeds or more a 95% bootstrap
+interval (``tools.bench.discipline.median_ci``).
 
     sudo .venv/bin/python -m tools.bench.ttq_seeds --out runs/ttq_farskip --seeds 1234,1235,1236 \\
         --variants standard,farskip -- --config examples/corpus_moe_cpu.yaml --link-gbit 0.1824 \\
@@ -34,7 +35,7 @@ import sys
 
 from tools import repo_root
 from tools.bench.aggregate import format_rows
-from tools.bench.discipline import median_ci
+from tools.bench.discipline import interval_name, median_ci
 from tools.bench.ttq import default_variants
 
 PROG = "ttq_seeds.py"
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
         return 1
     summary = summarize(per_seed)
     print(table(summary))
-    print(f"medians over seeds [bootstrap 95% interval]; per seed: {os.path.join(args.out, 'seeds.json')}")
+    print(f"medians over seeds [{interval_name(len(per_seed), unit='seed')}]; "
+          f"per seed: {os.path.join(args.out, 'seeds.json')}")
     with open(os.path.join(args.out, "seeds.json"), "w") as f:
         json.dump({"command": sys.argv, "seeds": seeds, "per_seed": per_seed, "summary": summary}, f, indent=1)
     return 0

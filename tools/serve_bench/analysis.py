@@ -36,7 +36,8 @@ steps inside a phase's window; a phase carrying that split (``phase["a2a_split"]
 there (``amdahl_basis``): the skew wait is the ranks' imbalance, which no cheaper all-to-all removes.
 
 Several runs (``--runs``): ``serve_over_runs``/``prefill_over_runs`` take each run's figures and give
-their median with a bootstrap 95% interval (``tools.bench.discipline.median_ci``); the speedups are
+their median with an interval (the range of the runs, or at 5 runs or more a 95% bootstrap
+interval: ``tools.bench.discipline.median_ci``); the speedups are
 paired by run.
 """
 

@@ -34,8 +34,8 @@ The whole comparison runs ``--runs`` times (default 3), the variant order rotate
 every variant's servers restarted each run; the load is sampled between launches and a run taken on
 a loaded machine is marked (``--strict``: refused; ``tools.bench.discipline``). Latency percentiles
 pool every run's requests; throughputs and speedups are also given per run, as medians over the
-runs with a bootstrap 95% interval. The servers record each engine step's all-to-alls
-(``serve --a2a-spans``), from which the all-to-all share splits into transfer and rank-skew wait.
+runs with their range (at 5 runs or more a 95% bootstrap interval). The servers record each engine
+step's all-to-alls (``serve --a2a-spans``), from which the all-to-all share splits into transfer and rank-skew wait.
 
 Prints a table, writes JSON (``--json``, bench_ep's shape) and PNG plots. User errors print one
 line and exit 2 before anything is written. See docs/serving.md.

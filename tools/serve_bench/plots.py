@@ -4,12 +4,15 @@ Serving mode:
 
 * ``<stem>_latency.png``     TTFT, TPOT and end-to-end latency (p50 solid, p99 dashed, pooled over
                              the runs) vs request rate, one colour per variant; with several runs
-                             the bars are the 95% interval of the runs' percentiles;
-* ``<stem>_throughput.png``  output tokens/s (bars: the runs' 95% interval) and goodput (requests/s
+                             the bars are the interval of the runs' percentiles;
+* ``<stem>_throughput.png``  output tokens/s (bars: the runs' interval) and goodput (requests/s
                              within the SLOs) vs rate.
 
+The interval is the range of the runs, or at 5 runs or more their 95% bootstrap interval
+(``tools.bench.discipline.interval_name`` labels it).
+
 Prefill mode: ``<stem>_prefill.png``, prefill tokens/s per variant (median over the runs with their
-bootstrap 95% interval as bars; one run: over its bursts, min-max bars) with the baseline's Amdahl
+interval as bars; one run: over its bursts, min-max bars) with the baseline's Amdahl
 bound (its transfer share removed, or its in-flight share without the split) as a line.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 
 from netsim.plots import pyplot, save_png
+from tools.bench.discipline import interval_name
 
 __all__ = ["write_plots"]
 
@@ -89,7 +93,7 @@ def _prefill(plt, result: dict, out_dir: str, stem: str) -> list:
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 3.8))
     over = [(variants[n].get("over_runs") or {}).get("prefill_tokens_per_s") for n in names]
     several = any(c and c["n"] > 1 for c in over)
-    if several:  # medians over the runs, bars their 95% interval
+    if several:  # medians over the runs, bars their interval
         values = [c["median"] if c else 0.0 for c in over]
         errors = _ci_bars(values, over)
     else:
@@ -110,7 +114,8 @@ def _prefill(plt, result: dict, out_dir: str, stem: str) -> list:
         speedup = result["ratios"][n]["throughput_speedup"]
         if speedup is not None:
             ax.text(i, values[i] + errors[1][i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("prefill tokens/s (median over runs, 95% interval)" if several else
+    runs = max((c["n"] for c in over if c), default=1)
+    ax.set_ylabel(f"prefill tokens/s (median, {interval_name(runs)})" if several else
                   "prefill tokens/s (median, min-max)")
     ax.set_title(_title(result))
     path = save_png(fig, os.path.join(out_dir, f"{stem}_prefill.png"))
@@ -125,7 +130,7 @@ def _ci_bars(values: list, cis: list) -> list:
 
 
 def _ci_lines(ax, x: list, cis: list, scale: float, color: str) -> None:
-    """The runs' 95% intervals (``median_ci`` dicts, several runs only) as vertical lines at ``x``."""
+    """The runs' intervals (``median_ci`` dicts, several runs only) as vertical lines at ``x``."""
     marks = [(xi, c["ci_low"] * scale, c["ci_high"] * scale) for xi, c in zip(x, cis) if c and c["n"] > 1]
     if marks:
         ax.vlines([m[0] for m in marks], [m[1] for m in marks], [m[2] for m in marks], colors=color, lw=2, alpha=0.4)

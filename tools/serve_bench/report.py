@@ -8,7 +8,7 @@ import time
 from typing import Optional
 
 from tools.bench.aggregate import format_rows
-from tools.bench.discipline import format_ci
+from tools.bench.discipline import format_ci, interval_name
 
 from .loadgen import samples_needed
 
@@ -70,7 +70,7 @@ def _footer(result: dict, loaded: Optional[dict], what: str) -> list:
     lines = []
     runs = result.get("config", {}).get("runs") or 1
     if runs > 1:
-        lines.append(f"{what}: medians over {runs} runs [bootstrap 95% interval]; the rest pooled over the runs")
+        lines.append(f"{what}: medians over {runs} runs [{interval_name(runs)}]; the rest pooled over the runs")
     for name, bad in (loaded or {}).items():
         if bad:
             lines.append(f"* {name}: run(s) {', '.join(str(r + 1) for r in bad)} taken on a loaded machine "
@@ -133,7 +133,7 @@ def _bound_lines(result: dict) -> list:
 
 
 def prefill_table(result: dict, loaded: Optional[dict] = None) -> str:
-    """One row per variant: prefill tokens/s median over the runs [95% interval] (one run: over its
+    """One row per variant: prefill tokens/s median over the runs [``interval_name``] (one run: over its
     bursts [min-max]); the all-to-all share in flight, split into transfer and rank-skew wait; the
     Amdahl bound on the baseline's transfer share (its in-flight share without the split)."""
     header = ("variant", "prefill tok/s", "fwd tok/s", "TTFT p50 ms", "a2a %", "xfer %", "skew %", "exposed %",
