@@ -11,7 +11,7 @@ bootstrap 95% intervals) and writes JSON (``--json``). With
 Calibration mode (``--collectives``): times gloo all_to_all / all_reduce at 2 and 4 ranks over
 the link and writes ``op,ranks,bytes,seconds`` (``--csv``) plus a sidecar JSON.
 
-User errors print one line and exit with status 2. See docs/measuring_communication.md.
+User errors print one line and exit with status 2. See docs/design/measuring-communication.md.
 """
 
 from __future__ import annotations
