@@ -5,7 +5,7 @@ collective models per topology (:mod:`netsim.collectives`) and their fit to meas
 (:mod:`netsim.fit`), profile-table compute times (:mod:`netsim.compute`), the decode serving model
 with dual-batch overlap and speculative decoding (:mod:`netsim.serving`, :mod:`netsim.schedule`),
 cluster cost (:mod:`netsim.cost`), and the sweep with its analyses and plots (:mod:`netsim.sweep`,
-:mod:`netsim.plots`). Command line: ``python -m netsim --help``; method: docs/netsim.md.
+:mod:`netsim.plots`). Command line: ``python -m netsim --help``; method: docs/design/netsim.md.
 """
 
 from .collectives import (

@@ -97,7 +97,7 @@ class RooflineEfficiency:
     typical serving-framework kernels at decode shapes, below the best published kernels (DeepGEMM
     FP8 GEMMs reach ~1,100-1,500 of 1,979 TFLOPS at large shapes, FlashMLA ~3,000 of 3,350 GB/s
     memory-bound and ~600 of 989 TFLOPS compute-bound); the per-kernel cost stands for tail effects
-    and gaps between kernels that CUDA graphs do not remove. docs/netsim.md reports how the
+    and gaps between kernels that CUDA graphs do not remove. docs/results/netsim.md reports how the
     findings move with the best-kernel values (0.6 / 0.8 / 0.6 / 0.85 / 0.6)."""
 
     gemm_compute: float = 0.45

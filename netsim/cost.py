@@ -15,7 +15,7 @@
 * OpEx: power x PUE x electricity price. ``network_cost_factor`` (the paper's adjustment factor)
   scales all network CapEx (switches, links, NICs).
 
-Prices are public list/street prices of 2024 where we found them (sources in docs/netsim.md) and
+Prices are public list/street prices of 2024 where we found them (sources in docs/design/netsim.md) and
 our assumptions otherwise; results are reported normalised (:func:`normalized_cost_per_xpu`).
 """
 

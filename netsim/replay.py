@@ -52,7 +52,7 @@ __all__ = ["MODEL_VERSION", "StepProfile", "Link", "Engine", "Request", "simulat
            "rest_links", "step_calls", "dispatch_flows"]
 
 # The replay model's version. A validation is out of sample only for runs measured after the model
-# it names was fixed: change this (and add the version to docs/netsim.md, "Model versions") whenever
+# it names was fixed: change this (docs/design/netsim.md, "The replay model") whenever
 # the replay's arithmetic changes; ``validate`` prints it with the git commit of the code.
 MODEL_VERSION = "replay/7 (2026-11-27)"
 

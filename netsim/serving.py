@@ -78,7 +78,7 @@ class SpecDecode:
     (1 + n p)``; drafting costs one normal decode iteration, as the paper's text says
     (``DraftCost.DECODE_STEP``). The values of ``n`` and ``p`` did not survive the text extraction;
     ours: 3 drafted tokens, 70% average pass rate -> 3.1 tokens per cycle. ``free`` (drafting fused
-    into verification) is the optimistic alternative docs/netsim.md compares."""
+    into verification) is the optimistic alternative docs/results/netsim.md compares."""
 
     num_draft: int = 3
     pass_rate: float = 0.7

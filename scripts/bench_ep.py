@@ -7,7 +7,7 @@
 
 Ranks live in their own network namespaces behind a bridge with ``tc`` shaping (needs root; falls
 back to unshaped loopback with a warning). ``--help`` lists every option;
-docs/measuring_communication.md explains the method and how to read the numbers.
+docs/design/measuring-communication.md explains the method and how to read the numbers.
 """
 
 import os

@@ -8,7 +8,7 @@
     python scripts/bench_serve.py --load CKPT --variants standard,farskip --no-netns --input-len 32 --output-len 16
 
 The server's ranks run in the EP benchmark's network namespaces behind a ``tc``-shaped link (needs
-root; ``--no-netns`` runs over unshaped loopback). ``--help`` lists every option; docs/serving.md
+root; ``--no-netns`` runs over unshaped loopback). ``--help`` lists every option; docs/guides/bench-serve.md
 explains the method and how to read the numbers.
 """
 

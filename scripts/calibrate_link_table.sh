@@ -3,7 +3,7 @@
 # on the shaped network namespaces at one link rate, both ways and one way (only rank 0 sends),
 # after rests of GAPS milliseconds before each call (the shaper's bucket refills while the link
 # rests), and gloo all-reduces (every rank sends; what a tensor-parallel run's attention and
-# embedding reductions cost) after the same rests. docs/netsim.md ("Checked against measured serving").
+# embedding reductions cost) after the same rests. docs/design/netsim.md ("The replay model").
 #
 #   sudo scripts/calibrate_link_table.sh 0.06654 runs/link_0.06654
 #   python -m netsim validate --bench-serve serve.json --link-table runs/link_0.06654/*.csv

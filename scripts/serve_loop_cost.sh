@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving loop's cost per decode step, before and after a change, with and without routing
-# statistics (docs/serving.md, "Serving-loop cost"):
+# statistics (docs/results/serving.md, "Serving-loop cost"):
 #
 #   scripts/serve_loop_cost.sh OLD_REV OUT_DIR CKPT [CKPT ...]
 #

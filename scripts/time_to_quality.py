@@ -6,7 +6,7 @@
     python scripts/time_to_quality.py --out /tmp/ttq --no-netns --steps 20 --eval-interval 10   # smoke
 
 Resumable: run the same command again after an interruption. Writes OUT/ttq.json and OUT/ttq.png;
-``--report-only`` rebuilds them from the runs so far. See docs/peers.md and tools/bench/ttq.py.
+``--report-only`` rebuilds them from the runs so far. See docs/guides/peers.md and tools/bench/ttq.py.
 """
 
 import os

@@ -24,7 +24,7 @@ step or a collective, e.g. a peer rank died) fails every in-flight request with 
 a rank that stops making progress (stopped, hung, deadlocked: every peer then waits in a
 collective) turns ``/health`` 503 after ``--stall-timeout`` and ends the server after
 ``--watchdog-timeout`` (in-flight requests get a 503, the process exits 3 with every thread's
-stack on stderr; torchrun then stops the other ranks). See docs/serving.md.
+stack on stderr; torchrun then stops the other ranks). See docs/design/serving.md.
 """
 
 from __future__ import annotations

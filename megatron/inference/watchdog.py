@@ -14,7 +14,7 @@ as the defaults do), so a model whose steps are slow but steady is neither repor
 killed, while a step stuck far past its peers still is. The watchdog arms at the first tick:
 before it, the ranks may still be loading the model at different speeds.
 
-Exit codes of a server process (``megatron.common.process``, docs/serving.md): 0 after a clean
+Exit codes of a server process (``megatron.common.process``, docs/design/serving.md): 0 after a clean
 drain, 1 when the engine loop raised (a rank died, a collective failed, a bug), 2 for bad flags or
 checkpoints (one line), 3 when the watchdog fired.
 """

@@ -1,7 +1,7 @@
 """Sem-MoE's Algorithm 3 in a served model: attention tensor-parallel over the ranks that hold the
 experts (paper App. B, its SGLang setting).
 
-Without it (docs/serving.md, Layouts) every TP rank holds all of a step's tokens outside the
+Without it (docs/design/serving.md, Layouts) every TP rank holds all of a step's tokens outside the
 experts and routes and dispatches its own copy of them: the MoE layer computes, and its
 all-to-all moves, every token TP times. Algorithm 3 keeps attention's activations replicated and
 gives each rank a different share of the tokens inside each MoE layer:

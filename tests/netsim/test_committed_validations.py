@@ -1,4 +1,4 @@
-"""The replay reproduces every validation docs/netsim.md reports: each run of
+"""The replay reproduces every validation docs/results/netsim.md reports: each run of
 ``docs/figures/netsim_validation/<run>/`` is predicted again from its committed run, profile and
 link table, and must give the committed ``validate.json``'s figures exactly (the model's
 arithmetic is fixed per ``MODEL_VERSION``; a change to it needs a new version and new checks)."""

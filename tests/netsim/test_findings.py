@@ -1,7 +1,7 @@
 """The paper's qualitative findings from the default constants, table and prices.
 
 These are model outcomes, not identities: a change to a formula, a default or a price can break
-them, which is the point. The percentages themselves are reported in docs/netsim.md.
+them, which is the point. The percentages themselves are reported in docs/results/netsim.md.
 
 Speculative decoding follows the paper's model by default: drafting costs one normal decode
 iteration (§3.3). With that reading and our (cheaper) network prices, switchless wins at the

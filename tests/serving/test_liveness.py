@@ -13,7 +13,7 @@ request is in flight; ``--stall-timeout 2 --watchdog-timeout 5``, torchrun ``--s
   serve``, whose injector subscribes to the loop's ``STEP_END``) is an engine failure: the waiting
   client gets a 503 naming it and the launcher exits non-zero.
 
-The bounds asserted are the documented ones (docs/serving.md) with 5-15 s of slack for a loaded
+The bounds asserted are the documented ones (docs/results/serving.md) with 5-15 s of slack for a loaded
 CI machine; the figures themselves come from ``python -m tools.faults serving``.
 """
 

@@ -3,7 +3,7 @@ by item, on the shipped offline tasks: ``lm_eval --model local-completions`` wit
 tokenizer and ``max_length=512``, against a two-rank EP server, equals ``python -m
 megatron.training.evaluate_lm --max-length 510`` on one process, for ``local_arc_easy`` and
 ``local_wikitext`` at ``--limit 50`` from the shared data directory, hub unreachable (the commands of
-docs/serving.md).
+docs/guides/serve.md).
 
 The checkpoint is pretrain_gpt's small MoE with a 512-token context, 40 steps on the embedded corpus
 (tiny-shakespeare speeches, each followed by EOD): the WikiText articles span many windows, and the

@@ -11,7 +11,7 @@ their range, or at 5 runs or more their 95% bootstrap interval) and writes JSON 
 Calibration mode (``--collectives``): times gloo all_to_all / all_reduce at 2 and 4 ranks over
 the link and writes ``op,ranks,bytes,seconds`` (``--csv``) plus a sidecar JSON.
 
-User errors print one line and exit with status 2. See docs/measuring_communication.md.
+User errors print one line and exit with status 2. See docs/design/measuring-communication.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Shaping models a full-duplex NIC of ``gbit`` per rank behind a non-blocking swit
 limiter on the rank's egress (``veth0``, its transmit side) and one on the bridge port's egress
 (``p<i>``, its receive side). ``tbf`` (default) and ``htb`` both hold TCP goodput at about 95% of
 the set rate (the rest is TCP/IP header bytes, which the qdisc counts), run to run within a few
-percent; measurements in docs/measuring_communication.md. One-way latency (``latency_ms``) needs
+percent; measurements in docs/design/measuring-communication.md. One-way latency (``latency_ms``) needs
 the ``netem`` qdisc, attached under the rate limiter on the rank's egress only, so rank-to-rank
 one-way delay is ``latency_ms`` (RTT twice that). Kernels built without ``sch_netem`` (like the
 one this was developed on) reject a non-zero latency with an error naming the flag instead of
@@ -283,7 +283,7 @@ def _tc_commands(link: LinkSpec, delay: bool) -> list[list[str]]:
     higher rates), or ``htb`` with one class at rate = ceil. Queue limit: 64 ms of traffic
     (4-64 MiB), so TCP is held back by socket backpressure instead of drops; a 512 KiB queue
     dropped hundreds of packets per 4-rank all-to-all burst for no throughput gain (measured,
-    see docs/measuring_communication.md). ``delay``: a netem child adds the one-way latency.
+    see docs/design/measuring-communication.md). ``delay``: a netem child adds the one-way latency.
     """
     bps = link.bits_per_s
     burst = max(64 * 1024 + 1514, bps // 8 // 1000)

@@ -7,7 +7,7 @@ itself after its next engine step (``tools.faults.inject``'s kinds: the server t
 when ``/health`` first stops answering 200, when the waiting client gets its answer (status and
 message), when the launcher exits (and its code). Every process it started is killed at the end
 whatever happened. Prints a table (medians and ranges over the repeats) and writes JSON;
-``tests/serving/test_liveness.py`` asserts the bounds docs/serving.md states.
+``tests/serving/test_liveness.py`` asserts the bounds docs/results/serving.md states.
 """
 
 from __future__ import annotations

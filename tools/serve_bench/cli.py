@@ -38,7 +38,7 @@ runs with their range (at 5 runs or more a 95% bootstrap interval). The servers 
 step's all-to-alls (``serve --a2a-spans``), from which the all-to-all share splits into transfer and rank-skew wait.
 
 Prints a table, writes JSON (``--json``, bench_ep's shape) and PNG plots. User errors print one
-line and exit 2 before anything is written. See docs/serving.md.
+line and exit 2 before anything is written. See docs/guides/bench-serve.md.
 """
 
 from __future__ import annotations
