@@ -117,12 +117,16 @@ def test_the_rule_sees_the_registry_and_the_tools():
     assert len(list((ROOT / "tools").rglob("*.py"))) > 30
 
 
+# the docs reference generator lists every entry point by its module path, a variant's tool among them
+NAMES_ENTRY_POINTS = {ROOT / "tools" / "docs" / "reference.py"}
+
+
 def test_the_tools_name_no_variant():
     names = registry.variant_names()
     exempt = _variant_tool_folders()
     offenders = []
     for path in sorted((ROOT / "tools").rglob("*.py")):
-        if any(folder in path.parents for folder in exempt):
+        if any(folder in path.parents for folder in exempt) or path in NAMES_ENTRY_POINTS:
             continue
         for line, name, text in variant_mentions(path.read_text(), names):
             offenders.append(f"{path.relative_to(ROOT)}:{line}: {name} in {text!r}")
