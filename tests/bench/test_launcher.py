@@ -23,6 +23,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow  # starts processes
 def test_timeout_kills_a_hung_worker_and_its_children(tmp_path):
     spec = WorkerSpec("hang", str(tmp_path / "out"))
     t0 = time.monotonic()
@@ -37,6 +38,7 @@ def test_timeout_kills_a_hung_worker_and_its_children(tmp_path):
         assert not _alive(grandchild)  # same process group: killed with the worker
 
 
+@pytest.mark.slow  # starts processes
 def test_failing_rank_surfaces_its_stderr_and_stops_the_others(tmp_path):
     spec = WorkerSpec("fail", str(tmp_path / "out"))
     with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] failed") as info:

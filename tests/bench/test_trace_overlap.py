@@ -57,6 +57,7 @@ def test_summary_splits_in_flight_into_window_and_exposed(tmp_path):
     assert s["forward_phases_ms"] == {"attention": pytest.approx(8.0)}
 
 
+@pytest.mark.slow  # starts processes
 def test_cli_prints_table_and_writes_json(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, SCRIPT, str(_trace(tmp_path)), "--json", str(out)],
@@ -66,6 +67,7 @@ def test_cli_prints_table_and_writes_json(tmp_path):
     assert len(json.loads(out.read_text())["collectives"]) == 5
 
 
+@pytest.mark.slow  # starts processes
 def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -74,6 +76,7 @@ def test_cli_rejects_a_file_that_is_not_a_trace(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "cannot read trace" in proc.stderr
 
 
+@pytest.mark.slow  # starts processes
 def test_cli_rejects_json_that_is_not_a_bench_trace(tmp_path):
     for text in ('[1, 2]', '{"traceEvents": [{"ph": "M", "tid": 1}]}', '{"traceEvents": []}'):
         bad = tmp_path / "other.json"

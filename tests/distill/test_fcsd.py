@@ -193,6 +193,7 @@ def test_step_line_leads_with_what_distillation_optimises():
     assert kl_l2[1:5] == ["kd 0.0015", "l2 0.2500", "lm 9.0093", "aux 0.0070"]
 
 
+@pytest.mark.slow  # starts processes
 def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
     parameters never need gradients, the best checkpoint is kept, early stopping reports. No

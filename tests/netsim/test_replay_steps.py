@@ -57,6 +57,7 @@ def test_steps_are_grouped_and_measured_without_rank_skew(tmp_path):
     assert by["dummy"]["replay_s"] > 0
 
 
+@pytest.mark.slow  # starts processes
 def test_spans_without_step_ends_and_unknown_variants_are_one_line(tmp_path):
     spans, prof, table = _inputs(tmp_path, with_end=False)
     proc = subprocess.run([sys.executable, "scripts/replay_steps.py", "--spans", str(spans), "--profile", str(prof),
