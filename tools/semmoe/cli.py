@@ -157,22 +157,23 @@ def _evaluate(args: argparse.Namespace) -> int:
         for mode in modes:
             r = evaluate(tables, profile, mode, int(hidden), args.bytes_per_element, args.tp_batch_tokens, groups)
             rows.append({"tables": str(path), **r.to_dict()})
+    w = max(12, *(len(r["method"]) + 1 for r in rows))  # affinity-eplb is 13 characters
     print(
-        f"{'method':<12}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}"
+        f"{'method':<{w}}{'mode':<6}{'EP':>4}{'LAR':>8}{'p25':>8}{'p50':>8}{'p75':>8}"
         f"{'imb.mean':>10}{'imb.max':>9}{'a2a GiB':>10}"
     )
     for r in rows:
         print(
-            f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{r['lar']:>8.3f}{r['lar_p25']:>8.3f}"
+            f"{r['method']:<{w}}{r['mode']:<6}{r['num_devices']:>4}{r['lar']:>8.3f}{r['lar_p25']:>8.3f}"
             f"{r['lar_p50']:>8.3f}{r['lar_p75']:>8.3f}{r['imbalance_mean']:>10.3f}{r['imbalance_max']:>9.3f}"
             f"{r['a2a_bytes'] / 2**30:>10.3f}"
         )
     if groups:
         print(f"\nper domain, served together: LAR (imbalance max over layers); {len(groups)} domains")
-        print(f"{'method':<12}{'mode':<6}{'EP':>4}" + "".join(f"{d[:14]:>16}" for d in groups))
+        print(f"{'method':<{w}}{'mode':<6}{'EP':>4}" + "".join(f"{d[:14]:>16}" for d in groups))
         for r in rows:
             cells = "".join(f"{g['lar']:>8.3f} ({g['imbalance_max']:>4.2f})" for g in r["by_group"].values())
-            print(f"{r['method']:<12}{r['mode']:<6}{r['num_devices']:>4}{cells}")
+            print(f"{r['method']:<{w}}{r['mode']:<6}{r['num_devices']:>4}{cells}")
     out = Path(args.out) if args.out else Path(args.tables[0]) / f"evaluation_{Path(args.profile).stem}.json"
     payload = {
         "profile": str(args.profile),
