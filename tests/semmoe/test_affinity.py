@@ -142,5 +142,5 @@ def test_registered_and_solvable_from_the_cli(planted, tmp_path, capsys):
     np.testing.assert_array_equal(t.expert2device, place("affinity-eplb", prof, EP, seed=0).expert2device)
     assert main(["evaluate", "--tables", str(tmp_path / "t"), "--profile", str(tmp_path / "h.npz"),
                  "--out", str(tmp_path / "e.json")]) == 0  # fmt: skip
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("affinity-eplb")]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("affinity-eplb ")]
     assert rows and all(row[0] == "affinity-eplb" and row[1] in ("dp", "tp") for row in rows)  # its own column
