@@ -272,7 +272,8 @@ def test_tp_with_routing_stats_is_refused_in_one_line(serve_ckpts, tmp_path):
     proc = torchrun("megatron.inference.serve", ["--load", serve_ckpts["standard"], "--port", "0",
                                                  "--tensor-model-parallel-size", "2", "--routing-stats"])
     assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if "megatron.inference.serve: error" in line]
+    # torchrun's closing summary quotes the line too ("traceback : megatron.inference.serve: error: ...")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megatron.inference.serve: error:")]
     assert len(lines) == 1 and "--routing-stats" in lines[0], proc.stderr[-2000:]
 
 
