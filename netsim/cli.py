@@ -613,23 +613,30 @@ def _configure_report(p):
     p.add_argument("--json", metavar="OUT", help="write the reports here")
 
 
-@command("report", "validation errors per configuration with their range over the run's repeats", _configure_report)
-def _report(args) -> int:
-    from megatron.common.files import write_json
-
-    from .report import configuration_report, format_report
+@user_input()
+def _report_inputs(items: list) -> list:
+    """``(name, validation, run)`` of each ``NAME=VALIDATE_JSON``; bad files are one-line errors."""
     from .validation import read_json
 
-    reports = []
-    for item in args.validations:
+    out = []
+    for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"{item!r}: expected NAME=VALIDATE_JSON")
         validation = read_json(path, name)
         if not isinstance(validation, dict) or validation.get("schema") != "netsim-validate/1":
             raise UserError(f"{name}: {path} is not a `python -m netsim validate --json` output")
-        run = read_json(validation["bench_serve"], f"{name}'s bench_serve")
-        reports.append(configuration_report(name, validation, run))
+        out.append((name, validation, read_json(validation["bench_serve"], f"{name}'s bench_serve")))
+    return out
+
+
+@command("report", "validation errors per configuration with their range over the run's repeats", _configure_report)
+def _report(args) -> int:
+    from megatron.common.files import write_json
+
+    from .report import configuration_report, format_report
+
+    reports = [configuration_report(*inputs) for inputs in _report_inputs(args.validations)]
     print(format_report(reports, args.goal))
     if args.json:
         write_json(args.json, {"schema": "netsim-report/1", "goal": args.goal, "configurations": reports})

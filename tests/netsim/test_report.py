@@ -55,3 +55,8 @@ def test_the_command_reads_the_validation_and_its_run(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["configurations"][0]["name"] == "X"
     assert main(["report", "no-equals-sign"]) == 2
     assert "expected NAME=VALIDATE_JSON" in capsys.readouterr().err
+    (tmp_path / "not.json").write_text("not json")
+    for bad, said in ((tmp_path / "missing.json", "No such file"), (tmp_path / "not.json", "Expecting value")):
+        assert main(["report", f"X={bad}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0] and str(bad) in err[0], err
