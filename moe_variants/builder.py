@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -28,9 +29,11 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_variants import registry
+from moe_variants.attention import mark_causal, sdpa_attention_class
 from moe_variants.common.experts import RoutedExperts
 from moe_variants.common.moe_layer import ProjectMoELayer, ProjectRouter
-from moe_variants.config import ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl, plain, validate
+from moe_variants.config import (AttentionBackend, ModelConfig, ParallelConfig, RouterGroupScore, TransformerImpl,
+                                 plain, validate)
 from moe_variants.features import GroupMaxRouter, MLADotProductAttention
 from moe_variants.norms import TorchNorm
 
@@ -167,6 +170,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         pipeline_dtype=dtype,
         sequence_parallel=parallel.resolved_sequence_parallel(),
         use_cpu_initialization=not torch.cuda.is_available(),
+        # Transformer Engine's kernels by Megatron-LM's flag; the local spec picks its core attention
+        # class instead (_local_attention) and leaves megatron-core's value, which then only sets
+        # TE's environment switches, at its default
+        attention_backend=AttnBackend[model.attention_backend.value] if te else AttnBackend.auto,
         **fusions(model, te),
     )
     if model.is_moe:
@@ -202,8 +209,10 @@ _LOCAL_MLA_KEYS_MAP = {
 
 
 def _local_attention(spec, model: ModelConfig, te: bool, norm):
-    """Local-module attention fixes: q/k/kv norms that support sequence parallelism (``norm``), and
-    for MLA a core attention that takes MLA's k/v channels (``model_features.py``)."""
+    """Local-module attention: q/k/kv norms that support sequence parallelism (``norm``), and the
+    core attention ``--attention-backend`` names: torch's scaled_dot_product_attention
+    (``moe_variants/attention.py``), or for ``local`` megatron-core's ``DotProductAttention`` (for
+    MLA the subclass that takes MLA's k/v channels, ``features.py``)."""
     attn = spec.submodules.self_attention
     if te or not isinstance(attn, ModuleSpec):
         return spec
@@ -213,9 +222,12 @@ def _local_attention(spec, model: ModelConfig, te: bool, norm):
         if hasattr(attn.submodules, name)
     }
     keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
-    if model.multi_latent_attention and attn.submodules.core_attention is DotProductAttention:
-        changes["core_attention"] = MLADotProductAttention
-        if model.qk_layernorm:
+    if attn.submodules.core_attention is DotProductAttention:
+        if model.attention_backend != AttentionBackend.local:
+            changes["core_attention"] = sdpa_attention_class(model.attention_backend)
+        elif model.multi_latent_attention:
+            changes["core_attention"] = MLADotProductAttention
+        if model.multi_latent_attention and model.qk_layernorm:
             keys_map.update(_LOCAL_MLA_KEYS_MAP)
     attn = ModuleSpec(
         module=attn.module, params=attn.params, metainfo=attn.metainfo,
@@ -341,6 +353,7 @@ def causal_attention_mask(seq_length: int, device=None) -> torch.Tensor:
     """[1, 1, S, S] bool, True where attention is masked (megatron-core's convention).
 
     Always passed explicitly: megatron-core's default mask is built with ``device="cuda"``
-    (``transformer/utils.py:35``).
+    (``transformer/utils.py:35``). The mask is recorded as causal (``attention.mark_causal``), so
+    the SDPA attention runs its causal kernels without reading it.
     """
-    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+    return mark_causal(torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None])

@@ -165,6 +165,23 @@ class TransformerImpl(str, enum.Enum):
     auto = "auto"
 
 
+class AttentionBackend(Choice):
+    """``--attention-backend``, Megatron-LM's flag and values. With Transformer Engine they pick TE's
+    kernels as in Megatron-LM. On the local spec (``moe_variants/attention.py``): ``local`` is
+    megatron-core's ``DotProductAttention`` (the reference: the full score matrix, softmax, a second
+    matmul); the others run torch's ``scaled_dot_product_attention``: ``flash`` its FlashAttention
+    kernel (a CPU one too), ``fused`` cuDNN then memory-efficient attention (TE's fused attention is
+    cuDNN's), ``unfused`` its math reference, ``auto`` cuDNN, FlashAttention, memory-efficient on
+    Hopper and newer (torchtitan's order), FlashAttention first elsewhere; the math kernel is every
+    choice's fallback where no kernel takes the inputs, and the log line says so."""
+
+    flash = "flash"
+    fused = "fused"
+    unfused = "unfused"
+    local = "local"
+    auto = "auto"
+
+
 class RopeType(str, enum.Enum):
     """Rotary embedding of multi-latent attention: plain ``rope``, or ``yarn`` (DeepSeek-V2's
     context extension: rescaled frequencies and a softmax scale of ``mscale(mscale_all_dim)^2``)."""
@@ -209,6 +226,7 @@ class ModelConfig:
     hidden_dropout: float = dataclasses.field(default=0.0, metadata={"help": "dropout on the residual branches"})
     bf16: bool = dataclasses.field(default=False, metadata={"help": "train in bfloat16 (mixed precision with fp32 master weights)"})
     transformer_impl: TransformerImpl = dataclasses.field(default=TransformerImpl.auto, metadata={"help": "local: megatron-core's torch modules; transformer_engine: TE modules (GPU); auto: TE when importable with a GPU"})
+    attention_backend: AttentionBackend = dataclasses.field(default=AttentionBackend.auto, metadata={"help": "core attention: auto, flash, fused, unfused (torch scaled_dot_product_attention kernels on the local spec; Transformer Engine's with TE) or local (megatron-core's DotProductAttention, the reference)"})
     # megatron-core's fused weight-gradient accumulation into DDP's main_grad (GPU, where Transformer
     # Engine or apex provides the kernel); --no-gradient-accumulation-fusion for a backward without DDP
     gradient_accumulation_fusion: bool = dataclasses.field(default=True, metadata={"help": "fused weight-gradient accumulation into DDP's main_grad (GPU, with Transformer Engine or apex); --no-gradient-accumulation-fusion for a backward without DDP"})

@@ -185,12 +185,14 @@ UPSTREAM_COUPLING_SITES = [
          "def set_tensor_grad_fn_sequence_sr(tensor, value):"),
 ]
 
-# Private torch APIs: megatron/compat/autograd.py wraps the first two; the last is what
-# megatron-core's set_tensor_grad_fn_sequence_sr calls on a tensor's autograd node ("<grad_fn>").
+# Private torch APIs: megatron/compat/autograd.py wraps the first two; the third is what
+# megatron-core's set_tensor_grad_fn_sequence_sr calls on a tensor's autograd node ("<grad_fn>");
+# megatron/compat/sdpa.py asks the last which attention kernel a call would run.
 TORCH_PRIVATE_APIS = [
     "torch._C._current_graph_task_id",
     "torch.autograd.Variable._execution_engine.queue_callback",
     "<grad_fn>._set_sequence_nr",
+    "torch._fused_sdp_choice",
 ]
 
 # compat/inference.sampling_controller_class overrides two private steps of the dynamic controller

@@ -135,7 +135,35 @@ def setup_model_and_optimizer(
         wsd_decay_steps=train_cfg.lr_wsd_decay_iters,
         lr_wsd_decay_style="linear" if train_cfg.lr_decay_style.value == "WSD" else None,
     )
+    use_fused_adam(optimizer)
     return [ddp], optimizer, scheduler
+
+
+def torch_optimizers(optimizer) -> list:
+    """The ``torch.optim`` optimizers under a megatron-core optimizer (chained or not)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for opt in chained for inner in torch_optimizers(opt)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def use_fused_adam(optimizer, fused: bool = True) -> int:
+    """Step torch's Adam/AdamW under ``optimizer`` with torch's fused kernel (``fused=True``: one
+    kernel over all tensors of a group, instead of the multi-tensor ``foreach`` loop megatron-core
+    gets by default without Transformer Engine or apex, whose own Adam is fused). Applies to groups
+    whose parameters are all floating CUDA or CPU tensors (the devices torch's fused Adam runs on);
+    the step is the same Adam up to float rounding. Call it again after loading optimizer state
+    (a checkpoint's parameter groups carry their own switches). Returns the groups switched."""
+    switched = 0
+    for opt in torch_optimizers(optimizer):
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in opt.param_groups:
+            if all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in group["params"]):
+                group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+                switched += 1
+    return switched
 
 
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

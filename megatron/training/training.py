@@ -342,6 +342,7 @@ class Trainer:
         """Load ``--load`` (if it has a checkpoint) and prepare the save directory."""
         from megatron.training.checkpointing import load_checkpoint, new_lineage
         from megatron.training.save_dir import prepare_save_dir
+        from megatron.training.step import use_fused_adam
 
         c, ck, rank = self.c, self.c.checkpoint, self.rank
         self.iteration, self.consumed, loaded = 0, 0, None
@@ -361,10 +362,13 @@ class Trainer:
             if loaded is None:
                 if rank == 0:
                     print(f"{self.prog}: no checkpoint in {load}; starting from scratch", flush=True)
-            elif not ck.finetune:
-                self.iteration, self.consumed = loaded.iteration, loaded.consumed_samples
-                if not loaded.optimizer_loaded:
-                    self.scheduler.step(increment=self.iteration)  # keep the LR schedule's position
+            else:
+                if loaded.optimizer_loaded:
+                    use_fused_adam(self.optimizer)  # the checkpoint's parameter groups replaced the switch
+                if not ck.finetune:
+                    self.iteration, self.consumed = loaded.iteration, loaded.consumed_samples
+                    if not loaded.optimizer_loaded:
+                        self.scheduler.step(increment=self.iteration)  # keep the LR schedule's position
         resumed_from = loaded.path if loaded is not None and not ck.finetune else None
         self.loaded_from = loaded.path if loaded is not None else None
         if self.lineage is None:
@@ -408,11 +412,13 @@ class Trainer:
             f"{self.iteration}{_loaded_note(self.loaded_from, ck.finetune)}"
             + (f"; configuration in {config_file}" if config_file else "")
         )
-        from moe_variants.common.experts import describe
+        from moe_variants import attention
+        from moe_variants.common import experts
 
-        experts = describe(self.chunks[0])
-        if experts:
-            self.writer.print(f"{self.prog}: routed experts: {experts}")
+        for what, line in (("attention", attention.describe(self.chunks[0])),
+                           ("routed experts", experts.describe(self.chunks[0]))):
+            if line:
+                self.writer.print(f"{self.prog}: {what}: {line}")
 
     # ----------------------------------------------------------------------------------- loop
     def loop(self) -> None:

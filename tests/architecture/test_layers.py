@@ -187,7 +187,8 @@ def test_layer_0_imports_nothing_of_the_project():
 # helpers (errors, the CLI runner, files, processes, collectives) come from layer 0, and variant
 # modules are reached through the registry, except by a variant's own tools (VARIANT_TOOLS).
 MODEL_LIBRARY_API = ("moe_variants.config", "moe_variants.registry", "moe_variants.builder",
-                     "moe_variants.global_state", "moe_variants.features", "moe_variants.common.moe_layer",
+                     "moe_variants.global_state", "moe_variants.features", "moe_variants.attention",
+                     "moe_variants.common.moe_layer",
                      "moe_variants.common.comm", "moe_variants.common.routing", "moe_variants.common.dispatcher",
                      "moe_variants.common.timing", "moe_variants.common.wgrad", "moe_variants.common.experts")
 # a tool that exists for one variant may import it: a tool named after it (``tools/semmoe/``,

@@ -66,7 +66,7 @@ def test_pins_survive_an_upgrade_that_only_moves_code():
 
 @pytest.mark.parametrize("path", sites.TORCH_PRIVATE_APIS)
 def test_torch_private_api_exists(path):
-    """The private torch APIs the project uses (through megatron/compat/autograd.py) still exist."""
+    """The private torch APIs the project uses (through megatron/compat/autograd.py and sdpa.py) still exist."""
     head, _, attr = path.rpartition(".")
     if head == "<grad_fn>":
         obj = (torch.ones(1, requires_grad=True) * 2).grad_fn
@@ -77,7 +77,7 @@ def test_torch_private_api_exists(path):
         obj = importlib.import_module(parts[0])
         for part in parts[1:]:
             obj = getattr(obj, part)
-    assert hasattr(obj, attr), f"torch {torch.__version__} no longer has {path}; re-check megatron/compat/autograd.py"
+    assert hasattr(obj, attr), f"torch {torch.__version__} no longer has {path}; re-check megatron/compat/autograd.py and sdpa.py"
 
 
 def test_te_general_gemm_still_undefined_without_te():
