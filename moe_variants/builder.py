@@ -344,7 +344,7 @@ def build_model(
     )
     for variant in [] if upstream_moe else registry.enabled(model):
         variant.apply(gpt, model)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and next(gpt.parameters()).device.type != "meta":  # a meta build stays shapes only
         gpt.cuda(torch.cuda.current_device())
     return gpt
 

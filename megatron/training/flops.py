@@ -16,11 +16,26 @@ from typing import Optional
 
 import torch
 
-__all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops"]
+__all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops", "HBM_TB_S", "hbm_bandwidth"]
 
 # dense bf16 peak of the accelerators MFU is usually quoted for (vendor data sheets, no sparsity)
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
                     "B200": 2250.0, "GB200": 2500.0, "L40S": 362.1, "MI300X": 1307.4}
+
+# HBM bandwidth (TB/s) of the same accelerators' SXM/OAM parts (vendor data sheets): the bound of a
+# memory-bound step such as a decode step
+HBM_TB_S = {"H200": 4.8, "H100": 3.35, "H800": 3.35, "A100": 2.039, "A800": 2.039, "B200": 8.0, "GB200": 8.0,
+            "L40S": 0.864, "MI300X": 5.3}
+
+
+def _device_entry(table: dict) -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key in sorted(table, key=len, reverse=True):
+        if key in name:
+            return table[key]
+    return None
 
 
 def active_weights(model, *, num_experts: Optional[int], topk: int, num_local_experts: int, tp_size: int = 1,
@@ -62,10 +77,9 @@ def flops_per_token(config, active: int, *, seq_length: int) -> float:
 def peak_tflops(bf16: bool) -> Optional[float]:
     """This GPU's dense bf16 peak from ``PEAK_BF16_TFLOPS`` (None on CPU, for fp32 models and for
     unknown GPUs: pass ``--peak-tflops``)."""
-    if not (bf16 and torch.cuda.is_available()):
-        return None
-    name = torch.cuda.get_device_name()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    return _device_entry(PEAK_BF16_TFLOPS) if bf16 else None
+
+
+def hbm_bandwidth() -> Optional[float]:
+    """This GPU's HBM bandwidth in TB/s from ``HBM_TB_S`` (None on CPU and for unknown GPUs)."""
+    return _device_entry(HBM_TB_S)

@@ -1,9 +1,11 @@
 """``python -m tools.bench.gpu`` at toy sizes on the CPU (``--preset cpu-smoke``): the JSON's schema,
-the grouped-vs-loop checks it ran, the time budget and the command line's errors.
+the checks it ran (grouped experts against the loop, each attention backend against megatron-core's
+``DotProductAttention``, the fast training arm's first loss against the reference arm's), the step
+breakdown, the time budget and the command line's errors.
 
 No timing is asserted (CPU timings are not meaningful); the checks inside the benchmark compare
-grouped and loop in fp32, where they agree exactly (``test_grouped_equivalence``), against their
-stated tolerances. The runs happen in a forked process (``run_distributed(fn, 1)``, which the
+fp32 paths against their stated tolerances (grouped and loop agree exactly,
+``test_grouped_equivalence``; the attention kernels within 1e-6, ``tests/attention``). The runs happen in a forked process (``run_distributed(fn, 1)``, which the
 benchmark's own one-rank world then reuses): megatron-core's process groups are never created in
 the test process, whose later forks would inherit them half torn down.
 """
@@ -13,25 +15,30 @@ import json
 import pytest
 
 from tools.bench import gpu
+from tools.bench.breakdown import CATEGORIES as BREAKDOWN
 from tools.spawn import run_distributed
 
 TIMING = {"median_s", "min_s", "max_s", "n"}
 LAYER_PATH = {"forward", "forward_backward", "tflops_forward", "tflops_forward_backward", "peak_memory_gb",
               "host_syncs_forward_backward"}
-TRAIN = {"experts", "parameters", "active_weights_per_token", "flops_per_token", "tokens_per_step", "step_time",
-         "tokens_per_s", "tflops", "mfu", "peak_memory_gb", "first_loss", "last_loss", "a2a_bytes_per_step_measured",
-         f"a2a_bytes_per_step_ep{gpu.A2A_EP}_computed", "wall_s"}
+TRAIN = {"num_layers", "attention", "experts", "parameters", "active_weights_per_token", "flops_per_token",
+         "tokens_per_step", "step_time", "tokens_per_s", "tflops", "mfu", "peak_memory_gb", "first_loss", "last_loss",
+         "a2a_bytes_per_step_measured", f"a2a_bytes_per_step_ep{gpu.A2A_EP}_computed"}
+ATTENTION = {"forward", "forward_backward", "tflops_forward", "tflops_forward_backward", "kernel",
+             "relative_error_vs_first", "peak_memory_gb"}
 
 
-def test_cpu_smoke_run_writes_the_schema_and_checks_grouped_against_the_loop(tmp_path):
+def test_cpu_smoke_run_writes_the_schema_and_checks_its_paths_against_their_references(tmp_path):
     out = tmp_path / "bench.json"
-    argv = ["--preset", "cpu-smoke", "--out", str(out), "--time-budget-s", "600"]
+    sections = "layer,attention,train,breakdown,variants"
+    argv = ["--preset", "cpu-smoke", "--out", str(out), "--time-budget-s", "600", "--sections", sections]
     assert run_distributed(lambda rank, world: gpu.main(argv), 1, timeout_s=300) == [0]
     result = json.loads(out.read_text())
     assert result["schema"] == gpu.SCHEMA and result["preset"] == "cpu-smoke" and result["skipped"] == []
     env = result["environment"]
     assert env["device"] == "cpu" and env["peak_tflops"] is None and env["torch"] and env["megatron_core"] == "0.16.1"
-    assert len(result["layer"]) == len(gpu.PRESETS["cpu-smoke"].layers)
+    preset = gpu.PRESETS["cpu-smoke"]
+    assert len(result["layer"]) == len(preset.layers)
     for layer in result["layer"]:
         assert layer["check"]["equal"] and layer["check"]["max_relative_error"] <= layer["check"]["tolerance"]
         assert set(layer["check"]["relative_errors"]) == {"output", "input grad", "probs grad", "weight grads"}
@@ -40,21 +47,38 @@ def test_cpu_smoke_run_writes_the_schema_and_checks_grouped_against_the_loop(tmp
             assert LAYER_PATH <= set(path) and TIMING == set(path["forward"]) == set(path["forward_backward"])
         assert layer["paths"]["grouped"]["host_syncs_forward_backward"] == 0
         assert layer["paths"]["loop"]["host_syncs_forward_backward"] == 1
-    train = result["train"]
-    assert train["check"]["equal"]
-    for path in ("grouped", "loop"):
-        assert TRAIN <= set(train[path]) and TIMING == set(train[path]["step_time"])
-        assert train[path]["a2a_bytes_per_step_measured"] == 0  # EP = 1
-        # top-2 of 8 experts: far fewer weights per token than the model holds (all 8 counted: 4x too many)
-        assert train[path]["active_weights_per_token"] < 0.6 * train[path]["parameters"]
-    assert train["grouped"]["experts"].startswith("grouped GEMM") and train["loop"]["experts"].startswith("SequentialMLP")
+    # attention: every backend of the preset, each output against the reference's (fp32)
+    assert [a["shape"]["name"] for a in result["attention"]] == [s.name for s in preset.attention]
+    for item in result["attention"]:
+        assert list(item["backends"]) == list(preset.attention_backends)
+        for backend, r in item["backends"].items():
+            assert ATTENTION <= set(r) and r["relative_error_vs_first"] <= 1e-6
+        assert item["backends"]["auto"]["kernel"] == "flash" and item["backends"]["unfused"]["kernel"] == "math"
+    # training: each model with the reference and the fast attention, the same first loss
+    assert list(result["train"]) == [s.name for s in preset.train]
+    for item in result["train"].values():
+        assert set(item["arms"]) == {"local", "auto"} and item["check"]["auto"]["equal"]
+        for arm, r in item["arms"].items():
+            assert TRAIN <= set(r) and TIMING == set(r["step_time"]) and r["a2a_bytes_per_step_measured"] == 0
+            # top-2 of 8 experts: far fewer weights per token than the model holds (all 8 counted: 4x too many)
+            assert r["active_weights_per_token"] < 0.6 * r["parameters"]
+            assert r["experts"].startswith("grouped GEMM")
+        assert item["arms"]["local"]["attention"].startswith("megatron-core DotProductAttention")
+        assert item["arms"]["auto"]["attention"].startswith("torch scaled_dot_product_attention, flash kernel")
+        # the breakdown runs in the fast arm: every category, shares of the step summing to 1
+        breakdown = item["arms"]["auto"]["breakdown"]
+        assert set(breakdown["seconds"]) == set(BREAKDOWN) | {"idle"} and "breakdown" not in item["arms"]["local"]
+        assert abs(sum(breakdown["shares"].values()) - 1) < 1e-9
+        assert breakdown["seconds"]["attention"] > 0 and breakdown["seconds"]["expert GEMMs"] > 0
     [variant] = result["variants"]  # every registered variant with its own MoE layer (today one)
     assert TRAIN <= set(variant) and variant["experts"].startswith("grouped GEMM")
     # a lower-dimensional dispatch moves fewer bytes than the standard layer's
     key = f"a2a_bytes_per_step_ep{gpu.A2A_EP}_computed"
-    assert 0 < variant[key] < train["grouped"][key]
+    standard = result["train"][variant["model"]]["arms"]["auto"]
+    assert 0 < variant[key] < standard[key]
     table = gpu.format_table(result)
-    assert "grouped vs loop: max relative error" in table and "first-step loss grouped vs loop" in table
+    assert "grouped vs loop: max relative error" in table and "first-step loss auto vs local" in table
+    assert "where the auto step goes" in table
 
 
 def test_items_past_the_time_budget_are_skipped_and_listed():
@@ -62,9 +86,10 @@ def test_items_past_the_time_budget_are_skipped_and_listed():
                                                            time_budget_s=0.5), 1, timeout_s=120)
     assert result["layer"] == [] and result["train"] == {}
     items = [s["item"] for s in result["skipped"]]
-    assert items == [f"layer {s.name}" for s in gpu.PRESETS["cpu-smoke"].layers] + ["train grouped", "train loop"]
+    preset = gpu.PRESETS["cpu-smoke"]
+    assert items == [f"layer {s.name}" for s in preset.layers] + [f"train {s.name}" for s in preset.train]
     assert all(s["reason"].startswith("time budget") for s in result["skipped"])
-    assert "skipped train loop: time budget" in gpu.format_table(result)
+    assert f"skipped train {preset.train[-1].name}: time budget" in gpu.format_table(result)
 
 
 @pytest.mark.parametrize("argv,message", [

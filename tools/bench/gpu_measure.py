@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["LayerShape", "TrainShape", "timed", "measure_layer", "measure_training", "train_in_child", "a2a_bytes_per_step"]
+__all__ = ["LayerShape", "TrainShape", "device", "peak_memory_gb", "reset_peak_memory", "timed", "measure_layer",
+           "measure_training", "measure_training_interleaved", "train_in_child", "a2a_bytes_per_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +46,55 @@ class LayerShape:
 @dataclasses.dataclass(frozen=True)
 class TrainShape:
     """A model trained end to end: flat model flags (``ModelConfig.from_flat``), the micro-batch and
-    the vocabulary of the synthetic tokens."""
+    the vocabulary of the synthetic tokens. ``fit_memory``: train as many of its layers as fit the
+    GPU (``layers_that_fit``)."""
 
     name: str
     model: dict
     micro_batch_size: int
     vocab_size: int
+    fit_memory: bool = False
+
+    def with_layers(self, num_layers: int) -> "TrainShape":
+        """The same model with its first ``num_layers`` layers (its MoE layer pattern cut to match)."""
+        model = dict(self.model, num_layers=num_layers)
+        if isinstance(model.get("moe_layer_freq"), list):
+            model["moe_layer_freq"] = model["moe_layer_freq"][:num_layers]
+        return dataclasses.replace(self, model=model)
 
 
-def _device() -> torch.device:
+# Bytes a trained parameter holds with megatron-core's bf16 optimizer (bf16 weight 2, fp32 gradient
+# buffer 4, fp32 main weight 4, Adam's two fp32 moments 8), and the activations one layer of the
+# fitted model keeps at sequence 4096, micro-batch 1 (its routed tokens' expert activations, MLA's
+# projections, and the reference attention's score and probability matrices), with headroom
+_BYTES_PER_PARAMETER = 18
+_ACTIVATION_BYTES_PER_LAYER = 3 * 2**30
+_USABLE_MEMORY = 0.85
+
+
+def layers_that_fit(shape: TrainShape, memory_bytes: Optional[int] = None) -> int:
+    """How many layers of ``shape`` fit one device with their optimizer state and activations:
+    parameters counted on a two-layer copy built on the meta device (its first layer and a repeated
+    one), at ``_BYTES_PER_PARAMETER`` plus ``_ACTIVATION_BYTES_PER_LAYER``, within ``_USABLE_MEMORY`` of
+    ``memory_bytes`` (default: the current GPU's). Call ``initialize_parallel`` first."""
+    from moe_variants.builder import build_model
+    from moe_variants.config import ModelConfig, ParallelConfig
+
+    if memory_bytes is None:
+        memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    model_cfg = ModelConfig.from_flat(shape.with_layers(2).model)
+    with torch.device("meta"):
+        model = build_model(model_cfg, ParallelConfig(), vocab_size=shape.vocab_size)
+    layers = model.decoder.layers
+    fixed = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in layers[1].parameters())
+    per_layer = sum(p.numel() for p in layers[1].parameters())
+    del model
+    room = _USABLE_MEMORY * memory_bytes - _BYTES_PER_PARAMETER * fixed - _ACTIVATION_BYTES_PER_LAYER
+    return max(1, min(shape.model["num_layers"],
+                      1 + int(room // (_BYTES_PER_PARAMETER * per_layer + _ACTIVATION_BYTES_PER_LAYER))))
+
+
+def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -79,11 +120,11 @@ def timed(fn: Callable[[], object], *, warmup: int, iters: int) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": iters}
 
 
-def _peak_memory_gb() -> Optional[float]:
+def peak_memory_gb() -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def _reset_peak_memory() -> None:
+def reset_peak_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -174,18 +215,18 @@ def _count_syncs(fn) -> int:
 def measure_layer(shape: LayerShape, *, bf16: bool, warmup: int, iters: int, pg_collection,
                   peak_tflops: Optional[float]) -> dict:
     """Forward and forward+backward of the grouped experts and the loop at ``shape``."""
-    _reset_peak_memory()
-    device = _device()
+    reset_peak_memory()
+    dev = device()
     grouped, loop = _expert_modules(shape, bf16, pg_collection)
     dtype = grouped.fc1_weight.dtype
-    inputs = _routed_inputs(shape, dtype, device)
+    inputs = _routed_inputs(shape, dtype, dev)
     x, counts, probs, dy = inputs
     # bf16 GEMMs accumulate in fp32 in a different order on each path: a few bf16 ulps
     check = _check(grouped, loop, inputs, tolerance=2e-2 if dtype == torch.bfloat16 else 1e-5)
     flops = shape.flops_forward()
     paths = {}
     for name, module in (("grouped", grouped), ("loop", loop)):
-        _reset_peak_memory()
+        reset_peak_memory()
 
         def forward():
             module(x, counts, probs)
@@ -198,7 +239,7 @@ def measure_layer(shape: LayerShape, *, bf16: bool, warmup: int, iters: int, pg_
         result = {"forward": fwd, "forward_backward": both,
                   "tflops_forward": flops / fwd["median_s"] / 1e12,
                   "tflops_forward_backward": 3 * flops / both["median_s"] / 1e12,
-                  "peak_memory_gb": _peak_memory_gb(),
+                  "peak_memory_gb": peak_memory_gb(),
                   "host_syncs_forward_backward": _count_syncs(forward_backward)}
         if peak_tflops:
             result["percent_of_peak_forward"] = 100 * result["tflops_forward"] / peak_tflops
@@ -232,65 +273,131 @@ def a2a_bytes_per_step(model, *, tokens: int, topk: int, ep: int, bytes_per_elem
     return total
 
 
-def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: int,
-                     peak_tflops: Optional[float], a2a_ep: int) -> dict:
-    """Training steps of ``shape`` (with flat ``overrides``) through the project's
-    ``setup_model_and_optimizer`` and ``train_step`` at EP = 1 on this one rank."""
-    from megatron.core.utils import unwrap_model
+class _TrainingRun:
+    """One model of ``shape`` (with flat ``overrides``) set up for training through the project's
+    ``setup_model_and_optimizer`` and ``train_step`` at EP = 1 on this one rank, on synthetic tokens.
+    Call ``initialize_parallel`` first; the model is initialised from ``seed``."""
 
-    from megatron.training.config import TrainingConfig
-    from megatron.training.flops import active_weights, flops_per_token
-    from megatron.training.parallel import initialize_parallel
-    from megatron.training.step import setup_model_and_optimizer, train_step
-    from moe_variants.common.experts import describe
-    from moe_variants.config import ModelConfig, ParallelConfig
+    def __init__(self, shape: TrainShape, overrides: dict, pg_collection, *, seed: int = 1234, train_iters: int = 1000):
+        from megatron.core.utils import unwrap_model
 
-    _reset_peak_memory()
-    model_cfg = ModelConfig.from_flat({**shape.model, **overrides})
-    parallel = ParallelConfig()
-    train_cfg = TrainingConfig(micro_batch_size=shape.micro_batch_size, global_batch_size=shape.micro_batch_size,
-                               train_iters=warmup + iters + 1, lr=1e-4, lr_warmup_iters=0)
-    pgc = initialize_parallel(parallel, seed=1234)
-    chunks, optimizer, scheduler = setup_model_and_optimizer(model_cfg, parallel, train_cfg,
-                                                             vocab_size=shape.vocab_size, pg_collection=pgc)
-    model = unwrap_model(chunks[0])
-    data = _synthetic_batches(shape, model_cfg.seq_length)
-    losses = []
+        from megatron.training.config import TrainingConfig
+        from megatron.training.parallel import set_seed
+        from megatron.training.step import setup_model_and_optimizer
+        from moe_variants.config import ModelConfig, ParallelConfig
 
-    def step():
-        metrics = train_step(chunks, optimizer, scheduler, data, model_cfg=model_cfg, train_cfg=train_cfg,
-                             num_microbatches=1, pg_collection=pgc)
-        losses.append(metrics.lm_loss)
+        self.shape, self.pgc = shape, pg_collection
+        self.model_cfg = ModelConfig.from_flat({**shape.model, **overrides})
+        self.train_cfg = TrainingConfig(micro_batch_size=shape.micro_batch_size,
+                                        global_batch_size=shape.micro_batch_size, train_iters=train_iters, lr=1e-4,
+                                        lr_warmup_iters=0)
+        set_seed(seed)
+        self.chunks, self.optimizer, self.scheduler = setup_model_and_optimizer(
+            self.model_cfg, ParallelConfig(), self.train_cfg, vocab_size=shape.vocab_size, pg_collection=pg_collection)
+        self.model = unwrap_model(self.chunks[0])
+        self.data = _synthetic_batches(shape, self.model_cfg.seq_length)
+        self.losses = []
+        self.first = None
+
+    def step(self):
+        from megatron.training.step import train_step
+
+        metrics = train_step(self.chunks, self.optimizer, self.scheduler, self.data, model_cfg=self.model_cfg,
+                             train_cfg=self.train_cfg, num_microbatches=1, pg_collection=self.pgc)
+        self.losses.append(metrics.lm_loss)
+        self.first = self.first or metrics
         return metrics
 
-    first = step()
-    timing = timed(step, warmup=max(warmup - 1, 0), iters=iters)
-    tokens = shape.micro_batch_size * model_cfg.seq_length
-    active = active_weights(model, num_experts=model_cfg.num_experts, topk=model_cfg.moe_router_topk,
-                            num_local_experts=model_cfg.num_experts or 1)  # EP = 1: every expert is local
-    per_token = flops_per_token(model.config, active, seq_length=model_cfg.seq_length)
-    tflops = per_token * tokens / timing["median_s"] / 1e12
-    out = {
-        "experts": describe(model),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "active_weights_per_token": active,
-        "flops_per_token": per_token,
-        "tokens_per_step": tokens,
-        "step_time": timing,
-        "tokens_per_s": tokens / timing["median_s"],
-        "tflops": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None,
-        "peak_memory_gb": _peak_memory_gb(),
-        "first_loss": first.lm_loss,
-        "last_loss": losses[-1],
-        "a2a_bytes_per_step_measured": sum(first.comm[k] for k in ("bytes_dispatch", "bytes_combine", "bytes_backward")),
-        f"a2a_bytes_per_step_ep{a2a_ep}_computed": a2a_bytes_per_step(
-            model, tokens=tokens, topk=model_cfg.moe_router_topk, ep=a2a_ep,
-            bytes_per_element=2 if model_cfg.bf16 else 4),
-    }
+    def record(self, timing: dict, *, peak_tflops: Optional[float], a2a_ep: int) -> dict:
+        """Throughput, FLOP rate and MFU of the median step in ``timing``, and what ran."""
+        from megatron.training.flops import active_weights, flops_per_token
+        from moe_variants import attention
+        from moe_variants.common import experts
+
+        cfg, model = self.model_cfg, self.model
+        tokens = self.shape.micro_batch_size * cfg.seq_length
+        active = active_weights(model, num_experts=cfg.num_experts, topk=cfg.moe_router_topk,
+                                num_local_experts=cfg.num_experts or 1)  # EP = 1: every expert is local
+        per_token = flops_per_token(model.config, active, seq_length=cfg.seq_length)
+        tflops = per_token * tokens / timing["median_s"] / 1e12
+        return {
+            "num_layers": cfg.num_layers,
+            "attention": attention.describe(model),
+            "experts": experts.describe(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "active_weights_per_token": active,
+            "flops_per_token": per_token,
+            "tokens_per_step": tokens,
+            "step_time": timing,
+            "tokens_per_s": tokens / timing["median_s"],
+            "tflops": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
+            "peak_memory_gb": peak_memory_gb(),
+            "first_loss": self.first.lm_loss,
+            "last_loss": self.losses[-1],
+            "a2a_bytes_per_step_measured": sum(self.first.comm[k] for k in ("bytes_dispatch", "bytes_combine",
+                                                                            "bytes_backward")),
+            f"a2a_bytes_per_step_ep{a2a_ep}_computed": a2a_bytes_per_step(
+                model, tokens=tokens, topk=cfg.moe_router_topk, ep=a2a_ep, bytes_per_element=2 if cfg.bf16 else 4),
+        }
+
+
+def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: int,
+                     peak_tflops: Optional[float], a2a_ep: int, breakdown_steps: int = 0) -> dict:
+    """Training steps of one model (``_TrainingRun``): the first step, ``warmup`` more untimed,
+    ``iters`` timed; with ``breakdown_steps``, that many more under the profiler
+    (``tools/bench/breakdown.py``: where the step's time goes)."""
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.config import ParallelConfig
+    from tools.bench.breakdown import profile_steps
+
+    reset_peak_memory()
+    run = _TrainingRun(shape, overrides, initialize_parallel(ParallelConfig(), seed=1234))
+    run.step()
+    timing = timed(run.step, warmup=max(warmup - 1, 0), iters=iters)
+    out = run.record(timing, peak_tflops=peak_tflops, a2a_ep=a2a_ep)
+    if breakdown_steps:
+        out["breakdown"] = profile_steps(run.step, run.model, run.optimizer, steps=breakdown_steps)
     return out  # the model is freed with this frame; the next measurement collects it first
 
 
+def measure_training_interleaved(shape: TrainShape, variants: dict, *, warmup: int, iters: int, rounds: int,
+                                 peak_tflops: Optional[float], a2a_ep: int) -> dict:
+    """Several models of ``shape`` (``{name: overrides}``) timed in turns in this one process: each
+    round times ``iters`` steps of every model, the order reversed every other round, so that a
+    machine's drift falls on all of them alike (how a same-run ratio is taken on a shared CPU).
+    Per model: its record over all rounds' steps; per pair against the first model: the ratio of
+    their per-round median step times, as a median with its interval over the rounds."""
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.config import ParallelConfig
+    from tools.bench.discipline import median_ci
+
+    pgc = initialize_parallel(ParallelConfig(), seed=1234)
+    runs = {name: _TrainingRun(shape, overrides, pgc) for name, overrides in variants.items()}
+    for run in runs.values():
+        for _ in range(max(warmup, 1)):
+            run.step()
+    per_round = {name: [] for name in runs}
+    order = list(runs)
+    for index in range(rounds):
+        for name in (order if index % 2 == 0 else order[::-1]):
+            per_round[name].append(timed(runs[name].step, warmup=0, iters=iters)["median_s"])
+    records = {}
+    for name, run in runs.items():
+        times = per_round[name]
+        timing = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": rounds,
+                  "unit": f"median of {iters} steps per round"}
+        records[name] = run.record(timing, peak_tflops=peak_tflops, a2a_ep=a2a_ep)
+    first = order[0]
+    ratios = {f"{first}/{name}": median_ci([a / b for a, b in zip(per_round[first], per_round[name])])
+              for name in order[1:]}
+    return {"variants": records, "step_time_ratios": ratios, "rounds": rounds, "iters_per_round": iters}
+
+
 def train_in_child(rank: int, world: int, shape: TrainShape, overrides: dict, train_args: dict) -> dict:
-    """``measure_training`` in a process of its own (``tools.spawn``'s one-rank world)."""
-    return measure_training(shape, overrides, **train_args)
+    """``measure_training`` in a process of its own (``tools.spawn``'s one-rank world); a model
+    that does not fit the device comes back as ``{"out_of_memory": message}``."""
+    try:
+        return measure_training(shape, overrides, **train_args)
+    except torch.OutOfMemoryError as exc:
+        return {"out_of_memory": str(exc).splitlines()[0]}
