@@ -14,15 +14,16 @@ its value, formatted with Python's format spec (``.1f``, ``.1%``, ``,.0f``, ``+.
 string), appears on the page: a figure edited by hand, or a JSON written again without its page,
 breaks it.
 
-A key is a path into the JSON: keys joined by dots, ``[2]`` a list index, ``[name=N1]`` the element of
-a list whose ``name`` is ``N1``, ``["a.b"]`` a key that holds a dot, ``*`` every element or value
-(the key then gives a list). A value may instead be arithmetic over keys in braces, for a figure the
-page derives (a ratio, a percentage change, seconds as milliseconds, a range's end):
-``"1 - {variants.farskip.ttft_s.p50} / {variants.standard.ttft_s.p50}"``, ``"min({rows[*].lar})"``;
-``min``, ``max``, ``median``, ``abs`` and ``len`` may be called. ``file`` is relative to the repository root;
-``.json.gz`` files are read gunzipped; any other file is text, and its keys are regular expressions
-(no braces) whose first group is read at every match (a number where it parses as one; a list when
-there are several). A value's optional third element names its own file.
+A key is a path into the JSON: keys joined by dots, ``[2]`` a list index, ``[name=N1]`` the element
+of a list whose ``name`` is ``N1`` (``[method=semmoe,mode=tp]``: both hold), ``["a.b"]`` a key that
+holds a dot, ``*`` every element or value (the key then gives a list). A value may instead be
+arithmetic over keys in braces, for a figure the page derives (a ratio, a percentage change,
+seconds as milliseconds, a range's end): ``"1 - {variants.farskip.ttft_s.p50} /
+{variants.standard.ttft_s.p50}"``, ``"min({rows[*].lar})"``; ``min``, ``max``, ``median``, ``abs``
+and ``len`` may be called, and ``{FILE::key}`` reads another file. ``file`` is relative to the
+repository root; ``.json.gz`` files are read gunzipped; any other file is text, and its keys are
+regular expressions (no braces) whose first group is read at every match (a number where it parses
+as one; a list when there are several). A value's optional third element names its own file.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ import operator
 import re
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import yaml
 
-__all__ = ["Claim", "ClaimError", "load_claims", "resolve", "evaluate", "check_claims", "placeholder_spans", "normal_page"]
+__all__ = ["Claim", "ClaimError", "load_claims", "resolve", "evaluate", "check_claims", "placeholder_spans",
+           "normal_page"]
 
 PLACEHOLDER = "{}"
 # a figure as the pages write it: sign, digits with thousands commas, decimals, exponent, percent
 _FIGURE = r"([-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?%?)"
 _EXPR_KEY = re.compile(r"\{([^{}]+)\}")
-_STEP = re.compile(r"""\[\s*(?:"([^"]*)"|'([^']*)'|(-?\d+)|(\*)|([^=\]]+)=([^\]]*))\s*\]""")
+_STEP = re.compile(r"""\[\s*(?:"([^"]*)"|'([^']*)'|(-?\d+)|(\*)|([^\]]*=[^\]]*))\s*\]""")
 ALL = object()  # the ``*`` step
 
 
@@ -60,10 +62,6 @@ class Claim:
     file: str
     values: tuple  # of (key or expression, format spec, file or None)
     index: int = 0  # the entry's position in its YAML list
-
-    @property
-    def name(self) -> str:
-        return f"{self.page}: {self.text[:60]}"
 
 
 def load_claims(path: Path) -> list[Claim]:
@@ -91,7 +89,7 @@ def load_claims(path: Path) -> list[Claim]:
 
 
 def _steps(key: str) -> list:
-    """``a.b[2][name=x]["c.d"]`` -> ['a', 'b', 2, ('name', 'x'), 'c.d']."""
+    """``a.b[2][name=x]["c.d"]`` -> ['a', 'b', 2, (('name', 'x'),), 'c.d']."""
     steps: list = []
     pos = 0
     while pos < len(key):
@@ -102,13 +100,16 @@ def _steps(key: str) -> list:
             m = _STEP.match(key, pos)
             if not m:
                 raise ClaimError(f"key {key!r}: bad [...] at position {pos}")
-            dq, sq, index, star, field, wanted = m.groups()
+            dq, sq, index, star, select = m.groups()
             if index is not None:
                 steps.append(int(index))
             elif star is not None:
                 steps.append(ALL)
-            elif field is not None:
-                steps.append((field.strip(), wanted.strip()))
+            elif select is not None:
+                pairs = [c.split("=", 1) for c in re.split(r",(?=\s*[\w.-]+\s*=)", select)]
+                if any(len(pair) != 2 for pair in pairs):
+                    raise ClaimError(f"key {key!r}: a selector is [field=value] or [field=value,field=value]")
+                steps.append(tuple((f.strip(), v.strip()) for f, v in pairs))
             else:
                 steps.append(dq if dq is not None else sq)
             pos = m.end()
@@ -164,11 +165,11 @@ def _walk(node: Any, steps: list, key: str) -> Any:
                 out.extend(value if isinstance(value, list) and ALL in steps[i + 1:] else [value])
             return out
         if isinstance(step, tuple):
-            field, wanted = step
-            matches = [x for x in node if isinstance(x, dict) and str(x.get(field)) == wanted] \
+            matches = [x for x in node if isinstance(x, dict) and all(str(x.get(f)) == v for f, v in step)] \
                 if isinstance(node, list) else []  # fmt: skip
             if len(matches) != 1:
-                raise ClaimError(f"key {key!r}: {len(matches)} elements with {field} = {wanted!r}")
+                wanted = ", ".join(f"{f} = {v!r}" for f, v in step)
+                raise ClaimError(f"key {key!r}: {len(matches)} elements with {wanted}")
             node = matches[0]
         elif isinstance(step, int):
             if not isinstance(node, list) or not -len(node) <= step < len(node):
@@ -204,14 +205,18 @@ def _arith(node: ast.AST, names: dict) -> float:
     raise ClaimError(f"expression: {ast.unparse(node)!r} is not arithmetic on keys")
 
 
-def evaluate(data: Any, key_or_expr: str) -> Any:
-    """A key's value, or an arithmetic expression over ``{key}``s."""
+def evaluate(data: Any, key_or_expr: str, load: Optional[Callable[[str], Any]] = None) -> Any:
+    """A key's value, or an arithmetic expression over ``{key}``s; ``{FILE::key}`` reads another file
+    through ``load`` (a figure taken over several runs' files)."""
     if "{" not in key_or_expr:
         return resolve(data, key_or_expr)
     names: dict = {}
 
     def name(m: re.Match) -> str:
-        names[f"_k{len(names)}"] = resolve(data, m.group(1))
+        file, sep, key = m.group(1).rpartition("::")
+        if sep and load is None:
+            raise ClaimError(f"expression {key_or_expr!r}: no other file can be read here")
+        names[f"_k{len(names)}"] = resolve(load(file) if sep else data, key)
         return f"_k{len(names) - 1}"
 
     source = _EXPR_KEY.sub(name, key_or_expr)
@@ -272,7 +277,7 @@ def check_claim(claim: Claim, reader: _Reader) -> None:
     expected = []
     for key, spec, file in claim.values:
         data = reader.data(file or claim.file)
-        expected.append(_format(evaluate(data, key), spec, key))
+        expected.append(_format(evaluate(data, key, reader.data), spec, key))
     template = _normal(claim.text)
     rendered = template
     for figure in expected:
