@@ -240,7 +240,7 @@ def format_table(result: dict) -> str:
     rows += [(f"{v['variant']} (grouped)", v) for v in result["variants"]]
     if rows:
         lines.append(f"{'training step':<26} {'step ms':<30} {'tokens/s':>10} {'TF/s':>7} {'MFU':>6} {'mem GB':>7} "
-                     f"{'loss':>7}  {f'a2a MB/step at EP={A2A_EP}':>20}")
+                     f"{'loss':>7}  {f'a2a MiB/step at EP={A2A_EP}':>20}")
         for path, r in rows:
             lines.append(f"{path:<26} {_ms(r['step_time']):<30} {r['tokens_per_s']:>10.0f} {r['tflops']:>7.1f} "
                          f"{_num(r['mfu'] and 100 * r['mfu'], '.1f'):>6} {_num(r['peak_memory_gb'], '.2f'):>7} "
@@ -250,7 +250,7 @@ def format_table(result: dict) -> str:
             lines.append(f"first-step loss grouped vs loop: relative error {check['first_loss_relative_error']:.2e} "
                          f"(tolerance {check['tolerance']:.0e}): {'equal' if check['equal'] else 'DIFFERENT'}")
         lines.append(f"all-to-all: none at EP = 1 (measured {rows[0][1]['a2a_bytes_per_step_measured']} bytes); "
-                     f"the MB/step column is computed from the layer widths for EP = {A2A_EP}, uniform routing")
+                     f"the MiB/step column is computed from the layer widths for EP = {A2A_EP}, uniform routing")
     for skipped in result["skipped"]:
         lines.append(f"skipped {skipped['item']}: {skipped['reason']}")
     lines.append(f"total {result['elapsed_s']:.0f} s")
