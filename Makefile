@@ -1,7 +1,7 @@
 # Set-up and the two commands a newcomer needs: `make demo` (the main job on the embedded default)
 # and `make test` (the test suite; `make test-fast` for the unit tier). All install into a local
-# virtual environment first. `make docs` builds the documentation site, `make check-docs` checks the
-# docs' links, words, sizes and generated reference.
+# virtual environment first. `make docs` builds the documentation site (`make docs-serve` serves it, with
+# search), `make check-docs` checks the docs' links, words, sizes and generated reference.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # machines; pip picks the CUDA build elsewhere).
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-fast docs check-docs clean
+.PHONY: install demo test test-fast docs docs-serve check-docs clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ test-fast: install
 # a link to a missing page or anchor an error (not with -q: mkdocs 1.6 then counts no warnings)
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
+# the same site served at http://127.0.0.1:8000, rebuilt on every edit (site/ also opens from disk:
+# mkdocs.yml's offline plugin)
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[docs]"

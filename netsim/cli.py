@@ -304,8 +304,8 @@ def _variant_args(p, defaults: bool = False):
     if defaults:  # the sweep: a knob set, each flag overriding one knob of it
         g.add_argument("--knobs", choices=["measured", "paper"], default="measured",
                        help="knob values: this project's measurements (FarSkip overlap 0.853 served, Sem-MoE LAR by EP, "
-                            "0.705 at 2 to 0.071 at 64; "
-                            "docs/design/netsim.md) or the papers' (0.889, 0.5); r = 0.25 in both")
+                            "0.705 at 2 to 0.071 at 64; docs/design/netsim.md) or the papers' (FarSkip's "
+                            "training overlap 0.889: the paper reports none for serving; LAR 0.5); r = 0.25 in both")
     g.add_argument("--bigmac-ratio", type=float, default=None if defaults else 1.0, help="BigMac r: all-to-all at r x hidden")
     g.add_argument("--lar", type=float, default=None, help="Sem-MoE local activation rate (one figure at every "
                    "EP; on the sweep it replaces the measured curve)")

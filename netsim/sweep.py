@@ -56,7 +56,11 @@ class KnobSource(str, Enum):
     prompt domains and predicted on their held-out 80% (docs/results/semmoe.md), applied by device count;
     BigMac's r = 0.25 (a design choice, not a measurement)."""
     PAPER = "paper"
-    """The papers' figures: FarSkip's 88.9% overlap, Sem-MoE's LAR 0.5, BigMac's r = 0.25."""
+    """The papers' figures: Sem-MoE's LAR 0.5, BigMac's r = 0.25, and FarSkip's 88.9%, the
+    all-to-all overlap the FarSkip-Collective paper measured in *training* (DeepSeek-V3-shaped, 6
+    layers, EP = 8; its headline figure). The paper reports no all-to-all overlap for serving (its
+    vLLM figures are the all-reduce's in prefill), so this knob stands in for a decode-serving
+    overlap it never measured: not like for like with ``MEASURED``'s 0.853."""
 
 
 # docs/figures/semmoe_dsv2/eval_ep*.json: the semmoe rows, mode tp, global LAR

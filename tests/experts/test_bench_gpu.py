@@ -79,6 +79,9 @@ def test_cpu_smoke_run_writes_the_schema_and_checks_its_paths_against_their_refe
     table = gpu.format_table(result)
     assert "grouped vs loop: max relative error" in table and "first-step loss auto vs local" in table
     assert "where the auto step goes" in table
+    # the all-to-all column divides by 2**20: MiB, and the table says so
+    assert f"a2a MiB/step at EP={gpu.A2A_EP}" in table and "MB/step" not in table
+    assert f"{variant[key] / 2**20:.1f}" in table
 
 
 def test_items_past_the_time_budget_are_skipped_and_listed():

@@ -420,7 +420,7 @@ def format_table(result: dict) -> str:
         lines.append(serving_table(result["serving"]))
     if result["variants"]:
         lines.append(f"{'variant (grouped, auto)':<34} {'step ms':<30} {'tokens/s':>10} {'MFU':>6} "
-                     f"{f'a2a MB/step at EP={A2A_EP}':>20}")
+                     f"{f'a2a MiB/step at EP={A2A_EP}':>20}")
         for v in result["variants"]:
             lines.append(f"{v['variant']:<34} {_ms(v['step_time']):<30} {v['tokens_per_s']:>10.0f} "
                          f"{_num(v['mfu'] and 100 * v['mfu'], '.1f'):>6} "

@@ -7,6 +7,8 @@
                   instead (``reference.py``)
 * ``run-guides``  run the ```bash blocks docs/guides/ marks ``<!-- ci: run -->``, each page in a
                   fresh copy of the repository (``guides.py``)
+* ``claims``      the figures the docs quote, checked against the JSON under docs/figures/ they
+                  come from (tests/docs/claims.yaml; ``claims.py``)
 
 ``make check-docs`` runs ``check`` and ``reference --check``; ``make docs`` builds the site with
 mkdocs (``mkdocs.yml``).

@@ -1,4 +1,4 @@
-"""``python -m tools.docs {check,reference,run-guides}`` (see ``tools/docs/__init__.py``)."""
+"""``python -m tools.docs {check,reference,run-guides,claims}`` (see ``tools/docs/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,31 @@ def _check(args) -> int:
     print(f"python -m tools.docs check: {len(problems) or 'no'} problem{'' if len(problems) == 1 else 's'}",
           file=sys.stderr)
     return 1 if problems else 0
+
+
+def _configure_claims(p: argparse.ArgumentParser) -> None:
+    _repo(p)
+    p.add_argument("--claims", type=Path, metavar="YAML",
+                   help="the claims to check (default: REPO/tests/docs/claims.yaml)")
+
+
+@commands.add("claims", "the figures the docs quote against their JSON (tests/docs/claims.yaml): one line a mismatch",
+              _configure_claims)
+def _claims(args) -> int:
+    from tools.docs.claims import ClaimError, check_claims, load_claims
+
+    path = args.claims or args.repo / "tests" / "docs" / "claims.yaml"
+    if not path.is_file():
+        raise UserError(f"--claims {path}: no such file")
+    try:
+        claims = load_claims(path)
+    except ClaimError as e:
+        raise UserError(str(e)) from None
+    failed = check_claims(args.repo, claims)
+    for claim, why in failed:
+        print(f"{path.name} entry {claim.index}: {why}")
+    print(f"python -m tools.docs claims: {len(claims)} claims, {len(failed) or 'none'} failing", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _configure_reference(p: argparse.ArgumentParser) -> None:
