@@ -49,7 +49,7 @@ import torch
 from megatron.compat.paged_attention import PagedAttention, kernels
 from megatron.compat.sites import MODULE, Site
 
-__all__ = ["apply_inference", "sampling_controller_class", "PagedAttention", "INFERENCE_SITES"]
+__all__ = ["apply_inference", "sampling_controller_class", "step_scheduled", "PagedAttention", "INFERENCE_SITES"]
 
 # the upstream text each fix depends on, by enclosing function (compat/sites.py)
 INFERENCE_SITES = [
@@ -77,6 +77,13 @@ INFERENCE_SITES = [
     Site("inference/engines/dynamic_engine.py", "DynamicInferenceEngine.async_forward",
          "step_time = self.step_start_event.elapsed_time(self.step_end_event) / 1e3"),
     Site("inference/inference_request.py", "serialize_tensor", 'torch.cuda.nvtx.range_push("serialize_tensor")'),
+    # step_scheduled: the step schedules first, and a continuing chunk gives back its placeholder token
+    Site("inference/engines/dynamic_engine.py", "DynamicInferenceEngine.async_forward",
+         "self.schedule_waiting_requests()"),
+    Site("inference/engines/dynamic_engine.py", "DynamicInferenceEngine.schedule_chunked_prefill",
+         "chunk_length = self.context.max_tokens - self.context.active_token_count"),
+    Site("inference/contexts/dynamic_context.py", "DynamicInferenceContext.add_request",
+         "self.active_token_count -= ("),
 ]
 
 
@@ -147,6 +154,22 @@ def _bound_decode_blocks(attention_class) -> None:
                                         seqlens_k, block_table, is_decode_only)
 
     attention_class.flash_decode_and_prefill = bounded
+
+
+def step_scheduled(engine):
+    """``engine.step_modern()`` for a caller that has just scheduled the waiting requests itself
+    (``engine.schedule_waiting_requests()``, to know the step's tokens before it runs): the step
+    does not schedule them again. Upstream's step schedules first (``async_forward``,
+    ``dynamic_engine.py:1178``), and a second pass is not harmless: a continuing chunked prefill
+    is sized as ``max_tokens - active_token_count`` and then gives back its placeholder token
+    (``add_request``, ``dynamic_context.py:1615``), so the first pass leaves one token of budget,
+    and the second adds a one-token chunk to the same request, overwriting the chunk's query
+    length and offset: the attention then treats the chunk's other tokens as padding."""
+    engine.schedule_waiting_requests = lambda: None  # shadows the method for this step only
+    try:
+        return engine.step_modern()
+    finally:
+        del engine.schedule_waiting_requests
 
 
 @functools.lru_cache(maxsize=None)

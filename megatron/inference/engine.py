@@ -492,13 +492,15 @@ class RankEngine:
         """One engine step: (token deltas of this rank's requests, whether a forward ran). A step
         whose requests all wait (no KV blocks free yet) runs none: its expert-parallel peers must
         then be matched by a dummy forward (the loop does that)."""
+        from megatron.compat.inference import step_scheduled
+
         engine = self.engine
         start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
         real_tokens = int(self.context.active_token_count)
         step = self._start(StepInfo(start, real_tokens))
         self.tokens_forwarded += real_tokens
-        result = engine.step_modern()
+        result = step_scheduled(engine)  # without scheduling again
         forwarded = real_tokens > 0
         self.steps += int(forwarded)
         self._end(step)
