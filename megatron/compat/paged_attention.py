@@ -25,6 +25,18 @@ request's length are never trusted: the paged buffer is allocated uninitialised,
 path zeroes the gathered keys and values there before attending (a NaN left in memory would
 otherwise reach the output through a zero probability).
 
+CUDA graphs (batched decode). megatron-core's dynamic engine captures whole decode steps (the
+layers' forwards, attention included) for a fixed padded request count when the model's
+``cuda_graph_impl`` is ``"local"`` and the context has ``num_cuda_graphs``; replaying one runs the
+recorded kernels on the static metadata buffers (``GraphedMHAMetadata``: block table, key lengths)
+without Python. Nothing in the batched decode prevents capture: its shapes are functions of the
+arguments' shapes only (B: the graph's request count; M: the table's width, or the bound the
+engine passes, which in a graph step is the context's maximum sequence length, a constant); it
+reads no tensor on the host and has no op whose output size depends on the data (gathers index
+with the table, masks are compared, ``where`` takes three arguments), and creates every tensor on
+the inputs' device (no host-to-device copy). This is reasoned from the code here, not run: the CPU
+cannot capture, and the engine in ``megatron.inference.engine`` does not enable CUDA graphs.
+
 Memory (batched): per call, the gathered keys and values [B, Lk, Hk, D] and a boolean mask
 [B, (Hq/Hk)*Lq, Lk]; queries of a prefill step are padded to [B, Lq_max, Hq, D], so a step mixing
 one long prefill chunk with many decodes computes B x Lq_max x Lk scores where the loop computes
