@@ -44,8 +44,9 @@ def test_cpu_smoke_measures_both_paths_against_their_bounds():
                 seconds = row["bytes_per_step"] / 0.5e12
                 assert row["fraction_of_bound"] == pytest.approx(seconds / row["time"]["median_s"])
                 assert row["bytes_per_step"] > model["weights"]["dense_bytes"] + row["kv_cache_bytes_per_step"]
-                assert row["kv_cache_bytes_per_step"] >= row["batch"] * row["context"] * \
-                    model["weights"]["kv_cache_bytes_per_token"]
+                kv_bytes = row["batch"] * row["mean_context"] * model["weights"]["kv_cache_bytes_per_token"]
+                assert row["kv_cache_bytes_per_step"] == pytest.approx(kv_bytes)
+                assert row["mean_context"] > preset.decode_context
             assert rows["decode"][0]["batch"] == 1 and rows["decode"][0]["routed_experts_per_step"] == topk * (layers - 1)
         loop, batched = model["paths"]["loop"]["decode"], model["paths"]["batched"]["decode"]
         assert [a["host_syncs_per_step"] - b["host_syncs_per_step"] for a, b in zip(loop, batched)] == \

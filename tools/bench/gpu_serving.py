@@ -180,12 +180,14 @@ class _Served:
         self.tokenizer = build_tokenizer("NullTokenizer", vocab_size=served.vocab_size - 1)
         self.model = build_model(configs.model, configs.parallel, vocab_size=served.vocab_size, pg_collection=pgc).eval()
         self.config = self.model.config
-        longest = max(preset.prompt_tokens, preset.decode_context) + preset.warmup + preset.iters + 2
+        self.batch_tokens = max(preset.max_batch_tokens, max(preset.batches))
+        decode_tokens = self.decode_tokens(preset, preset.warmup + preset.iters + 1)
+        longest = max(preset.prompt_tokens, preset.decode_context + decode_tokens)
         self.max_sequence_length = min(configs.model.seq_length, longest)
         self.kv_bytes_per_token = self._kv_bytes_per_token()  # all layers
         blocks = math.ceil(self.max_sequence_length / 64) + 1  # 64: the largest block size the engine picks here
         kv_gb = 1.5 * max(preset.batches) * blocks * 64 * self.kv_bytes_per_token / 2**30 + 0.01
-        cfg = EngineConfig(max_batch_tokens=max(preset.max_batch_tokens, max(preset.batches)),
+        cfg = EngineConfig(max_batch_tokens=self.batch_tokens,
                            max_requests=max(preset.batches), kv_cache_gb=kv_gb,
                            max_sequence_length=self.max_sequence_length, seed=seed,
                            paged_attention=PagedAttention.BATCHED)
@@ -239,6 +241,24 @@ class _Served:
             self.engine.add(next(self.ids), prompt, max_tokens=max_tokens, sampling=RequestSampling(),
                             termination_id=-1)
 
+    def decode_tokens(self, preset: ServingPreset, steps: int) -> int:
+        """Output tokens a decode request asks for so that all of a batch still decode ``steps``
+        steps after the last one's prefill: the first ones decode while the later ones prefill."""
+        return math.ceil(max(preset.batches) * preset.decode_context / self.batch_tokens) + 2 + steps + 2
+
+    def start_decoding(self, batch: int, preset: ServingPreset, steps: int) -> None:
+        """``batch`` requests of ``decode_context`` prompt tokens, prefilled, with ``steps`` decode
+        steps left to each (and a spare)."""
+        self.add(batch, preset.decode_context, self.decode_tokens(preset, steps))
+        while self.engine.engine.waiting_request_ids:  # their prefill (and first token)
+            self.engine.step()
+        if self.engine.context.get_active_request_count() != batch or not self.engine.context.is_decode_only():
+            raise RuntimeError(f"decode at batch {batch}: the engine does not hold {batch} decoding requests")
+
+    def kv_tokens(self) -> int:
+        """Keys the next decode step attends over, summed over its requests."""
+        return int(self.engine.context.get_active_sequence_lengths().sum())
+
     def timed_step(self) -> float:
         _sync()
         start = time.perf_counter()
@@ -286,24 +306,21 @@ class _Served:
     def decode(self, batch: int, preset: ServingPreset) -> dict:
         from tools.bench.host_syncs import HostSyncCounter
 
-        context = preset.decode_context
-        self.add(batch, context, preset.warmup + preset.iters + 2)
-        while self.engine.engine.waiting_request_ids:  # their prefill (and first token)
-            self.engine.step()
+        self.start_decoding(batch, preset, preset.warmup + preset.iters + 1)
         for _ in range(preset.warmup):
             self.engine.step()
-        context += 1 + preset.warmup
-        times, moved, routed = [], [], []
+        times, moved, routed, contexts = [], [], [], []
         self.real_tokens = batch
         self.observe_routing(True)
         try:
-            for i in range(preset.iters):
+            for _ in range(preset.iters):
                 self.used = {}
+                contexts.append(self.kv_tokens())
                 times.append(self.timed_step())
                 counts = {layer: int(self.used[layer].sum()) for layer in self.used}
                 routed.append(sum(counts.values()))
                 experts = sum(n * self.expert[layer] for layer, n in counts.items())
-                kv = batch * (context + i + 1) * self.kv_bytes_per_token
+                kv = contexts[-1] * self.kv_bytes_per_token
                 moved.append({"weights": self.dense_bytes + (batch * self.config.hidden_size + experts) * self.element,
                               "kv_cache": kv})
         finally:
@@ -313,7 +330,8 @@ class _Served:
         self.drain()
         timing = _timing(times)
         step_bytes = statistics.median(m["weights"] + m["kv_cache"] for m in moved)
-        return {"batch": batch, "context": context, "time": timing, "tokens_per_s": batch / timing["median_s"],
+        return {"batch": batch, "mean_context": statistics.median(contexts) / batch, "time": timing,
+                "tokens_per_s": batch / timing["median_s"],
                 "bytes_per_step": step_bytes, "kv_cache_bytes_per_step": statistics.median(m["kv_cache"] for m in moved),
                 "routed_experts_per_step": statistics.median(routed), "host_syncs_per_step": syncs.count}
 
@@ -457,9 +475,7 @@ def decode_ratio(*, batch: int = 32, context: int = 128, repeats: int = 10, warm
            "repeats": repeats, "warmup_steps": warmup, "models": []}
     for served in preset.models:
         engine = _Served(served, preset, pgc)
-        engine.add(batch, context, warmup + 2 * repeats + 1)
-        while engine.engine.engine.waiting_request_ids:
-            engine.engine.step()
+        engine.start_decoding(batch, preset, warmup + 2 * repeats)
         for _ in range(warmup):
             engine.engine.step()
         times = {path: [] for path in PATHS}
