@@ -10,9 +10,9 @@ plain-torch paged attention where flash-attn/FlashMLA are absent) once per atten
 switches them between measurements of the same engine). For each batch size B:
 
 - prefill: B random prompts of ``prompt_tokens`` tokens, one output token each, stepped until all
-  are done; tokens/s = B x prompt / the steps' wall time (``iters`` repetitions). Bound: the counted
-  FLOPs at the device's dense bf16 peak (``megatron/training/flops.py``). FLOPs = 2 x the weights a
-  token multiplies by (dense matrices, top-k routed experts, shared experts; the output layer once
+  are done; tokens/s = B x prompt / the steps' wall time (``prefill_iters`` repetitions). Bound:
+  the counted FLOPs at the device's dense bf16 peak (``megatron/training/flops.py``). FLOPs = 2 x
+  the weights a token multiplies by (dense matrices, top-k routed experts, shared experts; the output layer once
   per prompt, as the engine computes only each request's last logits) + the attention, causal:
   2 x layers x heads x (d_qk + d_v) per (query, key seen) pair.
 - decode: B requests with ``decode_context``-token prompts, prefilled, then ``iters`` single decode
@@ -25,8 +25,8 @@ switches them between measurements of the same engine). For each batch size B:
 
 Times are wall clock around whole engine steps (sampling included), CUDA-synchronised on a GPU:
 medians with min, max and n. ``decode_ratio`` is the CPU comparison: decode steps at batch 32 of
-the cpu-smoke models, loop and batched interleaved step by step (same engine, same requests, same
-context lengths), as a ratio of their medians; run it on a quiet machine:
+the cpu-smoke models, loop and batched interleaved step by step (same engine and requests,
+contexts one token apart), as the median of the per-pair ratios loop / batched; on a quiet machine:
 
     python -m tools.bench.gpu_serving --decode-ratio --out runs/serving_decode_ratio_cpu.json
     python -m tools.bench.gpu_serving --preset cpu-smoke --out runs/bench_gpu_serving_cpu-smoke.json
@@ -95,7 +95,8 @@ class ServingPreset:
     prompt_tokens: int  # prefill: tokens per prompt
     decode_context: int  # decode: prompt tokens of each request before its timed steps
     warmup: int
-    iters: int
+    iters: int  # timed decode steps
+    prefill_iters: int  # timed prefills of a whole batch
     max_batch_tokens: int  # the engine's step budget (prefill chunks)
 
 
@@ -117,10 +118,10 @@ _TOY_GQA = dict(_TOY, num_query_groups=2)
 PRESETS = {
     "gpu": ServingPreset(models=(ServedModel("deepseek-v2-lite shape", _DSV2_LITE, 27, 102400, fit_layers=True),),
                          batches=(1, 16, 64, 256), prompt_tokens=512, decode_context=512, warmup=3, iters=10,
-                         max_batch_tokens=8192),
+                         prefill_iters=3, max_batch_tokens=8192),
     "cpu-smoke": ServingPreset(models=(ServedModel("toy MLA", _TOY_MLA, 2, 512), ServedModel("toy GQA", _TOY_GQA, 2, 512)),
                                batches=(1, 4), prompt_tokens=16, decode_context=16, warmup=1, iters=2,
-                               max_batch_tokens=64),
+                               prefill_iters=2, max_batch_tokens=64),
 }
 
 
@@ -281,7 +282,7 @@ class _Served:
     # --- the measurements -------------------------------------------------------------------
     def prefill(self, batch: int, preset: ServingPreset) -> dict:
         times = []
-        for _ in range(preset.iters):
+        for _ in range(preset.prefill_iters):
             self.add(batch, preset.prompt_tokens, 1)
             total = 0.0
             while self.engine.local_work():
@@ -363,9 +364,10 @@ def _environment(peak: Optional[float], bandwidth: Optional[float]) -> dict:
 
 
 def measure(preset_name: str, *, pg_collection=None, iters: Optional[int] = None, peak_tflops: Optional[float] = None,
-            bandwidth_tb_s: Optional[float] = None, paths=PATHS) -> dict:
+            bandwidth_tb_s: Optional[float] = None, paths=PATHS, batches: Optional[tuple] = None) -> dict:
     """The serving measurements of ``preset_name`` in this process's world of one rank (the caller's:
-    ``tools.bench.gpu``'s, or ``run``'s); a JSON-ready dict (module docstring)."""
+    ``tools.bench.gpu``'s, or ``run``'s); a JSON-ready dict (module docstring). ``iters``: timed
+    decode steps and prefills instead of the preset's; ``batches``: a subset of its batch sizes."""
     import torch
 
     from megatron.compat.inference import apply_inference
@@ -376,7 +378,9 @@ def measure(preset_name: str, *, pg_collection=None, iters: Optional[int] = None
 
     preset = PRESETS[preset_name]
     if iters:
-        preset = dataclasses.replace(preset, iters=iters)
+        preset = dataclasses.replace(preset, iters=iters, prefill_iters=iters)
+    if batches:
+        preset = dataclasses.replace(preset, batches=tuple(batches))
     peak = peak_tflops or device_peak(True)
     bandwidth = bandwidth_tb_s or hbm_tb_s()
     began = time.monotonic()
