@@ -7,7 +7,8 @@ the fraction of the bound must be the bound's seconds over the measured median, 
 documented. One token routed top-k reaches exactly k distinct experts in each MoE layer, so a
 batch-1 decode step's routed-expert count is k x the MoE layers. The loop path reads each layer's
 key lengths on the host once (its ``tolist``), the batched path never: per decode step the loop makes
-exactly L (layers) more host syncs. The runs happen in a forked process (``run_distributed``).
+exactly L (layers) more host syncs. The runs happen in a forked process (``run_distributed``); the
+two that serve models are marked slow.
 """
 
 import json
@@ -24,6 +25,7 @@ def _measure(rank, world):
     return gpu_serving.run("cpu-smoke", iters=1, peak_tflops=2.0, bandwidth_tb_s=0.5)
 
 
+@pytest.mark.slow  # two models served through both paths (~25 s)
 def test_cpu_smoke_measures_both_paths_against_their_bounds():
     [result] = run_distributed(_measure, 1, timeout_s=300)
     preset = gpu_serving.PRESETS["cpu-smoke"]
@@ -55,6 +57,7 @@ def test_cpu_smoke_measures_both_paths_against_their_bounds():
     assert "toy MLA (2 layers)" in table and "batched  decode" in table
 
 
+@pytest.mark.slow  # two models served (~15 s)
 def test_decode_ratio_interleaves_the_paths():
     [result] = run_distributed(lambda rank, world: gpu_serving.decode_ratio(batch=4, context=8, repeats=2, warmup=1),
                                1, timeout_s=300)

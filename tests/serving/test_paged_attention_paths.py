@@ -57,17 +57,44 @@ def ckpts(tmp_path_factory) -> dict:
     return run_distributed(_save_rank, 1, str(tmp_path_factory.mktemp("paths")), timeout_s=300)[0]
 
 
+def _paths_rank(rank, world_size, ckpt: str, prompts) -> dict:
+    """{path: (greedy tokens of every prompt, KV blocks in use at the end)}: one engine per path
+    over the same loaded model, all prompts submitted at once."""
+    from megatron.compat.paged_attention import PagedAttention
+    from megatron.inference.engine import EngineConfig, RankEngine, build_engine
+    from megatron.inference.sampling import RequestSampling
+    from megatron.training.loading import load_model
+    from megatron.training.parallel import initialize_parallel
+    from moe_variants.config import ParallelConfig
+
+    parallel = ParallelConfig()
+    pgc = initialize_parallel(parallel, seed=0)
+    model, configs, tokenizer, _ = load_model(ckpt, parallel=parallel, pg_collection=pgc)
+    result = {}
+    for path in PagedAttention:
+        cfg = EngineConfig(max_batch_tokens=64, max_requests=8, kv_cache_gb=0.01, paged_attention=path)
+        engine = RankEngine(*build_engine(model, configs, tokenizer, pgc, cfg), model)
+        out = {i: [] for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            engine.add(i, prompt, max_tokens=MAX_NEW, sampling=RequestSampling(), termination_id=tokenizer.eod)
+        while engine.local_work():
+            for update in engine.step()[0]:
+                out[update.request_id] += update.tokens
+        result[path.value] = ([[t for t in out[i] if t != tokenizer.eod] for i in range(len(prompts))],
+                              engine.stats()["kv_blocks_used"])
+    return result
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_batched_and_loop_paths_serve_the_offline_tokens(ckpts, model):
-    from megatron.compat.paged_attention import PagedAttention
-    from tests.serving.test_variants import _engine
+    from tools.spawn import run_distributed
 
     prompts = _prompts(ckpts[model])
     reference, mode = offline_greedy(ckpts[model], prompts, MAX_NEW, generation=MODELS[model][1])
     assert mode == MODELS[model][1]
     expected = [t for t, _ in reference]
-    for path in PagedAttention:
-        tokens, blocks = _engine(ckpts[model], prompts, MAX_NEW,
-                                 sizes={"max_batch_tokens": 64, "max_requests": 8, "paged_attention": path})
+    served = run_distributed(_paths_rank, 1, ckpts[model], prompts, timeout_s=300)[0]
+    assert set(served) == {"batched", "loop"}
+    for path, (tokens, blocks) in served.items():
         assert tokens == expected, path
-        assert blocks == [0], path
+        assert blocks == 0, path
