@@ -62,13 +62,13 @@ def apply_mla_without_te() -> bool:
 #    ``attention.py:611``); such a step is uncompressed here.
 #
 # Prefill also uncompresses the whole paged cache on every step (``:611-618``: every block of the
-# buffer, used or not). Here only the blocks of the step's requests are uncompressed and the
-# block table is renumbered to match: the same keys and values, without the cost growing with
-# ``--kv-cache-gb``. Finding those blocks reads the step's key lengths on the host (a device sync):
-# the first layer of a step does it and caches them on the context, which drops them when it
-# initialises the next step's attention state, so a step syncs once, not once per layer.
+# buffer, used or not). Here only the blocks the step's block table names are uncompressed, read
+# through the table on the device: the table [B, M] cut to the blocks of the step's longest request
+# (``max_seqlen_k``, a host int the engine holds) gives B x M' blocks, uncompressed in that order,
+# and the attention reads them through a table renumbered to ``arange(B * M')``. The same keys and
+# values, without the cost growing with ``--kv-cache-gb`` and without reading any tensor on the host
+# (entries past a request's blocks, -1, uncompress block 0, which the length mask hides).
 
-_CONTROLLER = "inference/text_generation_controllers/text_generation_controller.py"
 MLA_SERVING_SITES = [
     Site("transformer/multi_latent_attention.py", "MultiLatentAttention.forward",
          "core_attn_out = self.flash_decode_and_prefill("),
@@ -88,11 +88,13 @@ MLA_SERVING_SITES = [
          "inference_context and not inference_context.is_static_batching()"),
     Site("inference/model_inference_wrappers/abstract_model_inference_wrapper.py",
          "AbstractModelInferenceWrapper.dummy_forward", "return self.model(tokens, position_ids, attention_mask)"),
-    # the step's attention metadata (read by _step_blocks) is set here, once per step, before the forward
+    # the step's block table and key-length bound (read by _step_table), set once per step before the forward
     Site("inference/contexts/dynamic_context.py", "DynamicInferenceContext.initialize_attention_state",
          'self.active_attn_metadata["mha_metadata"].update('),
-    Site(_CONTROLLER, "TextGenerationController._dynamic_step_context_init",
-         "context.initialize_attention_state(construct_graph_dimensions=construct_graph_dimensions)"),
+    Site("inference/contexts/attention_context/mha_metadata.py", "MHAMetadata.update",
+         '"block_table": self._block_table_buf[0:padded_active_request_count, :],'),
+    Site("inference/contexts/attention_context/mha_metadata.py", "NonGraphedMHAMetadata.update",
+         'self.state_data["max_seqlen_k"] = torch.max(self.state_data["kv_seq_lengths"]).item()'),
 ]
 
 _mla_serving_applied = False
@@ -106,12 +108,10 @@ def apply_mla_serving() -> bool:
         return False
     import torch
 
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MultiLatentAttention
 
     forward = MultiLatentAttention.forward
-    initialize_attention_state = DynamicInferenceContext.initialize_attention_state
     prepare = MLASelfAttention.prepare_for_absorption
     uncompress = MLASelfAttention.uncompress_kv_from_cache
 
@@ -123,22 +123,16 @@ def apply_mla_serving() -> bool:
         if self.cache_mla_latents and not dynamic:
             return _without_latent_cache(self, forward, hidden_states, attention_mask, *args, **kwargs)
         self._mla_decode_only = bool(dynamic and context.is_decode_only())
-        self._mla_blocks = None
+        self._mla_table = None
         if dynamic and self.config.cache_mla_latents and not self._mla_decode_only:
-            self._mla_blocks = _step_blocks(context)
+            self._mla_table = _step_table(context)
         return forward(self, hidden_states, attention_mask, *args, **kwargs)
 
-    def context_initialize_attention_state(self, *args, **kwargs):
-        self._mla_step_blocks = None  # a new step: its blocks are found again
-        return initialize_attention_state(self, *args, **kwargs)
-
     def mla_uncompress(self, kv_cached):
-        blocks = getattr(self, "_mla_blocks", None)
-        if blocks is None or kv_cached.dim() != 3:
+        table = getattr(self, "_mla_table", None)
+        if table is None or kv_cached.dim() != 3:
             return uncompress(self, kv_cached)
-        self._mla_renumber = torch.zeros(kv_cached.shape[0], dtype=torch.long, device=kv_cached.device)
-        self._mla_renumber[blocks.long()] = torch.arange(len(blocks), device=kv_cached.device)
-        return uncompress(self, kv_cached[blocks.long()])
+        return uncompress(self, kv_cached[table.flatten()])
 
     def mla_flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
                                      seqlens_k, block_table, is_decode_only=None):
@@ -147,10 +141,10 @@ def apply_mla_serving() -> bool:
         if not is_decode_only:
             if v is None:  # the latent cache itself (a prefill step of one-token queries only)
                 k, v = mla_uncompress(self, k)
-            renumber = getattr(self, "_mla_renumber", None)
-            if renumber is not None:
-                block_table = renumber[block_table.long()].to(block_table.dtype)
-                self._mla_renumber = None
+            table = getattr(self, "_mla_table", None)
+            if table is not None:  # k, v hold the table's blocks in its order
+                block_table = torch.arange(table.numel(), dtype=block_table.dtype,
+                                           device=block_table.device).view(table.shape)
         return Attention.flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q,
                                                   cu_seqlens_k, seqlens_k, block_table, is_decode_only)
 
@@ -165,7 +159,6 @@ def apply_mla_serving() -> bool:
             self.up_k_weight = weight[:, :cfg.qk_head_dim, :]  # [heads, qk_head_dim, kv_lora_rank]
             self.up_v_weight = weight[:, cfg.qk_head_dim:, :]  # [heads, v_head_dim, kv_lora_rank]
 
-    DynamicInferenceContext.initialize_attention_state = context_initialize_attention_state
     MultiLatentAttention.forward = mla_forward
     MultiLatentAttention.flash_decode_and_prefill = mla_flash_decode_and_prefill
     MLASelfAttention.uncompress_kv_from_cache = mla_uncompress
@@ -174,21 +167,17 @@ def apply_mla_serving() -> bool:
     return True
 
 
-def _step_blocks(context):
-    """The cache blocks holding the keys of ``context``'s step, in its block table's numbering (a
-    [U] tensor, or None when no request has keys yet): found by the step's first MLA layer (the
-    key lengths read on the host, a device sync) and kept on the context until it initialises the
-    next step's attention state."""
-    import torch
-
-    cached = getattr(context, "_mla_step_blocks", None)
-    if cached is None:
-        _, kv_lengths, _ = context.cu_kv_lengths()
-        table = context.active_attn_metadata["mha_metadata"].state_data["block_table"]
-        block = context.block_size_tokens
-        used = [table[b, :(n + block - 1) // block] for b, n in enumerate(kv_lengths.tolist()) if n > 0]
-        cached = context._mla_step_blocks = (torch.unique(torch.cat(used)) if used else None,)
-    return cached[0]
+def _step_table(context):
+    """The cache blocks of ``context``'s step, as the block table names them: [B, M'] (long),
+    the table cut to the blocks of the step's longest request where the engine holds that length
+    as a host int (``max_seqlen_k``: every eager step), -1 entries read as block 0. Read on the
+    device: no host sync."""
+    table = context.active_attn_metadata["mha_metadata"].state_data["block_table"]
+    _, _, max_len = context.cu_kv_lengths()
+    width = table.shape[1]
+    if isinstance(max_len, int) and max_len > 0:
+        width = min(width, -(-max_len // context.block_size_tokens))
+    return table[:, :width].long().clamp(min=0)
 
 
 def _without_latent_cache(layer, forward, *args, **kwargs):

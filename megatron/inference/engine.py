@@ -4,7 +4,8 @@
 ``loading.load_model`` (any variant, at the requested TP/EP layout), megatron-core's
 ``GPTInferenceWrapper``, its ``DynamicInferenceContext`` (paged KV cache, continuous batching,
 chunked prefill), a ``TextGenerationController`` and the ``DynamicInferenceEngine``. On CPU the
-engine runs through ``megatron.compat.inference`` (plain-torch paged attention, no NVTX).
+engine runs through ``megatron.compat.inference`` (plain-torch paged attention, batched over a
+step's requests or, with ``paged_attention`` LOOP, the per-request reference; no NVTX).
 Multi-latent attention (DeepSeek-V2/V3) is served as megatron-core serves it: the paged cache holds
 each token's latent and rotary key in 64-token blocks, prefill uncompresses it, decode absorbs the
 key up-projection into the query (FlashMLA, or its plain-torch equivalent);
@@ -49,6 +50,7 @@ from typing import Optional
 import torch
 
 from megatron.common.cli import UserError
+from megatron.compat.paged_attention import PagedAttention
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
 from moe_variants.registry import ServingModel
 
@@ -68,6 +70,7 @@ class EngineConfig:
     block_size_tokens: Optional[int] = None  # None: 256 with flash-attn kernels, else 32
     max_sequence_length: Optional[int] = None  # prompt + output; None: the checkpoint's seq_length
     seed: int = 1234
+    paged_attention: PagedAttention = PagedAttention.BATCHED  # without flash-attn/FlashMLA: batched or loop
 
     def validate(self) -> None:
         if self.max_batch_tokens < 1:
@@ -279,7 +282,7 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
     )
 
     cfg.validate()
-    applied = apply_inference()
+    applied = apply_inference(cfg.paged_attention)
     config = model.config
     mla = bool(getattr(config, "multi_latent_attention", False))
     if pg_collection.pp.size() != 1:
@@ -301,7 +304,7 @@ def build_engine(model, configs, tokenizer, pg_collection, cfg: EngineConfig):
         use_latent_cache(model)
         if applied["mla_decode_kernel"] == "torch" and torch.cuda.is_available():
             warnings.warn("FlashMLA is not installed: multi-latent attention decodes with the plain-torch "
-                          "equivalent (megatron.compat.inference.paged_mla_decode): correct, slow; "
+                          "equivalent (megatron.compat.paged_attention): correct, slow; "
                           "pip install flash-mla for the kernel", stacklevel=2)
     dtype = config.params_dtype
     padded_vocab = model.output_layer.weight.shape[0] * pg_collection.tp.size() \
@@ -489,13 +492,15 @@ class RankEngine:
         """One engine step: (token deltas of this rank's requests, whether a forward ran). A step
         whose requests all wait (no KV blocks free yet) runs none: its expert-parallel peers must
         then be matched by a dummy forward (the loop does that)."""
+        from megatron.compat.inference import step_scheduled
+
         engine = self.engine
         start = time.perf_counter()
         engine.schedule_waiting_requests()  # what async_forward does first; sized for the count below
         real_tokens = int(self.context.active_token_count)
         step = self._start(StepInfo(start, real_tokens))
         self.tokens_forwarded += real_tokens
-        result = engine.step_modern()
+        result = step_scheduled(engine)  # without scheduling again
         forwarded = real_tokens > 0
         self.steps += int(forwarded)
         self._end(step)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="paged KV-cache buffer per rank")
     p.add_argument("--block-size-tokens", type=int, default=None, help="KV-cache block size (default 256 with flash-attn, else 32)")
     p.add_argument("--max-sequence-length", type=int, default=None, help="prompt + output tokens (default: the checkpoint's seq_length)")
+    p.add_argument("--paged-attention", choices=("batched", "loop"), default="batched",
+                   help="plain-torch attention over the paged KV cache where flash-attn/FlashMLA are absent: all "
+                        "requests of a step at once without host syncs (default), or loop, the per-request reference")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator of requests that give none "
                    "(mixed with the data-parallel rank)")
@@ -238,11 +241,13 @@ def _engine_failed(rank: int, frontend, err: BaseException) -> None:
 
 def engine_config(args):
     """The engine's sizes (``--max-batch-tokens`` ...), validated."""
+    from megatron.compat.paged_attention import PagedAttention
     from megatron.inference.engine import EngineConfig
 
     cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
                        kv_cache_gb=args.kv_cache_gb, block_size_tokens=args.block_size_tokens,
-                       max_sequence_length=args.max_sequence_length, seed=args.seed)
+                       max_sequence_length=args.max_sequence_length, seed=args.seed,
+                       paged_attention=PagedAttention(args.paged_attention))
     cfg.validate()
     return cfg
 

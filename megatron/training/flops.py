@@ -22,10 +22,10 @@ __all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
                     "B200": 2250.0, "GB200": 2500.0, "L40S": 362.1, "MI300X": 1307.4}
 
-# HBM bandwidth (TB/s) of the same accelerators' SXM/OAM parts (vendor data sheets): the bound of a
-# memory-bound step such as a decode step
-HBM_TB_S = {"H200": 4.8, "H100": 3.35, "H800": 3.35, "A100": 2.039, "A800": 2.039, "B200": 8.0, "GB200": 8.0,
-            "L40S": 0.864, "MI300X": 5.3}
+# HBM bandwidth (TB/s) of the same accelerators (vendor data sheets; the longest name found in the
+# device's name wins): the bound of a memory-bound step such as a decode step
+HBM_TB_S = {"H200": 4.8, "H100": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H800": 3.35, "A100-SXM4-80GB": 2.039,
+            "A100 80GB PCIe": 1.935, "A100": 1.555, "B200": 8.0, "GB200": 8.0, "L40S": 0.864, "MI300X": 5.3}
 
 
 def _device_entry(table: dict) -> Optional[float]:

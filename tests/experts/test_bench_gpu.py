@@ -110,3 +110,20 @@ def test_an_existing_output_is_refused(tmp_path, capsys):
     out.write_text("{}")
     assert gpu.main(["--preset", "cpu-smoke", "--out", str(out)]) == 2
     assert "--out" in capsys.readouterr().err and out.read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_the_serving_section_runs_the_servers_engine(tmp_path):
+    """The serving section at toy size: ``tools/bench/gpu_serving.py``'s result for each paged-attention
+    path under the bench's JSON, and its table in the bench's (the measurements themselves are
+    tested in ``tests/serving/test_bench_gpu_serving.py``)."""
+    out = tmp_path / "bench.json"
+    argv = ["--preset", "cpu-smoke", "--out", str(out), "--sections", "serving", "--time-budget-s", "600"]
+    assert run_distributed(lambda rank, world: gpu.main(argv), 1, timeout_s=300) == [0]
+    result = json.loads(out.read_text())
+    serving = result["serving"]
+    assert serving["schema"] == "bench_gpu_serving/1" and serving["models"]
+    for model in serving["models"]:
+        assert set(model["paths"]) == {"loop", "batched"}
+        assert all(row["host_syncs_per_step"] >= 0 for row in model["paths"]["batched"]["decode"])
+    assert result["skipped"] == [] and "decode" in gpu.format_table(result)

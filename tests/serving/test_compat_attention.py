@@ -1,5 +1,5 @@
-"""The plain-torch flash-attn equivalents (megatron/compat/inference.py) against megatron-core's
-static-batching attention path.
+"""The plain-torch flash-attn equivalents (megatron/compat/paged_attention.py: the per-request loop
+and the batched path, each) against megatron-core's static-batching attention path.
 
 The reference is megatron-core's own ``DotProductAttention`` (what ``Attention.forward`` runs
 with a ``StaticInferenceContext`` or no context) on dense [s, b, h, d] tensors with a causal mask;
@@ -16,7 +16,7 @@ the same outputs (1e-5) and the same log-sum-exp.
 import pytest
 import torch
 
-from megatron.compat.inference import paged_kvcache_attention, paged_mla_decode, paged_varlen_attention
+from megatron.compat.paged_attention import PagedAttention, kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -71,11 +71,15 @@ def _paged(keys_per_request, gen):
     return cache, table
 
 
-def test_varlen_prefill_and_chunk_match_static_attention():
-    _in_world(_varlen_case)
+PATHS = pytest.mark.parametrize("path", list(PagedAttention), ids=lambda p: p.value)
 
 
-def _varlen_case():
+@PATHS
+def test_varlen_prefill_and_chunk_match_static_attention(path):
+    _in_world(lambda: _varlen_case(kernels(path)["flash_attn_varlen_func"]))
+
+
+def _varlen_case(paged_varlen_attention):
     gen = torch.Generator().manual_seed(0)
     # (query length, key length): two prefills, a prefill chunk after 6 cached tokens, a decode
     shapes = [(5, 5), (9, 9), (3, 9), (1, 7)]
@@ -96,11 +100,12 @@ def _varlen_case():
     assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:]))
 
 
-def test_kvcache_decode_matches_static_attention():
-    _in_world(_kvcache_case)
+@PATHS
+def test_kvcache_decode_matches_static_attention(path):
+    _in_world(lambda: _kvcache_case(kernels(path)["flash_attn_with_kvcache"]))
 
 
-def _kvcache_case():
+def _kvcache_case(paged_kvcache_attention):
     gen = torch.Generator().manual_seed(2)
     lengths = [1, 6, 13]
     ks = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
@@ -118,7 +123,9 @@ def _kvcache_case():
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_unsupported_arguments_are_refused():
+@PATHS
+def test_unsupported_arguments_are_refused(path):
+    paged_varlen_attention = kernels(path)["flash_attn_varlen_func"]
     q = torch.zeros(2, 1, HEADS, DIM)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         paged_varlen_attention(q[:, 0], q[:, 0], q[:, 0], torch.tensor([0, 2]), torch.tensor([0, 2]), dropout_p=0.1)
@@ -127,7 +134,9 @@ def test_unsupported_arguments_are_refused():
                                window_size=(4, 0))
 
 
-def test_mla_decode_over_paged_latents_equals_unabsorbed_attention():
+@PATHS
+def test_mla_decode_over_paged_latents_equals_unabsorbed_attention(path):
+    paged_mla_decode = kernels(path)["flash_mla_with_kvcache"]
     gen = torch.Generator().manual_seed(5)
     heads, rank, rope, dk, dv, block = 4, 16, 4, 8, 6, 4
     lengths = [1, 7, 12]

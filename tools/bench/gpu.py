@@ -59,7 +59,7 @@ __all__ = ["PRESETS", "Preset", "run", "format_table", "main", "SCHEMA", "SECTIO
 
 SCHEMA = "bench_gpu/2"
 SECTIONS = ("layer", "attention", "train", "breakdown", "serving", "variants")
-DEFAULT_SECTIONS = ("layer", "attention", "train", "breakdown")
+DEFAULT_SECTIONS = ("layer", "attention", "train", "breakdown", "serving")
 A2A_EP = 8  # the expert-parallel size the computed all-to-all bytes are for
 REFERENCE_ARM = "local"  # the arm every other training arm is compared with
 
@@ -68,8 +68,9 @@ REFERENCE_ARM = "local"  # the arm every other training arm is compared with
 class Preset:
     """What one run measures and how often. ``arms`` are the training configurations compared
     (name -> flat overrides); ``rounds`` > 0 times them in turns in one process (the CPU ratio),
-    else each in a process of its own after the other; the ``*_estimate_s`` are the seconds each
-    item is expected to take (for ``--time-budget-s``)."""
+    else each in a process of its own after the other; ``serving`` names a ``gpu_serving`` preset,
+    or ``decode-ratio`` for its same-run CPU ratio at batch 32; the ``*_estimate_s`` are the
+    seconds each item is expected to take (for ``--time-budget-s``)."""
 
     layers: tuple
     attention: tuple
@@ -139,7 +140,7 @@ PRESETS = {
         train=(TrainShape("small MoE, seq 1024", dict(_tiny(1024), hidden_size=256, num_attention_heads=4,
                                                       ffn_hidden_size=512, moe_ffn_hidden_size=256),
                           micro_batch_size=2, vocab_size=1024),),
-        arms=_ARMS, serving="cpu", bf16=False, warmup=1, iters=3, train_warmup=1, train_iters=3, breakdown_steps=2,
+        arms=_ARMS, serving="decode-ratio", bf16=False, warmup=1, iters=3, train_warmup=1, train_iters=3, breakdown_steps=2,
         rounds=5, layer_estimate_s=5, attention_estimate_s=20, train_estimate_s=240, serving_estimate_s=240,
     ),
     "cpu-smoke": Preset(
@@ -309,10 +310,15 @@ def run(preset_name: str, *, sections=DEFAULT_SECTIONS, time_budget_s: float = 5
                     out["train"][shape.name] = {**result, "wall_s": budget.elapsed() - began}
         if "serving" in sections and preset.serving:
             if fits("serving", preset.serving_estimate_s):
-                from tools.bench.gpu_serving import measure_serving
+                from tools.bench import gpu_serving
 
                 began = budget.elapsed()
-                out["serving"] = {**measure_serving(preset.serving, peak_tflops=peak), "wall_s": budget.elapsed() - began}
+                pgc = pgc or initialize_parallel(ParallelConfig(), seed=1234)
+                if preset.serving == "decode-ratio":  # the same-run CPU ratio of the two attention paths
+                    result = gpu_serving.decode_ratio(batch=32, pg_collection=pgc)
+                else:
+                    result = gpu_serving.measure(preset.serving, pg_collection=pgc, peak_tflops=peak)
+                out["serving"] = {**result, "wall_s": budget.elapsed() - began}
         if "variants" in sections:
             shape = preset.train[-1]
             for variant in registry.variants():
@@ -415,9 +421,13 @@ def format_table(result: dict) -> str:
     if result["train"]:
         lines += _train_lines(result)
     if result.get("serving"):
-        from tools.bench.gpu_serving import format_table as serving_table
+        from tools.bench import gpu_serving
 
-        lines.append(serving_table(result["serving"]))
+        serving = result["serving"]
+        if serving["schema"] == gpu_serving.RATIO_SCHEMA:
+            lines += [gpu_serving.decode_ratio_line(serving["batch"], m) for m in serving["models"]]
+        else:
+            lines.append(gpu_serving.format_table(serving))
     if result["variants"]:
         lines.append(f"{'variant (grouped, auto)':<34} {'step ms':<30} {'tokens/s':>10} {'MFU':>6} "
                      f"{f'a2a MiB/step at EP={A2A_EP}':>20}")
