@@ -39,7 +39,7 @@ import sys
 import tempfile
 import traceback
 
-from megatron.common.cli import UserError
+from megatron.common.cli import ArgumentParser, UserError
 from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
 
 __all__ = ["build_parser", "main", "API_KEY_ENV", "RANK_COMMAND"]
@@ -50,8 +50,8 @@ RANK_COMMAND = ("megatron.inference.serve",)  # what each torchrun rank of --npr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron.inference.serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m megatron.inference.serve", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, metavar="CKPT", help="checkpoint directory (newest checkpoint in it)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
