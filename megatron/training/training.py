@@ -354,7 +354,8 @@ class Trainer:
                 load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
                 load_optimizer=not (ck.no_load_optim or ck.finetune),
                 load_rng=not (ck.no_load_rng or ck.finetune),
-                fallback=ck.load_fallback, expected_configs=self.config_dict, verify=ck.verify_checkpoint,
+                fallback=ck.load_fallback, offer_fallback=True, expected_configs=self.config_dict,
+                verify=ck.verify_checkpoint,
             )
             if loaded is None:
                 if not ck.allow_empty_load:  # a mistyped fine-tune source must not train from random weights
