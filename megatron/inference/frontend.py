@@ -13,7 +13,8 @@ prompts: each is one engine request and one choice.
 
 Failures stay with their request: a body the protocol refuses gets a 4xx; a request the engine
 fails (``TokenUpdate.failed``) a 5xx (an error event once a stream has started); an exception in
-a handler a 500; every other request carries on. Admission is decided here, on rank 0: a request
+a handler a one-line 500, its traceback on stderr, and its engine requests still decoding are
+cancelled; every other request carries on. Admission is decided here, on rank 0: a request
 while the engine is dead, stalled or draining gets 503; one that would take the queue (engine
 requests without a first token yet) past ``max_queued_requests`` gets 503 with ``Retry-After``;
 one still unfinished ``request_timeout`` seconds after it arrived is cancelled in the engine and
@@ -49,7 +50,7 @@ import time
 import traceback
 from typing import Optional
 
-from megatron.common.cli import UserError
+from megatron.common.cli import UserError, one_line
 from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
@@ -135,6 +136,7 @@ class _Choice:
         self.started = False  # streaming: the first chunk of this choice went out
         self.offset = 0  # streaming: text offset of the next logprobs token
         self.dp_rank: Optional[int] = None  # the data-parallel engine the loop gave it
+        self.cancelled = False  # a cancellation went to the engine
 
 
 class _Stream:
@@ -346,11 +348,11 @@ class Frontend:
         except BadRequest as err:
             if not state["started"]:
                 await _send_json(send, err.status, protocol.error_body(err), err.headers)
-        except Exception as err:  # a bug in a handler fails this request only
+        except Exception as err:  # a bug in a handler fails this request only: its traceback here, one line there
             traceback.print_exc()
             if not state["started"]:
                 await _send_json(send, 500, protocol.error_body(
-                    BadRequest(f"internal error: {type(err).__name__}: {err}", status=500)))
+                    BadRequest(f"internal error: {type(err).__name__}: {one_line(err)}", status=500)))
 
     def _authorized(self, scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
@@ -479,6 +481,9 @@ class Frontend:
             self.commands.put(("submit", submit))
         try:
             await self._respond(req, stream, send, chat, arrival)
+        except BaseException:  # a bug or a cancelled handler: no engine request decodes on for nobody
+            self._cancel_unfinished(stream)
+            raise
         finally:
             watcher.cancel()
             for rid, choice in stream.choices.items():
@@ -490,7 +495,8 @@ class Frontend:
 
     def _cancel_unfinished(self, stream: _Stream) -> None:
         for rid, choice in stream.choices.items():
-            if choice.finish is None:
+            if choice.finish is None and not choice.cancelled:
+                choice.cancelled = True
                 self.commands.put(("cancel", rid))
 
     def _absorb(self, req, choice: _Choice, update, rid: int) -> tuple:
