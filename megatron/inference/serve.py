@@ -440,6 +440,7 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron import compat
+    from megatron.inference.link import FrontendUnreachable
     from megatron.training.checkpointing import CheckpointError
     from megatron.common.cli import run_cli
 
@@ -450,8 +451,10 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
         _check_args(args)
         return serve(args, argv, rank_command)
 
-    # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too
-    return run_cli("megatron.inference.serve", body, user_errors=(UserError, CheckpointError, CheckpointException))
+    # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too, and so
+    # is a $MOE_SERVE_FRONTEND that no front end answers on
+    return run_cli("megatron.inference.serve", body,
+                   user_errors=(UserError, CheckpointError, CheckpointException, FrontendUnreachable))
 
 
 if __name__ == "__main__":

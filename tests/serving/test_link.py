@@ -14,7 +14,8 @@ does. No model, no torch.distributed.
   the engine's reason.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
   front end that closed the link as ``FrontendGone``.
-- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line.
+- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line, and so is a
+  ``$MOE_SERVE_FRONTEND`` no front end listens on.
 """
 
 from __future__ import annotations
@@ -220,3 +221,29 @@ def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts
     assert main(["--load", serve_ckpts["standard"], *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megatron.inference.serve: error: ") and message in err and "\n" not in err
+
+
+def _serve_rank(rank, world, argv):
+    """``serve.main(argv)`` in a forked rank; megatron-core's engine module enables ``faulthandler``
+    on import, which needs the real stderr: imported before ``main_in_rank`` captures it."""
+    import megatron.core.inference.engines  # noqa: F401
+
+    from tests.training.test_reliability import main_in_rank
+
+    return main_in_rank(rank, world, "megatron.inference.serve", argv)
+
+
+def test_a_rank0_that_finds_no_front_end_says_so_in_one_line(serve_ckpts, tmp_path, monkeypatch):
+    """``$MOE_SERVE_FRONTEND`` naming no listening front end (a stale environment, a front end
+    gone): rank 0 builds its engine, fails to connect and exits with one line naming the address,
+    not a traceback."""
+    from tools.spawn import run_distributed
+
+    address = str(tmp_path / "gone.sock")
+    monkeypatch.setenv("MOE_SERVE_FRONTEND", address)  # inherited by the forked rank
+    monkeypatch.setenv("MOE_SERVE_FRONTEND_KEY", "00" * 32)
+    argv = ["--load", serve_ckpts["standard"], "--port", "0"]
+    code, _, err = run_distributed(_serve_rank, 1, argv, timeout_s=240)[0]
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"megatron.inference.serve: error: $MOE_SERVE_FRONTEND {address}: "
+                                            "no front end listens there (No such file or directory)"), err
