@@ -227,10 +227,12 @@ class Frontend:
         self._call(self._fail_all, reason)
 
     def engine_up(self, limits: protocol.Limits) -> None:
-        """An engine (restarted) serves again with ``limits``: requests are admitted again."""
+        """An engine (restarted) serves again with ``limits``: requests are admitted again (counted
+        in ``moe_serve_engine_restarts_total``)."""
         self.config = dataclasses.replace(self.config, limits=limits)
         self.context_length = int(limits.context)
         self.dead = None
+        self._call(self._count_restart)
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
@@ -291,6 +293,9 @@ class Frontend:
             stream = self._streams.get(update.request_id)
             if stream is not None:
                 stream.updates.put_nowait(update)
+
+    def _count_restart(self) -> None:
+        self.metrics.engine_restarts += 1
 
     def _abort_all(self) -> None:
         for rid, stream in list(self._streams.items()):
@@ -552,7 +557,7 @@ class Frontend:
         deadline = arrival + self.config.request_timeout if self.config.request_timeout > 0 else None
         started = False
         error: Optional[BadRequest] = None
-        aborted = disconnected = False
+        aborted = disconnected = lost = False
 
         async def sse(payload: dict):
             nonlocal started
@@ -582,6 +587,7 @@ class Frontend:
                 break
             if isinstance(item, tuple):  # ("dead", reason)
                 error = BadRequest(f"the engine stopped serving: {item[1]}", status=503)
+                lost = True
                 break
             choice = stream.choices.get(item.request_id)
             if choice is None or choice.finish is not None:
@@ -613,7 +619,7 @@ class Frontend:
                                 token_ids=ids if req.return_token_ids and ids else None, logprobs=logprobs,
                                 role=role)]))
 
-        self._record(stream, arrival, "failed" if error is not None and error.status != 504 else
+        self._record(stream, arrival, "lost" if lost else "failed" if error is not None and error.status != 504 else
                      "timeout" if error is not None else "aborted" if (aborted or disconnected) else "completed")
         if disconnected:
             return

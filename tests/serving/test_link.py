@@ -9,7 +9,8 @@ does. No model, no torch.distributed.
   travel over the link (tokens, the ``x-dp-rank`` assignment); ``/health`` follows rank 0's beats.
 - A rank 0 that falls silent is declared lost after the stall timeout: the request in flight gets
   a 503 naming it, ``/health`` 503 ``lost`` with the reason, a new request a 503 with
-  ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves.
+  ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves;
+  ``/metrics`` counts the lost request and the restart.
 - A closed link (rank 0 exited) fails what is in flight at once; a ``dead`` message fails it with
   the engine's reason.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
@@ -27,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from multiprocessing.connection import Client, Listener
 
 import pytest
@@ -172,6 +174,15 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
     status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a"})
     assert status == 200 and body["choices"][0]["text"] == "ok"
     assert any(f"SIGKILLed pid {sleeper.pid}" in line for line in linked.logs)
+    # /metrics: the request in flight was lost, the 503 while lost was rejected, the engine restarted once
+    from megatron.inference.metrics import parse_metrics
+
+    with urllib.request.urlopen(f.url + "/metrics", timeout=10) as resp:
+        metrics = parse_metrics(resp.read().decode())
+    assert metrics['moe_serve_requests_total{status="lost"}'] == 1
+    assert metrics['moe_serve_requests_total{status="rejected"}'] == 1
+    assert metrics['moe_serve_requests_total{status="completed"}'] == 1
+    assert metrics["moe_serve_engine_restarts_total"] == 1
 
 
 def test_a_closed_link_or_a_dead_engine_fails_in_flight_requests_at_once(linked):
