@@ -225,6 +225,7 @@ class EngineBridge:
         self.heartbeat = RemoteHeartbeat()
         self.frontend = None
         self.engines = 0  # engines that said hello so far
+        self.engine_stopped = False  # the engine closed the link after being told to stop (a clean stop)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._conn = None  # the engine serving now
@@ -350,6 +351,7 @@ class EngineBridge:
         self.heartbeat.reset()
         frontend = self.frontend
         if frontend.stop_requested.is_set() and not frontend.in_flight:
+            self.engine_stopped = True
             self.log("frontend: the engine stopped")
             return
         while True:  # what was queued for the lost engine: its requests are failed below
