@@ -31,9 +31,9 @@ from megatron.common.process import machine_id, pid_alive, same_machine
 
 __all__ = ["RankRoster", "FailureReport", "describe", "is_peer_failure", "roster_for_job"]
 
-# what gloo and NCCL say when the peer at the other end of a collective is gone
+# what gloo and NCCL say when the peer at the other end of a collective is gone (or hung)
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
-              "NCCL communicator was aborted", "ncclRemoteError")
+              "NCCL communicator was aborted", "ncclRemoteError", "collective operation timeout")
 CULPRIT_WAIT_S = 2.0  # how long a rank whose collective failed looks for the rank that failed
 
 
@@ -42,7 +42,7 @@ def is_peer_failure(err: BaseException) -> bool:
     failure of this rank's own."""
     import torch.distributed as dist
 
-    return isinstance(err, dist.DistError) or any(marker in str(err) for marker in _PEER_GONE)
+    return isinstance(err, dist.DistNetworkError) or any(marker in str(err) for marker in _PEER_GONE)
 
 
 class RankRoster:
@@ -129,7 +129,7 @@ def describe(rank: int, err: BaseException, roster: Optional[RankRoster],
             except Exception:
                 pass
         reason = f"the engine loop failed on rank {rank} ({cause})"
-        return FailureReport(reason, [f"rank {rank}: {reason}"], traceback=True)
+        return FailureReport(reason, [f"rank {rank}: the engine loop failed ({cause})"], traceback=True)
     found = roster.culprit(wait_s) if roster is not None else None
     reason = found or f"rank {rank} lost its connection to a peer rank of the engine (killed, crashed or unreachable)"
     return FailureReport(reason, [f"rank {rank}: the engine stopped: {reason}",
