@@ -187,7 +187,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     teacher_path = fcsd.teacher_load or c.checkpoint.load
     resume = None
     if c.checkpoint.save and os.path.isdir(c.checkpoint.save):
-        resume = find_latest_checkpoint(c.checkpoint.save, fallback=c.checkpoint.load_fallback)
+        resume = find_latest_checkpoint(c.checkpoint.save, fallback=c.checkpoint.load_fallback, offer_fallback=True)
     if resume:  # continue this distillation run (its lineage: the best/ saves prune the same run's)
         c.checkpoint.load, c.checkpoint.finetune = c.checkpoint.save, False
         lineage = read_manifest(resume, verify=False).get("lineage") or new_lineage()

@@ -104,9 +104,14 @@ def _tokenizer(hf_dir: str, vocab_size: int):
     """(tokenizer files {role: path}, tokenizer info) for the checkpoint manifest.
 
     ``tokenizer.json`` becomes the checkpoint's tokenizer when ``megatron.training.tokenizer`` can
-    load it; otherwise (absent, or no end-of-document token) the checkpoint gets a ``NullTokenizer``
-    of the model's vocabulary (ids in, ids out) and the files are still copied for export.
+    load it; without one, or without an end-of-document token in it (a warning), the checkpoint gets a
+    ``NullTokenizer`` of the model's vocabulary (ids in, ids out) and the files are still copied for
+    export. A ``tokenizer.json`` that cannot be read is an error (``ValueError``), never a
+    ``NullTokenizer``: the converted model would otherwise lose its tokenizer unnoticed.
     """
+    from tokenizers import Tokenizer
+
+    from megatron.common.cli import one_line
     from megatron.training.tokenizer import HFTokenizer
 
     files = {f"hf:{name}": os.path.join(hf_dir, name) for name in TOKENIZER_FILES
@@ -114,6 +119,11 @@ def _tokenizer(hf_dir: str, vocab_size: int):
     null = {"type": "NullTokenizer", "vocab_size": vocab_size}
     if "hf:tokenizer.json" not in files:
         return files, null
+    try:
+        Tokenizer.from_file(files["hf:tokenizer.json"])
+    except Exception as e:  # the tokenizers library raises a bare Exception (its Rust error)
+        raise ValueError(f"--hf-dir {hf_dir}: cannot read tokenizer.json ({one_line(e)}): fix it, or remove it "
+                         "to convert without a tokenizer (token ids in and out)") from None
     try:
         HFTokenizer.from_file(files["hf:tokenizer.json"])
     except ValueError as e:

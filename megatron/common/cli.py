@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 from typing import Callable, Optional
@@ -41,6 +42,8 @@ __all__ = [
     "user_input",
     "run_cli",
     "one_line",
+    "did_you_mean",
+    "ArgumentParser",
     "positive_int",
     "nonneg_int",
     "positive_float",
@@ -89,6 +92,30 @@ def one_line(err: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean X?)`` naming the one of ``known`` nearest to the unknown ``name``
+    (``difflib``), or "" when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose error for unrecognized arguments names the nearest known flag of each
+    unknown one (``--num-layer``: did you mean ``--num-layers``?)."""
+
+    def hinted(self, message: str) -> str:
+        """``message`` with the nearest known flag of each unrecognized one."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return message
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        return message + "".join(did_you_mean(arg.split("=", 1)[0], known) for arg in message[len(prefix):].split()
+                                 if arg.startswith("--"))
+
+    def error(self, message):
+        super().error(self.hinted(message))
 
 
 def run_cli(
@@ -199,7 +226,7 @@ class Subcommands:
         return deco
 
     def parser(self) -> argparse.ArgumentParser:
-        parser = argparse.ArgumentParser(prog=self.prog, description=self.description,
+        parser = ArgumentParser(prog=self.prog, description=self.description,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         sub = parser.add_subparsers(dest="command", required=True)
         for cmd in self.commands.values():

@@ -58,14 +58,16 @@ def fatal_exit(code: int, message: str) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` (read from a lock or pid file) still runs on this machine."""
+    """Whether process ``pid`` (read from a lock or pid file) still runs on this machine: not
+    when it has exited, also while its parent has not reaped it yet (a zombie, state ``Z``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    stat = _read(f"/proc/{pid}/stat")
+    return not (stat and stat[stat.rindex(")") + 2:].startswith("Z"))  # the name may hold spaces
 
 
 def _read(path: str) -> str:

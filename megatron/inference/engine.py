@@ -43,21 +43,40 @@ all-to-all counters and span recording are ``megatron.inference.observability``'
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+import traceback
 import warnings
 from typing import Optional
 
 import torch
 
-from megatron.common.cli import UserError
+from megatron.common.cli import UserError, one_line
 from megatron.compat.paged_attention import PagedAttention
 from megatron.inference.sampling import RequestSampling, sample, token_logprobs
 from moe_variants.registry import ServingModel
 
 __all__ = ["EngineConfig", "RankEngine", "StepInfo", "StepObserver", "TokenUpdate", "STAT_FIELDS", "build_engine",
-           "sampling_seed"]
+           "sampling_seed", "request_failure"]
 
 MLA_BLOCK_SIZE = 64  # FlashMLA's block size; DynamicInferenceContext asserts it for the latent cache
+
+_LOGGED_STACKS: set = set()  # (exception type, frames) whose traceback this process has logged
+
+
+def request_failure(what: str, err: BaseException) -> str:
+    """The one line a failed request's client gets, ``what: Type: message``; ``err``'s whole
+    traceback goes to this rank's stderr, in full the first time its stack is seen and as one line
+    after that (a bug every request hits logs one stack, not one per request)."""
+    line = f"{what}: {type(err).__name__}: {one_line(err)}"
+    stack = (type(err), tuple((f.filename, f.lineno) for f in traceback.extract_tb(err.__traceback__)))
+    if stack in _LOGGED_STACKS:
+        print(f"request failed: {line} (the same traceback as logged before)", file=sys.stderr, flush=True)
+    else:
+        _LOGGED_STACKS.add(stack)
+        print(f"request failed: {line}\n{''.join(traceback.format_exception(err)).rstrip()}", file=sys.stderr,
+              flush=True)
+    return line
 
 
 @dataclasses.dataclass
@@ -166,8 +185,9 @@ def _controller_class():
                     gen = self._generator(ids[rows[0]], spec, last_BV.device)
                     tokens_B[rows] = sample(last_BV[rows], spec, gen)
                 except Exception as err:  # fails these requests only (RankEngine finishes them)
+                    reason = request_failure("sampling failed", err)
                     for i in rows:
-                        self.failed[ids[i]] = f"sampling failed: {type(err).__name__}: {err}"
+                        self.failed[ids[i]] = reason
             self._score(ids, last_BV, tokens_B, logits if full else None)
             context.materialize_only_last_token_logits = True
             return tokens_B

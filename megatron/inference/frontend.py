@@ -13,7 +13,8 @@ prompts: each is one engine request and one choice.
 
 Failures stay with their request: a body the protocol refuses gets a 4xx; a request the engine
 fails (``TokenUpdate.failed``) a 5xx (an error event once a stream has started); an exception in
-a handler a 500; every other request carries on. Admission is decided here, on rank 0: a request
+a handler a one-line 500, its traceback on stderr, and its engine requests still decoding are
+cancelled; every other request carries on. Admission is decided here, on rank 0: a request
 while the engine is dead, stalled or draining gets 503; one that would take the queue (engine
 requests without a first token yet) past ``max_queued_requests`` gets 503 with ``Retry-After``;
 one still unfinished ``request_timeout`` seconds after it arrived is cancelled in the engine and
@@ -49,7 +50,7 @@ import time
 import traceback
 from typing import Optional
 
-from megatron.common.cli import UserError
+from megatron.common.cli import UserError, one_line
 from megatron.inference import protocol
 from megatron.inference.metrics import ServingMetrics
 from megatron.inference.protocol import BadRequest
@@ -135,6 +136,7 @@ class _Choice:
         self.started = False  # streaming: the first chunk of this choice went out
         self.offset = 0  # streaming: text offset of the next logprobs token
         self.dp_rank: Optional[int] = None  # the data-parallel engine the loop gave it
+        self.cancelled = False  # a cancellation went to the engine
 
 
 class _Stream:
@@ -225,10 +227,12 @@ class Frontend:
         self._call(self._fail_all, reason)
 
     def engine_up(self, limits: protocol.Limits) -> None:
-        """An engine (restarted) serves again with ``limits``: requests are admitted again."""
+        """An engine (restarted) serves again with ``limits``: requests are admitted again (counted
+        in ``moe_serve_engine_restarts_total``)."""
         self.config = dataclasses.replace(self.config, limits=limits)
         self.context_length = int(limits.context)
         self.dead = None
+        self._call(self._count_restart)
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
@@ -290,6 +294,9 @@ class Frontend:
             if stream is not None:
                 stream.updates.put_nowait(update)
 
+    def _count_restart(self) -> None:
+        self.metrics.engine_restarts += 1
+
     def _abort_all(self) -> None:
         for rid, stream in list(self._streams.items()):
             self.commands.put(("cancel", rid))
@@ -346,11 +353,11 @@ class Frontend:
         except BadRequest as err:
             if not state["started"]:
                 await _send_json(send, err.status, protocol.error_body(err), err.headers)
-        except Exception as err:  # a bug in a handler fails this request only
+        except Exception as err:  # a bug in a handler fails this request only: its traceback here, one line there
             traceback.print_exc()
             if not state["started"]:
                 await _send_json(send, 500, protocol.error_body(
-                    BadRequest(f"internal error: {type(err).__name__}: {err}", status=500)))
+                    BadRequest(f"internal error: {type(err).__name__}: {one_line(err)}", status=500)))
 
     def _authorized(self, scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
@@ -479,6 +486,9 @@ class Frontend:
             self.commands.put(("submit", submit))
         try:
             await self._respond(req, stream, send, chat, arrival)
+        except BaseException:  # a bug or a cancelled handler: no engine request decodes on for nobody
+            self._cancel_unfinished(stream)
+            raise
         finally:
             watcher.cancel()
             for rid, choice in stream.choices.items():
@@ -490,7 +500,8 @@ class Frontend:
 
     def _cancel_unfinished(self, stream: _Stream) -> None:
         for rid, choice in stream.choices.items():
-            if choice.finish is None:
+            if choice.finish is None and not choice.cancelled:
+                choice.cancelled = True
                 self.commands.put(("cancel", rid))
 
     def _absorb(self, req, choice: _Choice, update, rid: int) -> tuple:
@@ -546,7 +557,7 @@ class Frontend:
         deadline = arrival + self.config.request_timeout if self.config.request_timeout > 0 else None
         started = False
         error: Optional[BadRequest] = None
-        aborted = disconnected = False
+        aborted = disconnected = lost = False
 
         async def sse(payload: dict):
             nonlocal started
@@ -576,6 +587,7 @@ class Frontend:
                 break
             if isinstance(item, tuple):  # ("dead", reason)
                 error = BadRequest(f"the engine stopped serving: {item[1]}", status=503)
+                lost = True
                 break
             choice = stream.choices.get(item.request_id)
             if choice is None or choice.finish is not None:
@@ -607,7 +619,7 @@ class Frontend:
                                 token_ids=ids if req.return_token_ids and ids else None, logprobs=logprobs,
                                 role=role)]))
 
-        self._record(stream, arrival, "failed" if error is not None and error.status != 504 else
+        self._record(stream, arrival, "lost" if lost else "failed" if error is not None and error.status != 504 else
                      "timeout" if error is not None else "aborted" if (aborted or disconnected) else "completed")
         if disconnected:
             return

@@ -158,9 +158,11 @@ def _supervise(child, frontend, bridge, stop: dict, shutdown_timeout: float) -> 
             frontend.request_stop()
         if frontend.stop_requested.is_set():
             stopping_since = stopping_since or time.monotonic()
-            # the bridge tells a connected engine to stop once drained; none connected, or one
-            # that does not stop: end torchrun
-            if not bridge.connected or time.monotonic() - stopping_since > shutdown_timeout + 30:
+            # the bridge tells a connected engine to stop once drained, and torchrun then exits on
+            # its own (SIGTERMing it meanwhile prints its SignalException traceback); none
+            # connected, or one that does not stop: end torchrun
+            idle = not bridge.connected and not bridge.engine_stopped
+            if idle or time.monotonic() - stopping_since > shutdown_timeout + 30:
                 _end(child)
         time.sleep(0.1)
     code = child.returncode

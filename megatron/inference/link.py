@@ -48,7 +48,7 @@ from megatron.common.process import machine_id, same_machine
 from megatron.common.watchdog import Pulse
 from megatron.inference.frontend import Commands
 
-__all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "EngineLink", "EngineBridge", "RemoteHeartbeat",
+__all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", "EngineLink", "EngineBridge", "RemoteHeartbeat",
            "beat_interval"]
 
 ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket
@@ -75,6 +75,10 @@ class FrontendGone(ConnectionError):
     """The front end closed the link (it declared this engine lost, or it exited)."""
 
 
+class FrontendUnreachable(ConnectionError):
+    """Rank 0 cannot reach the front end named by ``$MOE_SERVE_FRONTEND`` (a one-line error)."""
+
+
 class EngineLink:
     """Rank 0's side of the link: what ``serve_loop`` and ``serve`` call on an in-process
     ``Frontend`` (``take_commands``, ``assigned``, ``publish``, ``request_stop``, ``mark_dead``),
@@ -94,7 +98,8 @@ class EngineLink:
     def connect(cls, address: str, authkey: bytes, heartbeat, beat_interval_s: float,
                 timeout_s: float = 30.0) -> "EngineLink":
         """Connect and authenticate within ``timeout_s`` (a front end that accepts nothing must
-        not hold rank 0 before its watchdog runs); ``ValueError`` naming the address otherwise."""
+        not hold rank 0 before its watchdog runs); ``FrontendUnreachable`` naming the address
+        otherwise."""
         dialed: dict = {}
 
         def dial():
@@ -112,7 +117,7 @@ class EngineLink:
         why = (f"the front end did not answer within {timeout_s:g} s" if err is None else
                f"the front end refused ${ENV_AUTHKEY}" if isinstance(err, AuthenticationError) else
                f"no front end listens there ({getattr(err, 'strerror', None) or err})")
-        raise ValueError(f"${ENV_ADDRESS} {address}: {why}")
+        raise FrontendUnreachable(f"${ENV_ADDRESS} {address}: {why}")
 
     def _send(self, message) -> None:
         with self._send_lock:
@@ -220,6 +225,7 @@ class EngineBridge:
         self.heartbeat = RemoteHeartbeat()
         self.frontend = None
         self.engines = 0  # engines that said hello so far
+        self.engine_stopped = False  # the engine closed the link after being told to stop (a clean stop)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._conn = None  # the engine serving now
@@ -345,6 +351,7 @@ class EngineBridge:
         self.heartbeat.reset()
         frontend = self.frontend
         if frontend.stop_requested.is_set() and not frontend.in_flight:
+            self.engine_stopped = True
             self.log("frontend: the engine stopped")
             return
         while True:  # what was queued for the lost engine: its requests are failed below

@@ -28,9 +28,10 @@ An idle iteration is one small all-gather; a decode step adds one gather of the 
 
 A request that fails while it is scheduled (rank 0's ``schedule`` raised on it), added or
 sampled (``engine.RankEngine``) fails alone: its failure travels to rank 0 as a
-``TokenUpdate(failed=...)`` and every rank keeps serving. The tensor-parallel peers of a rank hold
-the same requests and run the same steps, so a request failure is their agreement, never one
-rank's: a failed add is agreed before the step that would batch the request (one all-gather of a
+``TokenUpdate(failed=...)`` (one line, the client's 500) and every rank keeps serving; the
+traceback goes to the failing rank's stderr (``engine.request_failure``). The tensor-parallel
+peers of a rank hold the same requests and run the same steps, so a request failure is their
+agreement, never one rank's: a failed add is agreed before the step that would batch the request (one all-gather of a
 flag per new request over the TP group, only in iterations that bring it new requests), a failed
 sample at the next iteration (the header carries each rank's count of failures not yet agreed; a
 TP group with some exchanges their ids); every peer drops the request and the lowest TP rank
@@ -56,13 +57,12 @@ import hashlib
 import itertools
 import pickle
 import time
-import traceback
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.inference.engine import STAT_FIELDS, TokenUpdate
+from megatron.inference.engine import STAT_FIELDS, TokenUpdate, request_failure
 from megatron.common import collectives
 from megatron.common.events import Event
 
@@ -102,10 +102,6 @@ def _bytes_tensor(data: bytes, size: int) -> torch.Tensor:
     return out
 
 
-def _detail(err: BaseException) -> str:
-    return traceback.format_exception_only(type(err), err)[-1].strip()
-
-
 def _place(schedule, submit, outstanding: list, dp_size: int):
     """Rank 0: the data-parallel rank ``schedule`` gives a new request, or its failed update (a
     scheduler that raises or answers out of range fails that request only: a 500)."""
@@ -115,7 +111,7 @@ def _place(schedule, submit, outstanding: list, dp_size: int):
             raise ValueError(f"it gave rank {target}, not in [0, {dp_size})")
     except Exception as err:
         return TokenUpdate(submit.request_id, [], finished=True,
-                           failed=f"the request scheduler failed on the request: {_detail(err)}")
+                           failed=request_failure("the request scheduler failed on the request", err))
     return target
 
 
@@ -126,7 +122,7 @@ def _add(rank_engine, submit, rank: int) -> Optional[TokenUpdate]:
                         termination_id=-1 if submit.ignore_eos else rank_engine.controller.tokenizer.eod)
     except Exception as err:
         return TokenUpdate(submit.request_id, [], finished=True,
-                           failed=f"the engine could not add the request on rank {rank}: {_detail(err)}")
+                           failed=request_failure(f"the engine could not add the request on rank {rank}", err))
     return None
 
 

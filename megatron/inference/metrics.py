@@ -60,7 +60,9 @@ class ServingMetrics:
 
     def __init__(self, model: str):
         self.model = model
-        self.requests = {"completed": 0, "aborted": 0, "failed": 0, "timeout": 0, "rejected": 0}
+        # lost: in flight when the engine failed or was lost (answered 503)
+        self.requests = {"completed": 0, "aborted": 0, "failed": 0, "timeout": 0, "rejected": 0, "lost": 0}
+        self.engine_restarts = 0  # engines that connected again after a loss (front end in its own process)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
@@ -100,8 +102,12 @@ class ServingMetrics:
             lines.extend(samples)
 
         metric("moe_serve_requests_total", "counter",
-               "Engine requests by outcome (one per prompt; rejected: HTTP requests refused).",
+               "Engine requests by outcome (one per prompt; rejected: HTTP requests refused; lost: in "
+               "flight when the engine failed).",
                [f'moe_serve_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()])
+        metric("moe_serve_engine_restarts_total", "counter",
+               "Times a restarted engine served again after a failure (torchrun --max-restarts).",
+               [f"moe_serve_engine_restarts_total {self.engine_restarts}"])
         metric("moe_serve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                [f"moe_serve_prompt_tokens_total {self.prompt_tokens}"])
         metric("moe_serve_generation_tokens_total", "counter", "Tokens returned to clients.",

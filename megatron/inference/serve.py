@@ -39,7 +39,7 @@ import sys
 import tempfile
 import traceback
 
-from megatron.common.cli import UserError
+from megatron.common.cli import ArgumentParser, UserError
 from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
 
 __all__ = ["build_parser", "main", "API_KEY_ENV", "RANK_COMMAND"]
@@ -50,8 +50,8 @@ RANK_COMMAND = ("megatron.inference.serve",)  # what each torchrun rank of --npr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron.inference.serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m megatron.inference.serve", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, metavar="CKPT", help="checkpoint directory (newest checkpoint in it)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
@@ -223,18 +223,23 @@ def api_keys(args) -> tuple:
     return tuple(k.strip() for k in env.split(",") if k.strip())
 
 
-def _engine_failed(rank: int, frontend, err: BaseException) -> None:
-    """The loop raised: fail every in-flight request, print the traceback, exit 1 at once (a
-    teardown could wait on the peer that failed)."""
+def _engine_failed(rank: int, frontend, err: BaseException, roster) -> None:
+    """The loop raised: fail every in-flight request naming the rank that failed and why
+    (``failures.describe``: a peer's death is named as such, not as this rank's collective
+    error), log it (a traceback only for a failure of this rank's own), exit 1 at once (a teardown
+    could wait on the peer that failed)."""
+    from megatron.common.process import record_failure
+    from megatron.inference.failures import describe
     from megatron.inference.loop import EngineDiverged
 
-    reason = traceback.format_exception_only(type(err), err)[-1].strip()
+    report = describe(rank, err, roster)
     if frontend is not None:
-        frontend.mark_dead(f"the engine loop failed on rank {rank} ({reason})")
+        frontend.mark_dead(report.reason)
         frontend.wait_answered(2.0)
-    if not isinstance(err, EngineDiverged):  # a divergence is said in full by its one line
+    if report.traceback and not isinstance(err, EngineDiverged):  # a divergence is said in full by its one line
         traceback.print_exc()
-    print(f"rank {rank}: the engine loop failed ({reason}); exiting with status {EXIT_CRASH}", file=sys.stderr,
+    record_failure(report.log[0])  # torchrun's closing summary names it
+    print("\n".join(report.log[:-1] + [f"{report.log[-1]}; exiting with status {EXIT_CRASH}"]), file=sys.stderr,
           flush=True)
     exit_now(EXIT_CRASH)
 
@@ -314,6 +319,7 @@ def serve_rank(args) -> int:
     import torch.distributed as dist
 
     from megatron.inference.engine import RankEngine, build_engine
+    from megatron.inference.failures import roster_for_job
     from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineLink, beat_interval
     from megatron.inference.loop import serve_loop
     from megatron.inference.observability import AllToAllCounters, SpanRecorder
@@ -329,6 +335,7 @@ def serve_rank(args) -> int:
     with contextlib.ExitStack() as stack:
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
+        roster = roster_for_job(rank, world)  # who failed, when a collective fails (failures.py)
         configs, manifest, ckpt, overrides, parallel = check_layout(args, world)
         scheduler = registry.request_scheduler(args, manifest, world)  # None: round-robin
         if args.tensor_model_parallel_size > 1 and scheduler is not None:
@@ -430,12 +437,13 @@ def serve_rank(args) -> int:
                        schedule=scheduler.online() if scheduler is not None else None,
                        stats_interval_s=args.metrics_interval)
         except Exception as err:
-            _engine_failed(rank, frontend, err)
+            _engine_failed(rank, frontend, err, roster)
         finally:
             watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
-            print("server stopped", flush=True)
+            if not address:  # with a front end of its own, that process says it
+                print("server stopped", flush=True)
     return 0
 
 
@@ -445,6 +453,7 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron import compat
+    from megatron.inference.link import FrontendUnreachable
     from megatron.training.checkpointing import CheckpointError
     from megatron.common.cli import run_cli
 
@@ -455,8 +464,10 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
         _check_args(args)
         return serve(args, argv, rank_command)
 
-    # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too
-    return run_cli("megatron.inference.serve", body, user_errors=(UserError, CheckpointError, CheckpointException))
+    # a corrupt, unsafe or mismatched checkpoint (found while the model loads) is one line too, and so
+    # is a $MOE_SERVE_FRONTEND that no front end answers on
+    return run_cli("megatron.inference.serve", body,
+                   user_errors=(UserError, CheckpointError, CheckpointException, FrontendUnreachable))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Every field of the config dataclasses is a flag (``moe_router_topk`` -> ``--moe-
 YAML key (either spelling): the core sections below, every registered variant's section
 (``moe_variants.registry``: ``--bigmac-ratio``, ``--farskip``, ...) and an entry point's extra
 sections. Precedence: dataclass defaults < ``--config FILE.yaml`` < flags. An unknown flag or YAML
-key is an error that names it. Booleans take ``--flag`` / ``--no-flag``.
+key is an error that names it and the nearest known one. Booleans take ``--flag`` / ``--no-flag``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
+from megatron.common.cli import ArgumentParser, did_you_mean
 from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 from moe_variants import registry
 from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
@@ -48,11 +49,12 @@ class Configs:
     extra: dict = dataclasses.field(default_factory=dict)  # entry-point specific sections
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump)."""
+class OneLineParser(ArgumentParser):
+    """argparse that reports a bad command line in one line (no usage dump; an unknown flag names
+    the nearest known one)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {self.hinted(message)}\n")
 
 
 def _flag(name: str) -> str:
@@ -196,7 +198,8 @@ def parse_configs(
         owner = _field_owner(sections)
         unknown = sorted(k for k in from_yaml if k not in owner)
         if unknown:
-            raise ValueError(f"--config {config_path}: unknown option(s): {', '.join(unknown)}")
+            raise ValueError(f"--config {config_path}: unknown option(s): "
+                             f"{', '.join(k + did_you_mean(k, owner) for k in unknown)}")
         hints = _hints(sections)
         values.update({k: _coerce(k, v, hints[k], f"--config {config_path}: ") for k, v in from_yaml.items()})
     values.update(flags)
@@ -282,7 +285,7 @@ def configs_from_dict(values: dict, extra_sections: Optional[dict] = None, *, wh
     per_section: dict[str, dict[str, Any]] = {name: {} for name in sections}
     for key, value in values.items():
         if key not in owner:
-            raise ValueError(f"unknown option: {_flag(key)}")
+            raise ValueError(f"unknown option: {_flag(key)}{did_you_mean(key, owner)}")
         per_section[owner[key]][key] = _coerce(key, value, hints[key], where)
     variant_sections = registry.config_sections()
     built = {}

@@ -158,13 +158,17 @@ class CheckpointConfig:
         None, "directory for checkpoints, metrics.jsonl and config.yaml; one run writes there at a time")
     load: Optional[str] = _opt(
         None, "resume from the newest checkpoint of this directory (or this iter_ directory); the same "
-        "directory as --save resumes if it holds a checkpoint and starts from scratch if not")
+        "directory as --save resumes if it holds a checkpoint and starts from scratch if not; another "
+        "directory without a checkpoint is an error (see --allow-empty-load)")
     save_interval: Optional[int] = _opt(None, "save a checkpoint every N steps (and always at the end)")
     keep_last_checkpoints: Optional[int] = _opt(
         2, "keep only this run's newest N checkpoints (0 or unset: keep all); other runs' are never deleted")
     no_load_optim: bool = _opt(False, "load weights, iteration and data position but restart the optimizer")
     no_load_rng: bool = _opt(False, "do not restore the random-number generator states")
     finetune: bool = _opt(False, "load weights only: start at iteration 0 with a fresh optimizer and data order")
+    allow_empty_load: bool = _opt(
+        False, "a --load directory other than --save that holds no checkpoint starts the run from scratch "
+        "(default: an error, so that a mistyped path never trains from random weights)")
     load_fallback: bool = _opt(
         False, "if the newest checkpoint under --load is incomplete or corrupt, report it and load the "
         "newest good one before it (the bad one is moved aside, never deleted, at the next save)")

@@ -246,7 +246,7 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Op
     """
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
-        raise ValueError("--data-path is empty")
+        raise UserError("--data-path is empty")
 
     def as_weight(s: str) -> Optional[float]:
         try:
@@ -259,10 +259,10 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> tuple[list[str], Op
         weights = [as_weight(s) for s in items[0::2]]
         bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
         if bad:
-            raise ValueError(f"--data-path: blend weights must be positive numbers, got {bad[0]}")
+            raise UserError(f"--data-path: blend weights must be positive numbers, got {bad[0]}")
         return items[1::2], weights
     if any(numeric):
-        raise ValueError(
+        raise UserError(
             f"--data-path: expected 'PREFIX ...' or 'WEIGHT PREFIX WEIGHT PREFIX ...', got {' '.join(items)!r}"
         )
     return items, None
@@ -275,7 +275,7 @@ def _parse_split(split: str) -> list[float]:
     except ValueError:
         vec = []
     if not 1 <= len(vec) <= 3 or any(not math.isfinite(v) or v < 0 for v in vec) or sum(vec) <= 0:
-        raise ValueError(f"--split: expected up to three non-negative weights like '969,30,1', got {split!r}")
+        raise UserError(f"--split: expected up to three non-negative weights like '969,30,1', got {split!r}")
     return vec + [0.0] * (3 - len(vec))
 
 
@@ -330,8 +330,9 @@ def build_pretraining_datasets(
             of megatron-core's bool "True = masked" convention) in each sample.
 
     Items are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (and
-    ``attention_mask``; blends add ``dataset_id``). Raises ``ValueError`` naming ``--data-path``
-    or ``--split`` for a missing prefix or a split that would have no documents.
+    ``attention_mask``; blends add ``dataset_id``). Raises ``UserError`` naming ``--data-path``
+    or ``--split`` for a missing prefix or a split that would have no documents; anything
+    megatron-core's builder raises is not bad input and keeps its type.
     """
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -341,7 +342,7 @@ def build_pretraining_datasets(
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must give (train, valid, test), got {list(num_samples)}")
     if seq_length < 1:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        raise UserError(f"--seq-length must be positive, got {seq_length}")
     token_counts = [_check_prefix(p, split_vec) for p in prefixes]
     if len(prefixes) > 1 and weights is None:
         weights = [float(n) for n in token_counts]
@@ -380,7 +381,7 @@ def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
     from megatron.core.datasets.utils import normalize
 
     if not _indexed_dataset_exists(prefix):
-        raise ValueError(
+        raise UserError(
             f"--data-path: no indexed dataset at {prefix} (needs {prefix}.bin and {prefix}.idx; "
             "make them with scripts/preprocess_data.py)"
         )
@@ -394,7 +395,7 @@ def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
             continue
         beg, end = (int(round(b * float(len(lengths)))) for b in bookends)
         if end <= beg or int(lengths[beg:end].sum()) == 0:
-            raise ValueError(
+            raise UserError(
                 f"--split {','.join(f'{v:g}' for v in split_vec)} leaves the {name} split of {prefix} "
                 f"with no tokens ({len(lengths)} documents in all); give it a larger share, or 0"
             )
@@ -402,7 +403,7 @@ def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
 
 
 def check_token_ids(prefixes: Sequence[str], vocab_size: int, chunk: int = 1 << 24) -> None:
-    """``ValueError`` naming the dataset when a token id is ``>= vocab_size`` (a corpus tokenized
+    """``UserError`` naming the dataset when a token id is ``>= vocab_size`` (a corpus tokenized
     with another tokenizer): otherwise the embedding lookup fails mid-step with a long traceback on
     one rank. Reads each ``.bin`` once, ``chunk`` tokens at a time."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -420,7 +421,7 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, chunk: int = 1 << 
             top = max(top, int(tokens[start:start + chunk].max()))
         del tokens
         if top >= vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"--data-path {prefix}: holds token id {top}, but the tokenizer has {vocab_size} ids "
                 "(was it preprocessed with another tokenizer or --vocab-size?)"
             )
@@ -547,7 +548,7 @@ def build_data_iterator(
         len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
     )
     if len(sampler) == 0:
-        raise ValueError(
+        raise UserError(
             f"the dataset has {len(dataset)} samples, fewer than one step of "
             f"{micro_batch_size} x {data_parallel_size} after {consumed_samples} consumed"
         )

@@ -33,7 +33,7 @@ from typing import Optional
 
 from moe_variants import registry
 from megatron.training.checkpointing import CheckpointError
-from megatron.common.cli import UserError, run_cli, user_input
+from megatron.common.cli import ArgumentParser, UserError, run_cli, user_input
 from megatron.common.files import refuse_existing, write_json
 from megatron.common import collectives
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
@@ -44,7 +44,7 @@ INSTALL_HINT = 'lm-eval is not installed: pip install -e ".[eval]"'
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron.training.evaluate_lm",
+    p = ArgumentParser(prog="python -m megatron.training.evaluate_lm",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (a run's save dir or one iter_ dir)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task, group or tag names")

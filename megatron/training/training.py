@@ -330,11 +330,10 @@ class Trainer:
         if self.hooks.after_setup is not None:
             self.hooks.after_setup(self.chunks, c)
         self._open_metrics()
-        with user_input():
-            self.train_ds, self.valid_ds, self.test_ds, self.train_iter = build_data(
-                c, self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, consumed_samples=self.consumed,
-                global_batch=self.global_batch,
-            )
+        self.train_ds, self.valid_ds, self.test_ds, self.train_iter = build_data(
+            c, self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, consumed_samples=self.consumed,
+            global_batch=self.global_batch,
+        )
         self.forward_step_factory = self.hooks.forward_step_factory or (lambda timer: lm_forward_step(timer))
         self.throughput = Throughput.of(self.chunks[0].module, c, self.world)
 
@@ -352,14 +351,19 @@ class Trainer:
                 print(f"{self.prog}: no checkpoint in {load} yet; starting from scratch", flush=True)
             load = None
         if load:
-            with user_input():
-                loaded = load_checkpoint(
-                    load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
-                    load_optimizer=not (ck.no_load_optim or ck.finetune),
-                    load_rng=not (ck.no_load_rng or ck.finetune),
-                    fallback=ck.load_fallback, expected_configs=self.config_dict, verify=ck.verify_checkpoint,
-                )
+            loaded = load_checkpoint(
+                load, self.chunks, self.optimizer, self.scheduler, layout=self.layout,
+                load_optimizer=not (ck.no_load_optim or ck.finetune),
+                load_rng=not (ck.no_load_rng or ck.finetune),
+                fallback=ck.load_fallback, offer_fallback=True, expected_configs=self.config_dict,
+                verify=ck.verify_checkpoint,
+            )
             if loaded is None:
+                if not ck.allow_empty_load:  # a mistyped fine-tune source must not train from random weights
+                    err = UserError(f"--load {load} holds no checkpoint (a mistyped path?): pass "
+                                    "--allow-empty-load to start from scratch when it is empty")
+                    err.agreed = True  # every rank found none
+                    raise err
                 if rank == 0:
                     print(f"{self.prog}: no checkpoint in {load}; starting from scratch", flush=True)
             else:

@@ -60,6 +60,9 @@ def bad_dirs(tmp_path_factory):
     dirs["pickle"] = copy("pickle")
     torch.save(load_file(os.path.join(good, "model.safetensors")), os.path.join(dirs["pickle"], "pytorch_model.bin"))
     os.remove(os.path.join(dirs["pickle"], "model.safetensors"))
+    dirs["bad_tokenizer"] = copy("bad_tokenizer")  # unreadable: it must not become a NullTokenizer silently
+    with open(os.path.join(dirs["bad_tokenizer"], "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": ')
     dirs["no_tokenizer"] = copy("no_tokenizer")
     os.remove(os.path.join(dirs["no_tokenizer"], "tokenizer.json"))
     dirs["sharded"] = str(root / "sharded")
@@ -84,6 +87,8 @@ CASES = [
                         "(expected (32, 64))"),
     ("pickle", [], "--hf-dir {dir} holds only pickle weights (pytorch_model.bin); pass --allow-pickle"),
     ("lost_shard", [], "model.safetensors.index.json: 1 shard file(s) missing"),
+    ("bad_tokenizer", [], "--hf-dir {dir}: cannot read tokenizer.json (EOF while parsing a value at line 1 column "
+                          "28): fix it, or remove it to convert without a tokenizer (token ids in and out)"),
     ("good", ["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide the "
                                                     "vocabulary size 256"),
     ("good", ["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 does not divide "

@@ -215,8 +215,10 @@ def test_bad_data_arguments(synthetic_datasets, tmp_path):
         (dict(prefixes=prefix, split="0,0,0"), "--split: expected"),
         (dict(prefixes=prefix, split="998,1,1"), "leaves the valid split"),  # 100 docs: 0.1 of one
     ]
-    for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
+    from megatron.common.cli import UserError
+
+    for kwargs, message in cases:  # UserError: one line from the commands, with no user_input() around the build
+        with pytest.raises(UserError, match=message.replace("(", r"\(")) as info:
             build(kwargs.pop("prefixes"), tok, tmp_path, **kwargs)
         assert "\n" not in str(info.value)
     train = build(prefix, tok, tmp_path)[0]

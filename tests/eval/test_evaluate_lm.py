@@ -185,3 +185,22 @@ def test_corrupt_or_crafted_checkpoint_is_one_line(damage, ckpt_dir, tmp_path, c
     lines = [l for l in err.strip().splitlines() if l.startswith("evaluate_lm: error: ")]
     assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
     assert not out.exists() and not (tmp_path / "PWNED").exists()
+
+
+def test_a_bad_newest_checkpoint_names_the_older_one_to_load(ckpt_dir, tmp_path):
+    """evaluate_lm has no --load-fallback: the remedy it names is ``--load DIR/iter_N`` of the
+    complete checkpoint before the corrupt one (the incomplete case takes the server's path:
+    ``tests/serving/test_bad_checkpoint.py``)."""
+    from tools.spawn import run_distributed
+    from tests.serving.test_bad_checkpoint import damage_newest_beside_an_older
+    from tests.training.test_reliability import main_in_rank
+
+    older, expect = damage_newest_beside_an_older(ckpt_dir["standard"], tmp_path / "ckpt", "truncated_shard")
+    out = tmp_path / "results.json"
+    tasks = dict(tasks="local_arc_easy", include_path=TASKS_DIR, data_dir=_generated_data(tmp_path / "data"))
+    argv = [str(a) for a in _args(tmp_path / "ckpt", out, **tasks)]
+    code, _, err = run_distributed(main_in_rank, 1, "megatron.training.evaluate_lm", argv, timeout_s=240)[0]
+    lines = [l for l in err.strip().splitlines() if l.startswith("evaluate_lm: error: ")]
+    assert code == 2 and len(lines) == 1 and expect in lines[0], err
+    assert f"load the one before it with --load {older}" in lines[0] and "--load-fallback" not in lines[0], lines[0]
+    assert not out.exists()

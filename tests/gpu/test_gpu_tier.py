@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 
+from tests.gpu.nccl import NCCL_DEBUG_ENV, shared_gpu_refusal
 from tests.helpers import requires_gpu
 from tools.spawn import run_distributed
 
@@ -40,9 +41,9 @@ def _spec() -> str:
     return "te" if compat.have_transformer_engine() else "local"
 
 
-def _torchrun(module: str, args: list, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+def _torchrun(module: str, args: list, nproc: int, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
            *[str(a) for a in args]]
     try:
@@ -85,14 +86,14 @@ def _records(path) -> tuple[list, list]:
     return steps, events
 
 
-def _pretrain(save, nproc: int, ep: int, iters: int, heldout=None):
+def _pretrain(save, nproc: int, ep: int, iters: int, heldout=None, env=None):
     args = ["--config", TINY, "--expert-model-parallel-size", ep, "--transformer-impl", "auto",
             "--train-iters", iters, "--lr-warmup-iters", min(10, iters // 2), "--log-interval", 5,
             "--eval-interval", iters, "--eval-iters", 2, "--save", save, "--save-interval", iters]
     if heldout is not None:
         args += ["--heldout-text", heldout]
     start = time.perf_counter()
-    proc = _torchrun("megatron.training.pretrain_gpt", args, nproc)
+    proc = _torchrun("megatron.training.pretrain_gpt", args, nproc, env=env)
     return proc, time.perf_counter() - start
 
 
@@ -132,16 +133,12 @@ def test_pretrain_nccl_world_size_1(pretrained, report):
     assert 0 < last["bwd_time_s"] < last["step_time_s"]
 
 
-# NCCL's own refusal of two ranks on one device ("Duplicate GPU detected", reported as
-# ncclInvalidUsage: "NCCL error in: ... invalid usage", as an H100 run printed): the
-# only failure that means "this machine cannot run the check"; anything else is a failure
-NCCL_SHARED_GPU_REFUSAL = re.compile(r".*(?:Duplicate GPU detected|ncclInvalidUsage|NCCL error.*invalid usage).*")
-
-
-def _skip_only_if_nccl_refuses_a_shared_gpu(text: str) -> None:
-    found = NCCL_SHARED_GPU_REFUSAL.findall(text)
+def _skip_only_if_nccl_refuses_a_shared_gpu(text: str, num_ranks: int) -> None:
+    """Skip for NCCL's refusal of two ranks on one device, where they share one (``tests/gpu/nccl.py``):
+    the only failure that means "this machine cannot run the check"; anything else is a failure."""
+    found = shared_gpu_refusal(text, num_ranks, torch.cuda.device_count())
     if found:
-        pytest.skip("NCCL refuses two ranks on one GPU: " + found[0].strip()[:240])
+        pytest.skip("NCCL refuses two ranks on one GPU: " + found)
 
 
 def test_pretrain_two_ranks_on_one_gpu(tmp_path, report):
@@ -150,9 +147,9 @@ def test_pretrain_two_ranks_on_one_gpu(tmp_path, report):
     where there are two (``init_from_env``: ``LOCAL_RANK`` modulo the visible GPUs). Asserted: the
     loss falls over 20 steps, and the expert-parallel all-to-all really ran on NCCL (off-rank bytes
     and CUDA-event in-flight time both non-zero)."""
-    proc, seconds = _pretrain(tmp_path / "ckpt", 2, 2, 20)
+    proc, seconds = _pretrain(tmp_path / "ckpt", 2, 2, 20, env=NCCL_DEBUG_ENV)
     if proc.returncode != 0:
-        _skip_only_if_nccl_refuses_a_shared_gpu(proc.stdout + proc.stderr)
+        _skip_only_if_nccl_refuses_a_shared_gpu(proc.stdout + proc.stderr, 2)
         raise AssertionError(_tail(proc))
     steps, _ = _records(tmp_path / "ckpt" / "metrics.jsonl")
     last = steps[-1]

@@ -1,7 +1,23 @@
 """A corrupt or crafted checkpoint given to the server is a one-line error before anything is
-served (the restricted readers of ``checkpointing.safety``; issue 22)."""
+served (the restricted readers of ``checkpointing.safety``; issue 22); a corrupt or incomplete
+newest checkpoint's error names the remedy, the complete checkpoint before it, by path."""
+
+import json
+import shutil
 
 import pytest
+
+
+def add_older(ckpt) -> str:
+    """A complete copy of ``ckpt``'s only checkpoint, one iteration older, beside it; its path."""
+    newest = next(p for p in ckpt.iterdir() if p.name.startswith("iter_"))
+    iteration = int(newest.name[len("iter_"):]) - 1
+    older = ckpt / f"iter_{iteration:07d}"
+    shutil.copytree(newest, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["iteration"] = iteration
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    return str(older)
 
 
 @pytest.mark.parametrize("damage", ["truncated_shard", "crafted_metadata"])
@@ -42,3 +58,36 @@ def test_a_value_error_while_the_model_loads_keeps_its_traceback(serve_ckpts, tm
     # torch prefixes each traceback line of an initialised rank with "[rank0]: "
     assert proc.stderr.strip().splitlines()[-1].endswith("ValueError: shape mismatch deep inside the model")
     assert not (tmp_path / "ready.json").exists()
+
+
+def damage_newest_beside_an_older(src, ckpt, damage: str):
+    """Copy checkpoint ``src`` to ``ckpt``, add a complete older one beside its checkpoint and damage
+    the newest: ``truncated_shard`` (half of one shard) or ``no_manifest``. Returns (the older
+    checkpoint's path, the text the error must contain)."""
+    import os
+
+    shutil.copytree(src, ckpt)
+    newest = next(p for p in ckpt.iterdir() if p.name.startswith("iter_"))
+    older = add_older(ckpt)
+    if damage == "no_manifest":
+        (newest / "manifest.json").unlink()
+        return older, f"newest checkpoint {newest} is incomplete (no manifest.json)"
+    shard = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    return older, f"checkpoint {newest} is corrupt: {shard.name} has"
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "no_manifest"])
+def test_a_bad_newest_checkpoint_names_the_older_one_to_load(damage, serve_ckpts, tmp_path):
+    """The server has no --load-fallback: the remedy it names is ``--load DIR/iter_N`` of the
+    complete checkpoint before the bad one."""
+    from tools.spawn import run_distributed
+    from tests.training.test_reliability import main_in_rank
+
+    older, expect = damage_newest_beside_an_older(serve_ckpts["standard"], tmp_path / "ckpt", damage)
+    argv = ["--load", str(tmp_path / "ckpt"), "--port", "0", "--ready-file", str(tmp_path / "ready.json")]
+    code, _, err = run_distributed(main_in_rank, 1, "megatron.inference.serve", argv, timeout_s=240)[0]
+    lines = [l for l in err.strip().splitlines() if l.startswith("megatron.inference.serve: error: ")]
+    assert code == 2 and len(lines) == 1 and expect in lines[0], err
+    assert f"load the one before it with --load {older}" in lines[0] and "--load-fallback" not in lines[0], lines[0]

@@ -69,9 +69,10 @@ class ScriptedEngine:
         self.thread.join(5)
 
 
-def _frontend(script, heartbeat=None, engine=True, **config):
+def _frontend(script, heartbeat=None, engine=True, tokenizer=None, **config):
     limits = P.Limits(context=64, vocab_size=VOCAB, max_request_tokens=48)
-    frontend = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt, heartbeat=heartbeat or Heartbeat(),
+    frontend = Frontend(tokenizer=tokenizer or CharTokenizer(), chat_render=P.simple_chat_prompt,
+                        heartbeat=heartbeat or Heartbeat(),
                         config=FrontendConfig(served_model="m", limits=limits, port=0, **config))
     frontend.start()
     frontend.url = f"http://127.0.0.1:{frontend.port}"
@@ -202,6 +203,38 @@ def test_a_failed_request_is_a_5xx_and_the_next_one_succeeds(frontend):
     status, body, _ = _request(f.url, "/v1/completions", {"prompt": "y"})
     assert status == 200 and body["choices"][0]["text"] == "ok"
     assert f.metrics.requests["failed"] == 1 and f.metrics.requests["completed"] == 1
+
+
+class BuggyTokenizer(CharTokenizer):
+    """Detokenizing id 1 raises: a bug in the front end's handling of one token."""
+
+    def detokenize(self, ids):
+        if 1 in ids:
+            raise KeyError("no text for id 1")
+        return super().detokenize(ids)
+
+
+def test_an_exception_while_answering_cancels_the_requests_in_the_engine(frontend, capsys):
+    """A bug while a request is answered (here: its first token cannot be detokenized) is a 500 for
+    that request, its traceback on the server's stderr, and every one of its engine requests still
+    decoding is cancelled (none decodes on for nobody); the next request is served."""
+    def script(submit):
+        if submit.prompt == [ord("a")]:
+            return [TokenUpdate(submit.request_id, [1])]  # unfinished: more would follow
+        if submit.prompt == [ord("q")]:
+            return _echo_tokens("ok")(submit)
+        return None  # the second prompt: still decoding
+
+    f = frontend(script, tokenizer=BuggyTokenizer())
+    status, body, _ = _request(f.url, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 8})
+    assert status == 500 and body["error"]["message"] == "internal error: KeyError: 'no text for id 1'"
+    deadline = time.monotonic() + 5
+    while len(f.engine.cancels) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(f.engine.cancels) == sorted(s.request_id for s in f.engine.submits)
+    assert f.queued == 0 and f.in_flight == 0
+    assert "Traceback" in capsys.readouterr().err
+    assert _request(f.url, "/v1/completions", {"prompt": "q"})[0] == 200
 
 
 def test_stop_token_ids_cut_the_output_and_cancel(frontend):

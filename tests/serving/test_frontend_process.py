@@ -11,7 +11,8 @@
   the request in flight with a 503 within the same bound and SIGKILLs it; the engine comes back
   again. Then kill -9 the new rank 0: the request in flight gets a 503 at once, torchrun has no
   restart left and the front end exits non-zero.
-- SIGTERM: a request in flight completes, the engine stops, the front end exits 0.
+- SIGTERM: a request in flight completes, the engine stops, the front end exits 0 and says
+  ``server stopped`` once (no traceback: torchrun exits on its own).
 
 Where the front end lived in rank 0 (``torchrun --max-restarts 1 -m megatron.inference.serve``), a
 stopped rank 0 left its clients waiting until rank 1's watchdog fired and torchrun killed rank 0 30
@@ -152,3 +153,5 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(serve_ckpts, tmp_pat
     waiting.join(120)
     assert answers["out"][0] == 200, answers
     assert srv.proc.wait(120) == 0, srv.output()[-3000:]
+    out = srv.output()  # one line says it stopped: torchrun exits on its own, never signalled (no traceback)
+    assert out.count("server stopped") == 1 and "Traceback" not in out and "SignalException" not in out, out[-3000:]

@@ -9,12 +9,14 @@ does. No model, no torch.distributed.
   travel over the link (tokens, the ``x-dp-rank`` assignment); ``/health`` follows rank 0's beats.
 - A rank 0 that falls silent is declared lost after the stall timeout: the request in flight gets
   a 503 naming it, ``/health`` 503 ``lost`` with the reason, a new request a 503 with
-  ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves.
+  ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves;
+  ``/metrics`` counts the lost request and the restart.
 - A closed link (rank 0 exited) fails what is in flight at once; a ``dead`` message fails it with
   the engine's reason.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
   front end that closed the link as ``FrontendGone``.
-- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line.
+- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line, and so is a
+  ``$MOE_SERVE_FRONTEND`` no front end listens on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from multiprocessing.connection import Client, Listener
 
 import pytest
@@ -171,6 +174,15 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
     status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a"})
     assert status == 200 and body["choices"][0]["text"] == "ok"
     assert any(f"SIGKILLed pid {sleeper.pid}" in line for line in linked.logs)
+    # /metrics: the request in flight was lost, the 503 while lost was rejected, the engine restarted once
+    from megatron.inference.metrics import parse_metrics
+
+    with urllib.request.urlopen(f.url + "/metrics", timeout=10) as resp:
+        metrics = parse_metrics(resp.read().decode())
+    assert metrics['moe_serve_requests_total{status="lost"}'] == 1
+    assert metrics['moe_serve_requests_total{status="rejected"}'] == 1
+    assert metrics['moe_serve_requests_total{status="completed"}'] == 1
+    assert metrics["moe_serve_engine_restarts_total"] == 1
 
 
 def test_a_closed_link_or_a_dead_engine_fails_in_flight_requests_at_once(linked):
@@ -220,3 +232,29 @@ def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts
     assert main(["--load", serve_ckpts["standard"], *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megatron.inference.serve: error: ") and message in err and "\n" not in err
+
+
+def _serve_rank(rank, world, argv):
+    """``serve.main(argv)`` in a forked rank; megatron-core's engine module enables ``faulthandler``
+    on import, which needs the real stderr: imported before ``main_in_rank`` captures it."""
+    import megatron.core.inference.engines  # noqa: F401
+
+    from tests.training.test_reliability import main_in_rank
+
+    return main_in_rank(rank, world, "megatron.inference.serve", argv)
+
+
+def test_a_rank0_that_finds_no_front_end_says_so_in_one_line(serve_ckpts, tmp_path, monkeypatch):
+    """``$MOE_SERVE_FRONTEND`` naming no listening front end (a stale environment, a front end
+    gone): rank 0 builds its engine, fails to connect and exits with one line naming the address,
+    not a traceback."""
+    from tools.spawn import run_distributed
+
+    address = str(tmp_path / "gone.sock")
+    monkeypatch.setenv("MOE_SERVE_FRONTEND", address)  # inherited by the forked rank
+    monkeypatch.setenv("MOE_SERVE_FRONTEND_KEY", "00" * 32)
+    argv = ["--load", serve_ckpts["standard"], "--port", "0"]
+    code, _, err = run_distributed(_serve_rank, 1, argv, timeout_s=240)[0]
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"megatron.inference.serve: error: $MOE_SERVE_FRONTEND {address}: "
+                                            "no front end listens there (No such file or directory)"), err

@@ -93,7 +93,7 @@ class OneTokenEngine:
         return None
 
 
-def test_a_scheduler_error_fails_its_request_only():
+def test_a_scheduler_error_fails_its_request_only(capsys):
     def schedule(prompt, outstanding):
         if prompt[0] == 13:
             raise KeyError("no table entry for token 13")
@@ -114,6 +114,11 @@ def test_a_scheduler_error_fails_its_request_only():
     assert out_of_range.failed == ("the request scheduler failed on the request: ValueError: it gave rank 5, "
                                    "not in [0, 1)")
     assert set(frontend.placed) == {0, 2, 4}  # the failed requests never reached an engine
+    # the client gets one line; the server's log gets each failure's whole traceback, once
+    err = capsys.readouterr().err
+    assert err.count("Traceback (most recent call last)") == 2, err
+    assert err.count('raise KeyError("no table entry for token 13")') == 1, err
+    assert "request failed: the request scheduler failed on the request: KeyError: 'no table entry for token 13'" in err
 
 
 # --- the real engine at TP = 2 ---------------------------------------------------------------------
@@ -161,7 +166,7 @@ def tp_failures_rank(rank, world, ckpt):
     return (frontend.updates if rank == 0 else None), eng.local_work(), eng.stats()["kv_blocks_used"]
 
 
-def test_request_failures_on_one_tp_rank_are_agreed(serve_ckpts):
+def test_request_failures_on_one_tp_rank_are_agreed(serve_ckpts, capfd):
     from tools.spawn import run_distributed
 
     (updates, work0, blocks0), (_, work1, blocks1) = run_distributed(tp_failures_rank, 2, serve_ckpts["standard"],
@@ -175,6 +180,10 @@ def test_request_failures_on_one_tp_rank_are_agreed(serve_ckpts):
                                                            "probabilities"]
     assert updates[3][-1].failed and all(not u.finished for u in updates[3][:-1])
     assert (work0, work1, blocks0, blocks1) == (0, 0, 0, 0)
+    # each failure's traceback is in rank 1's log once (the forked ranks write to this process's fd 2)
+    err = capfd.readouterr().err
+    assert err.count('raise FloatingPointError("NaN in the probabilities")') == 1, err
+    assert err.count('raise RuntimeError("no memory for this one")') == 1, err
 
 
 def tp_divergence_rank(rank, world, ckpt):

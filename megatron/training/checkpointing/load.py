@@ -44,6 +44,7 @@ def load_checkpoint(
     load_rng: bool = True,
     verify: Union[bool, str, VerifyCheckpoint] = VerifyCheckpoint.full,
     fallback: bool = False,
+    offer_fallback: bool = False,
     expected_configs: Optional[dict] = None,
 ) -> Optional[LoadedCheckpoint]:
     """Load the newest checkpoint under ``load_dir`` collectively. None if there is none.
@@ -54,7 +55,9 @@ def load_checkpoint(
     every rank learns the verdict; the model's tensor names
     and shapes are then compared with the checkpoint's (``expected_configs``, the run's configs
     dict, names the differing fields). So a corrupt, unsafe or different-architecture checkpoint
-    fails on all ranks with the same one-line ``CheckpointError`` before any tensor is read.
+    fails on all ranks with the same one-line ``CheckpointError`` before any tensor is read; a
+    corrupt or incomplete one's names the remedy: the complete checkpoint before it, and
+    ``--load-fallback`` where the command has that flag (``offer_fallback``).
 
     ``load_rng``: each rank's RNG states are restored only at the saved TP/PP/EP/DP layout
     (``same_parallel_layout``); at another, a rank's saved streams are another position's (TP1xDP2
@@ -64,7 +67,8 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    path, manifest, ckpt_shapes, skipped = pick_and_verify(load_dir, verify=verify, fallback=fallback)
+    path, manifest, ckpt_shapes, skipped = pick_and_verify(load_dir, verify=verify, fallback=fallback,
+                                                           offer_fallback=offer_fallback)
     if path is None:
         return None
     same_layout = layout is not None and manifest["layout"] == layout

@@ -1,7 +1,8 @@
 """Which checkpoint to load, and everything checked before a tensor of it is read: its manifest, its
 files' sizes and hashes (all ranks at once, each a share) and its pickled parts (the restricted
-readers of ``safety``). An incomplete or corrupt newest checkpoint is an error naming it; an older
-one is used only when ``--load`` names it or with ``fallback``."""
+readers of ``safety``). An incomplete or corrupt newest checkpoint is an error naming it and the
+remedy (the complete checkpoint before it, by path); an older one is used only when ``--load``
+names it or with ``fallback``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from megatron.training.config import VerifyCheckpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_manifest", "verify_checkpoint", "find_latest_checkpoint", "pick_and_verify"]
+__all__ = ["read_manifest", "verify_checkpoint", "find_latest_checkpoint", "pick_and_verify", "older_checkpoint",
+           "remedy"]
 
 
 def read_manifest(path: str, verify: Union[bool, str, VerifyCheckpoint] = True) -> dict:
@@ -56,25 +58,46 @@ def verify_checkpoint(path: str, *, verify: Union[bool, str, VerifyCheckpoint] =
     return manifest, _safety_check(path, manifest)
 
 
-def find_latest_checkpoint(load_dir: str, *, fallback: bool = False) -> Optional[str]:
+def find_latest_checkpoint(load_dir: str, *, fallback: bool = False, offer_fallback: bool = False) -> Optional[str]:
     """Directory of the newest checkpoint under ``load_dir`` (or ``load_dir`` itself if it is a
     checkpoint directory); None if there is none.
 
     An incomplete newest checkpoint (no manifest, or named by the latest pointer but missing) is a
-    ``CheckpointError`` naming it; with ``fallback`` it is reported and the next older complete
-    one is returned. Leftover temporary directories of interrupted saves are reported.
+    ``CheckpointError`` naming it and the remedy (``remedy``; ``offer_fallback``: the command has
+    ``--load-fallback``); with ``fallback`` it is reported and the next older complete one is
+    returned. Leftover temporary directories of interrupted saves are reported.
     """
-    path, _ = _select(load_dir, fallback=fallback)
+    path, _ = _select(load_dir, fallback=fallback, offer_fallback=offer_fallback)
     return path
 
 
-def _select(load_dir: str, *, fallback: bool):
+def older_checkpoint(bad: str) -> Optional[str]:
+    """The newest complete checkpoint older than ``bad`` in its run directory, or None."""
+    iteration = iteration_of(os.path.basename(os.path.normpath(bad)))
+    try:
+        candidates = checkpoint_candidates(os.path.dirname(os.path.normpath(bad))) if iteration is not None else []
+    except OSError:
+        return None
+    return next((p for it, p, problem in candidates if problem is None and it < iteration), None)
+
+
+def remedy(bad: str, *, offer_fallback: bool = False) -> str:
+    """What to do about the unusable checkpoint ``bad``, for its error: load the complete one before
+    it (named), or ``--load-fallback`` where the command has it (``offer_fallback``)."""
+    older = older_checkpoint(bad)
+    if older is None:
+        return "no older checkpoint beside it: restore it from a copy, or save it again"
+    fallback = ", or pass --load-fallback to use the newest good one" if offer_fallback else ""
+    return f"load the one before it with --load {older}{fallback}"
+
+
+def _select(load_dir: str, *, fallback: bool, offer_fallback: bool = False):
     """(path or None, [(bad path, problem)...] passed over)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: no such directory")
     if is_checkpoint_dir(load_dir):
         if not os.path.isfile(os.path.join(load_dir, MANIFEST)):
-            raise CheckpointError(f"checkpoint {load_dir} is incomplete (no {MANIFEST})")
+            raise CheckpointError(f"checkpoint {load_dir} is incomplete (no {MANIFEST}): {remedy(load_dir)}")
         return load_dir, []
     for tmp in leftover_temporaries(load_dir):
         logger.warning("%s is a leftover of an interrupted save (not a checkpoint; the next run "
@@ -84,15 +107,10 @@ def _select(load_dir: str, *, fallback: bool):
         if problem is None:
             return path, skipped
         if not fallback:
-            raise CheckpointError(_bad_newest_message(path, problem, load_dir))
+            raise CheckpointError(f"newest checkpoint {path} is {problem}: {remedy(path, offer_fallback=offer_fallback)}")
         logger.warning("checkpoint %s is %s: skipped (--load-fallback)", path, problem)
         skipped.append((path, problem))
     return None, skipped
-
-
-def _bad_newest_message(path: str, problem: str, load_dir: str) -> str:
-    return (f"newest checkpoint {path} is {problem}: resume from an older one with --load "
-            f"{load_dir}/iter_NNNNNNN, or pass --load-fallback to use the newest good one")
 
 
 def _verify_collective(path: str, mode: VerifyCheckpoint):
@@ -112,23 +130,23 @@ def _verify_collective(path: str, mode: VerifyCheckpoint):
     return manifest, from_rank0(lambda: _safety_check(path, manifest))
 
 
-def pick_and_verify(load_dir: str, *, verify, fallback: bool):
+def pick_and_verify(load_dir: str, *, verify, fallback: bool, offer_fallback: bool = False):
     """Collective: the checkpoint to load, verified, and the bad newer ones passed over
     (fallback): ``(path, manifest, {tensor key: shape}, [(bad path, problem)...])``, path None
-    when there is none. Rank 0 reads the directory; the files are checked by all ranks."""
+    when there is none. Rank 0 reads the directory; the files are checked by all ranks. A bad
+    checkpoint's error names the remedy (``remedy``; ``offer_fallback``: the command has
+    ``--load-fallback``)."""
     mode = verify_mode(verify)
     path, skipped, explicit = from_rank0(
-        lambda: (*_select(load_dir, fallback=fallback), is_checkpoint_dir(load_dir)))
+        lambda: (*_select(load_dir, fallback=fallback, offer_fallback=offer_fallback), is_checkpoint_dir(load_dir)))
     while path is not None:
         try:
             manifest, shapes = _verify_collective(path, mode)
             return path, manifest, shapes, skipped
         except CheckpointError as e:
-            if explicit:
-                raise
-            if not fallback:
-                raise CheckpointError(f"{e} (resume from an older one with --load {load_dir}/iter_NNNNNNN, "
-                                      "or pass --load-fallback to use the newest good one)") from None
+            if explicit or not fallback:
+                offer = offer_fallback and not explicit  # an explicit iter_ directory never falls back
+                raise CheckpointError(f"{e} ({remedy(path, offer_fallback=offer)})") from None
             if dist.get_rank() == 0:
                 logger.warning("%s: skipped (--load-fallback)", e)
             skipped.append((path, str(e)))

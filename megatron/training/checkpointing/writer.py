@@ -6,11 +6,13 @@ rank's write, then rank 0's ``.metadata`` and ``metadata.json`` (megatron-core's
 ``compat.dist_ckpt.SaveFinalize``), then the hashes; so a failure anywhere is the same one-line
 ``CheckpointError`` on every rank and nothing is published. Publishing is rank 0's manifest, the
 rename of the temporary directory to ``iter_N``, the latest pointer and pruning, in that order, so
-the pointer only ever names a complete checkpoint.
+the pointer only ever names a complete checkpoint; a prune that fails after that is a warning (the
+checkpoint is saved).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -24,6 +26,8 @@ from megatron.training.checkpointing.errors import CheckpointError, agreed_on_ra
 from megatron.training.checkpointing.hashing import hash_files, hash_shares, hashed, list_files
 from megatron.training.checkpointing.manifest import MANIFEST, build_manifest, write_latest
 from megatron.training.checkpointing.retention import prune
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PendingSave", "pending_save", "start_pending_save", "finalize_pending_save", "write_save"]
 
@@ -214,7 +218,11 @@ def _publish(save_dir: str, tmp: str, final: str, manifest: dict, keep_last: Opt
     _fsync_dir(save_dir)
     write_latest(save_dir, manifest["iteration"])
     if keep_last:
-        prune(save_dir, keep_last, manifest["lineage"], keep=final)
+        try:
+            prune(save_dir, keep_last, manifest["lineage"], keep=final)
+        except OSError as e:  # the checkpoint is saved: a failed clean-up must not stop the run
+            logger.warning("checkpoint %s saved, but pruning the older ones (--keep-last-checkpoints %d) failed: "
+                           "%s; they stay on disk", final, keep_last, one_line_error(e))
 
 
 def _fsync_dir(path: str) -> None:
