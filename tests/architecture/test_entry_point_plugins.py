@@ -130,6 +130,8 @@ def test_an_entry_point_may_name_the_variant_class(tmp_path):
     ({"bad_plugin": TOY_VARIANT.replace('name = "toy-plugin"', 'name = "bigmac"')
       .replace('SECTION = "toy-plugin"', 'SECTION = "bigmac"')}, "bad_plugin",
      "ValueError: variant 'bigmac' is registered twice (BigMac, ToyPlugin)"),
+    ({"bad_plugin": TOY_VARIANT.replace('moe_layer = "toy-plugin"', 'moe_layer = "bigmac"')}, "bad_plugin",
+     "ValueError: ToyPlugin.moe_layer 'bigmac' is already the bigmac variant's"),
     ({"bad_plugin": "VALUE = 3\n"}, "bad_plugin:VALUE",
      "TypeError: names a int, not a module, a Variant subclass or a callable"),
 ])

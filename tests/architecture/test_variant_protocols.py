@@ -51,7 +51,7 @@ def test_the_model_protocol_imports_no_tool():
                       if n == "tools" or n.startswith(tuple(p + "." for p in ABOVE_THE_MODEL)) or n in ABOVE_THE_MODEL]
     assert found == []
     code = ("import sys; from moe_variants import registry; registry.variants(); "
-            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tools', 'distill', 'scripts') "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tools', 'distill', 'scripts') "
             "or m.startswith(('megatron.training', 'megatron.inference'))); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=REPO))
