@@ -28,7 +28,6 @@ import dataclasses
 import enum
 import importlib
 import pkgutil
-import types
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, runtime_checkable
 
 from megatron.common.cli import UserError, user_input
@@ -181,6 +180,8 @@ def register(cls: type) -> type:
     if not cls.name:
         raise ValueError(f"{cls.__name__}: a variant needs a name")
     existing = _REGISTRY.get(cls.name)
+    if type(existing) is cls:
+        return cls  # registered already (a plugin's entry point naming a decorated class)
     if existing is not None and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"variant {cls.name!r} is registered twice ({type(existing).__name__}, {cls.__name__})")
     if cls.moe_layer is not None:
@@ -203,20 +204,6 @@ def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def _use_plugin(obj) -> None:
-    """A ``moe_variants`` entry point's object: a module (importing it registered its variant), a
-    ``Variant`` subclass (registered here unless it registered itself), or a callable that registers."""
-    if isinstance(obj, types.ModuleType):
-        return
-    if isinstance(obj, type) and issubclass(obj, Variant):
-        if not isinstance(_REGISTRY.get(obj.name), obj):
-            register(obj)
-    elif callable(obj):
-        obj()
-    else:
-        raise TypeError(f"names a {type(obj).__name__}, not a module, a Variant subclass or a callable")
-
-
 def _discover() -> None:
     """Import the built-in variants' ``variant`` modules (folder order), then load the plugins."""
     global _DISCOVERED
@@ -229,7 +216,7 @@ def _discover() -> None:
         for info in sorted(pkgutil.iter_modules(moe_variants.__path__), key=lambda i: i.name):
             if info.ispkg and importlib.util.find_spec(f"moe_variants.{info.name}.variant") is not None:
                 importlib.import_module(f"moe_variants.{info.name}.variant")
-        load_plugins(PLUGIN_GROUP, _use_plugin)
+        load_plugins(PLUGIN_GROUP, Variant, register)
     except BaseException:
         _DISCOVERED = False  # the next call reports the same error instead of a partial registry
         raise

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import types
 from typing import Any, Callable, ClassVar, Optional
 
 from megatron.common.cli import user_input
@@ -176,6 +175,8 @@ def register(cls: type) -> type:
         raise TypeError(f"{cls!r} is not a VariantTools subclass")
     registry.get(cls.name)  # ValueError naming the known variants
     existing = _TOOLS.get(cls.name)
+    if type(existing) is cls:
+        return cls  # registered already
     if existing is not None and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"the {cls.name} variant's tools are registered twice ({type(existing).__name__}, "
                          f"{cls.__name__})")
@@ -186,19 +187,6 @@ def register(cls: type) -> type:
 def unregister(name: str) -> None:
     """Remove a variant's tools (tests that register temporary ones)."""
     _TOOLS.pop(name, None)
-
-
-def _use_plugin(obj) -> None:
-    """A ``moe_variants.tools`` entry point's object (as ``registry``'s plugins)."""
-    if isinstance(obj, types.ModuleType):
-        return
-    if isinstance(obj, type) and issubclass(obj, VariantTools):
-        if not isinstance(_TOOLS.get(obj.name), obj):
-            register(obj)
-    elif callable(obj):
-        obj()
-    else:
-        raise TypeError(f"names a {type(obj).__name__}, not a module, a VariantTools subclass or a callable")
 
 
 def _discover() -> None:
@@ -214,7 +202,7 @@ def _discover() -> None:
             for folder in sorted(os.listdir(root)):
                 if os.path.isfile(os.path.join(root, folder, f"{_MODULE}.py")):
                     importlib.import_module(f"tools.{folder}.{_MODULE}")
-        load_plugins(PLUGIN_GROUP, _use_plugin)
+        load_plugins(PLUGIN_GROUP, VariantTools, register)
     except BaseException:
         _DISCOVERED = False
         raise
