@@ -55,27 +55,40 @@ class Proxy(str, enum.Enum):
     lm_eval = "lm-eval"  # --proxy-task's main metric through the lm-eval adapter (the paper: MBPP+)
 
 
-def _opt(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass
 class FCSDConfig:
-    kd_loss: KDLoss = _opt(KDLoss.kl, "distillation loss: KL to the teacher, KL plus hidden-state L2, or plain next-token loss (the SFT baseline)")
-    kd_temperature: float = _opt(1.0, "softmax temperature of the KL")
-    kd_l2_coeff: float = _opt(1.0, "kl+l2: weight of the hidden-state L2 term")
-    freeze_embeddings: bool = _opt(False, "keep the input embedding and output layer frozen")
-    teacher_load: Optional[str] = _opt(None, "teacher checkpoint; default: --load")
-    proxy: Proxy = _opt(Proxy.heldout_kl, "early-stopping proxy: held-out KL to the teacher, held-out perplexity, or an lm-eval task's metric")
-    proxy_text: Optional[str] = _opt(None, "text scored by the proxy; default: the first --heldout-text, else the training data's validation split")
-    proxy_max_windows: Optional[int] = _opt(64, "windows of the proxy text scored per evaluation")
-    proxy_task: Optional[str] = _opt(None, "--proxy lm-eval: the task (e.g. local_arc_easy)")
-    proxy_metric: Optional[str] = _opt(None, "--proxy lm-eval: metric[,filter]; default: the task's main metric")
-    proxy_limit: Optional[float] = _opt(None, "--proxy lm-eval: examples (or a fraction) per evaluation")
-    proxy_include_path: Optional[str] = _opt(None, "--proxy lm-eval: task YAML directory")
-    proxy_data_dir: Optional[str] = _opt(None, "--proxy lm-eval: data of the offline local_* tasks")
-    patience: int = _opt(20, "evaluations without a --min-delta improvement before stopping")
-    min_delta: float = _opt(0.02, "relative improvement that counts (paper: 2%)")
+    kd_loss: KDLoss = KDLoss.kl
+    """distillation loss: KL to the teacher, KL plus hidden-state L2, or plain next-token loss (the SFT
+    baseline)"""
+    kd_temperature: float = 1.0
+    """softmax temperature of the KL"""
+    kd_l2_coeff: float = 1.0
+    """kl+l2: weight of the hidden-state L2 term"""
+    freeze_embeddings: bool = False
+    """keep the input embedding and output layer frozen"""
+    teacher_load: Optional[str] = None
+    """teacher checkpoint; default: --load"""
+    proxy: Proxy = Proxy.heldout_kl
+    """early-stopping proxy: held-out KL to the teacher, held-out perplexity, or an lm-eval task's metric"""
+    proxy_text: Optional[str] = None
+    """text scored by the proxy; default: the first --heldout-text, else the training data's validation
+    split"""
+    proxy_max_windows: Optional[int] = 64
+    """windows of the proxy text scored per evaluation"""
+    proxy_task: Optional[str] = None
+    """--proxy lm-eval: the task (e.g. local_arc_easy)"""
+    proxy_metric: Optional[str] = None
+    """--proxy lm-eval: metric[,filter]; default: the task's main metric"""
+    proxy_limit: Optional[float] = None
+    """--proxy lm-eval: examples (or a fraction) per evaluation"""
+    proxy_include_path: Optional[str] = None
+    """--proxy lm-eval: task YAML directory"""
+    proxy_data_dir: Optional[str] = None
+    """--proxy lm-eval: data of the offline local_* tasks"""
+    patience: int = 20
+    """evaluations without a --min-delta improvement before stopping"""
+    min_delta: float = 0.02
+    """relative improvement that counts (paper: 2%)"""
 
     def __post_init__(self):
         for name, enum_type in (("kd_loss", KDLoss), ("proxy", Proxy)):

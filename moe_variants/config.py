@@ -1,8 +1,9 @@
 """Dataclass configs for the model and its parallel layout (YAML/flags only at the edges).
 
 Field names are Megatron-LM's flag names with ``-`` -> ``_`` so a user's ``--moe-router-topk 8``
-and a YAML ``moe_router_topk: 8`` land on the same field. ``validate`` checks a config against a
-world size once, raising ``UserError`` (a ``ValueError``) that names the offending setting.
+and a YAML ``moe_router_topk: 8`` land on the same field; the docstring under a field is its flag's
+help (``megatron.common.fielddocs``). ``validate`` checks a config against a world size once, raising
+``UserError`` (a ``ValueError``) that names the offending setting.
 """
 
 from __future__ import annotations
@@ -203,75 +204,134 @@ class RouterGroupScore(str, enum.Enum):
 class ModelConfig:
     """A GPT decoder with MoE layers (megatron-core ``GPTModel``)."""
 
-    num_layers: int = dataclasses.field(default=4, metadata={"help": "transformer layers"})
-    hidden_size: int = dataclasses.field(default=128, metadata={"help": "model (residual stream) width"})
-    num_attention_heads: int = dataclasses.field(default=4, metadata={"help": "attention heads"})
-    num_query_groups: Optional[int] = dataclasses.field(default=None, metadata={"help": "key/value head groups (grouped-query attention); default: one per head"})
-    kv_channels: Optional[int] = dataclasses.field(default=None, metadata={"help": "per-head dimension; default: hidden size / heads"})
-    ffn_hidden_size: Optional[int] = dataclasses.field(default=None, metadata={"help": "FFN width of the dense layers; default: 4 x hidden size"})
-    seq_length: int = dataclasses.field(default=256, metadata={"help": "tokens per training sequence"})
-    max_position_embeddings: Optional[int] = dataclasses.field(default=None, metadata={"help": "longest position the model supports; default: --seq-length"})
-    vocab_size: Optional[int] = dataclasses.field(default=None, metadata={"help": "vocabulary size (NullTokenizer); default: the tokenizer's"})
-    make_vocab_size_divisible_by: int = dataclasses.field(default=128, metadata={"help": "pad the embedding's vocabulary to a multiple of this"})
-    normalization: Normalization = dataclasses.field(default=Normalization.rmsnorm, metadata={"help": "RMSNorm or LayerNorm"})
-    norm_epsilon: float = dataclasses.field(default=1e-5, metadata={"help": "epsilon of the normalisation layers"})
-    swiglu: bool = dataclasses.field(default=True, metadata={"help": "SwiGLU activation in the FFNs and experts"})
-    position_embedding_type: PositionEmbeddingType = dataclasses.field(default=PositionEmbeddingType.rope, metadata={"help": "rope, learned_absolute, or none"})
-    rotary_base: int = dataclasses.field(default=10000, metadata={"help": "RoPE base"})
-    rotary_percent: float = dataclasses.field(default=1.0, metadata={"help": "fraction of each head's dimensions that RoPE rotates"})
-    untie_embeddings_and_output_weights: bool = dataclasses.field(default=True, metadata={"help": "separate input embedding and output layer weights"})
-    qk_layernorm: bool = dataclasses.field(default=False, metadata={"help": "normalise queries and keys before attention"})
-    init_method_std: float = dataclasses.field(default=0.02, metadata={"help": "standard deviation of the weight initialisation"})
-    attention_dropout: float = dataclasses.field(default=0.0, metadata={"help": "dropout on attention probabilities"})
-    hidden_dropout: float = dataclasses.field(default=0.0, metadata={"help": "dropout on the residual branches"})
-    bf16: bool = dataclasses.field(default=False, metadata={"help": "train in bfloat16 (mixed precision with fp32 master weights)"})
-    transformer_impl: TransformerImpl = dataclasses.field(default=TransformerImpl.auto, metadata={"help": "local: megatron-core's torch modules; transformer_engine: TE modules (GPU); auto: TE when importable with a GPU"})
-    attention_backend: AttentionBackend = dataclasses.field(default=AttentionBackend.auto, metadata={"help": "core attention: auto, flash, fused, unfused (torch scaled_dot_product_attention kernels on the local spec; Transformer Engine's with TE) or local (megatron-core's DotProductAttention, the reference)"})
-    # megatron-core's fused weight-gradient accumulation into DDP's main_grad (GPU, where Transformer
-    # Engine or apex provides the kernel); --no-gradient-accumulation-fusion for a backward without DDP
-    gradient_accumulation_fusion: bool = dataclasses.field(default=True, metadata={"help": "fused weight-gradient accumulation into DDP's main_grad (GPU, with Transformer Engine or apex); --no-gradient-accumulation-fusion for a backward without DDP"})
-    # routed experts as grouped GEMMs (moe_variants/common/experts.py; Transformer Engine: TEGroupedMLP)
-    # wherever the kernel runs; megatron-core's SequentialMLP loop otherwise, or with --no-moe-grouped-gemm
-    moe_grouped_gemm: bool = dataclasses.field(default=True, metadata={"help": "routed experts as grouped GEMMs (torch grouped_mm; TEGroupedMLP with Transformer Engine) where the kernel runs, else megatron-core's SequentialMLP loop; --no-moe-grouped-gemm for the loop"})
-    # multi-latent attention (DeepSeek-V2/V3)
-    multi_latent_attention: bool = dataclasses.field(default=False, metadata={"help": "multi-latent attention (DeepSeek-V2/V3)"})
-    q_lora_rank: Optional[int] = dataclasses.field(default=None, metadata={"help": "MLA: query low-rank dimension (none: full-rank queries)"})
-    kv_lora_rank: int = dataclasses.field(default=32, metadata={"help": "MLA: key/value low-rank dimension"})
-    qk_head_dim: int = dataclasses.field(default=128, metadata={"help": "MLA: query/key head dimension without the rotary part"})
-    qk_pos_emb_head_dim: int = dataclasses.field(default=64, metadata={"help": "MLA: rotary part of the query/key head dimension"})
-    v_head_dim: int = dataclasses.field(default=128, metadata={"help": "MLA: value head dimension"})
-    rope_type: RopeType = dataclasses.field(default=RopeType.rope, metadata={"help": "MLA rotary embedding: rope, or yarn (DeepSeek-V2 context extension)"})
-    rotary_scaling_factor: float = dataclasses.field(default=1.0, metadata={"help": "yarn: context extension factor"})
-    original_max_position_embeddings: Optional[int] = dataclasses.field(default=None, metadata={"help": "yarn: the pre-extension context; default: --max-position-embeddings"})
-    beta_fast: float = dataclasses.field(default=32.0, metadata={"help": "yarn: beta_fast"})
-    beta_slow: float = dataclasses.field(default=1.0, metadata={"help": "yarn: beta_slow"})
-    mscale: float = dataclasses.field(default=1.0, metadata={"help": "yarn: mscale"})
-    mscale_all_dim: float = dataclasses.field(default=0.0, metadata={"help": "yarn: mscale_all_dim"})
+    num_layers: int = 4
+    """transformer layers"""
+    hidden_size: int = 128
+    """model (residual stream) width"""
+    num_attention_heads: int = 4
+    """attention heads"""
+    num_query_groups: Optional[int] = None
+    """key/value head groups (grouped-query attention); default: one per head"""
+    kv_channels: Optional[int] = None
+    """per-head dimension; default: hidden size / heads"""
+    ffn_hidden_size: Optional[int] = None
+    """FFN width of the dense layers; default: 4 x hidden size"""
+    seq_length: int = 256
+    """tokens per training sequence"""
+    max_position_embeddings: Optional[int] = None
+    """longest position the model supports; default: --seq-length"""
+    vocab_size: Optional[int] = None
+    """vocabulary size (NullTokenizer); default: the tokenizer's"""
+    make_vocab_size_divisible_by: int = 128
+    """pad the embedding's vocabulary to a multiple of this"""
+    normalization: Normalization = Normalization.rmsnorm
+    """RMSNorm or LayerNorm"""
+    norm_epsilon: float = 1e-5
+    """epsilon of the normalisation layers"""
+    swiglu: bool = True
+    """SwiGLU activation in the FFNs and experts"""
+    position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.rope
+    """rope, learned_absolute, or none"""
+    rotary_base: int = 10000
+    """RoPE base"""
+    rotary_percent: float = 1.0
+    """fraction of each head's dimensions that RoPE rotates"""
+    untie_embeddings_and_output_weights: bool = True
+    """separate input embedding and output layer weights"""
+    qk_layernorm: bool = False
+    """normalise queries and keys before attention"""
+    init_method_std: float = 0.02
+    """standard deviation of the weight initialisation"""
+    attention_dropout: float = 0.0
+    """dropout on attention probabilities"""
+    hidden_dropout: float = 0.0
+    """dropout on the residual branches"""
+    bf16: bool = False
+    """train in bfloat16 (mixed precision with fp32 master weights)"""
+    transformer_impl: TransformerImpl = TransformerImpl.auto
+    """local: megatron-core's torch modules; transformer_engine: TE modules (GPU); auto: TE when importable
+    with a GPU"""
+    attention_backend: AttentionBackend = AttentionBackend.auto
+    """core attention: auto, flash, fused, unfused (torch scaled_dot_product_attention kernels on the local
+    spec; Transformer Engine's with TE) or local (megatron-core's DotProductAttention, the reference)"""
+    gradient_accumulation_fusion: bool = True
+    """fused weight-gradient accumulation into DDP's main_grad (GPU, with Transformer Engine or apex);
+    --no-gradient-accumulation-fusion for a backward without DDP"""
+    moe_grouped_gemm: bool = True
+    """routed experts as grouped GEMMs (torch grouped_mm; TEGroupedMLP with Transformer Engine) where the
+    kernel runs, else megatron-core's SequentialMLP loop; --no-moe-grouped-gemm for the loop"""
+    multi_latent_attention: bool = False
+    """multi-latent attention (DeepSeek-V2/V3)"""
+    q_lora_rank: Optional[int] = None
+    """MLA: query low-rank dimension (none: full-rank queries)"""
+    kv_lora_rank: int = 32
+    """MLA: key/value low-rank dimension"""
+    qk_head_dim: int = 128
+    """MLA: query/key head dimension without the rotary part"""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary part of the query/key head dimension"""
+    v_head_dim: int = 128
+    """MLA: value head dimension"""
+    rope_type: RopeType = RopeType.rope
+    """MLA rotary embedding: rope, or yarn (DeepSeek-V2 context extension)"""
+    rotary_scaling_factor: float = 1.0
+    """yarn: context extension factor"""
+    original_max_position_embeddings: Optional[int] = None
+    """yarn: the pre-extension context; default: --max-position-embeddings"""
+    beta_fast: float = 32.0
+    """yarn: beta_fast"""
+    beta_slow: float = 1.0
+    """yarn: beta_slow"""
+    mscale: float = 1.0
+    """yarn: mscale"""
+    mscale_all_dim: float = 0.0
+    """yarn: mscale_all_dim"""
     # MoE
-    num_experts: Optional[int] = dataclasses.field(default=8, metadata={"help": "routed experts per MoE layer (unset: a dense model)"})
-    moe_router_topk: int = dataclasses.field(default=2, metadata={"help": "experts each token is routed to"})
-    moe_ffn_hidden_size: Optional[int] = dataclasses.field(default=None, metadata={"help": "FFN width of each routed expert; default: --ffn-hidden-size"})
-    moe_shared_expert_intermediate_size: Optional[int] = dataclasses.field(default=None, metadata={"help": "FFN width of the shared expert (unset: none)"})
-    moe_layer_freq: Union[int, list] = dataclasses.field(default=1, metadata={"help": "MoE layer pattern: every N-th layer, or a per-layer list like [0,1,1,1] (0 dense, 1 MoE)"})
-    moe_aux_loss_coeff: float = dataclasses.field(default=0.01, metadata={"help": "load-balancing auxiliary loss coefficient"})
-    moe_z_loss_coeff: Optional[float] = dataclasses.field(default=None, metadata={"help": "router z-loss coefficient"})
-    moe_router_load_balancing_type: LoadBalancingType = dataclasses.field(default=LoadBalancingType.aux_loss, metadata={"help": "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none"})
-    moe_router_score_function: RouterScoreFunction = dataclasses.field(default=RouterScoreFunction.softmax, metadata={"help": "softmax or sigmoid"})
-    moe_router_pre_softmax: bool = dataclasses.field(default=False, metadata={"help": "softmax before the top-k (else over the selected experts)"})
-    moe_router_topk_scaling_factor: Optional[float] = dataclasses.field(default=None, metadata={"help": "scale applied to the routing weights"})
-    moe_router_num_groups: Optional[int] = dataclasses.field(default=None, metadata={"help": "group-limited routing: expert groups"})
-    moe_router_group_topk: Optional[int] = dataclasses.field(default=None, metadata={"help": "group-limited routing: groups each token may use"})
-    moe_router_group_score: RouterGroupScore = dataclasses.field(default=RouterGroupScore.topk_sum, metadata={"help": "how group-limited routing ranks a group: topk-sum or max"})
-    moe_router_enable_expert_bias: bool = dataclasses.field(default=False, metadata={"help": "aux-loss-free balancing bias on the expert scores"})
-    moe_router_dtype: Optional[RouterDtype] = dataclasses.field(default=RouterDtype.fp32, metadata={"help": "router compute dtype (fp32, fp64)"})
-    moe_token_dispatcher_type: DispatcherType = dataclasses.field(default=DispatcherType.alltoall, metadata={"help": "how tokens reach their experts: all-to-all among EP ranks, or all-gather"})
-    moe_expert_capacity_factor: Optional[float] = dataclasses.field(default=None, metadata={"help": "expert capacity as a multiple of the balanced load (unset: dropless)"})
-    moe_pad_expert_input_to_capacity: bool = dataclasses.field(default=False, metadata={"help": "pad every expert's input to its capacity"})
-    moe_token_drop_policy: TokenDropPolicy = dataclasses.field(default=TokenDropPolicy.probs, metadata={"help": "which tokens a full expert drops: probs or position"})
+    num_experts: Optional[int] = 8
+    """routed experts per MoE layer (unset: a dense model)"""
+    moe_router_topk: int = 2
+    """experts each token is routed to"""
+    moe_ffn_hidden_size: Optional[int] = None
+    """FFN width of each routed expert; default: --ffn-hidden-size"""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """FFN width of the shared expert (unset: none)"""
+    moe_layer_freq: Union[int, list] = 1
+    """MoE layer pattern: every N-th layer, or a per-layer list like [0,1,1,1] (0 dense, 1 MoE)"""
+    moe_aux_loss_coeff: float = 0.01
+    """load-balancing auxiliary loss coefficient"""
+    moe_z_loss_coeff: Optional[float] = None
+    """router z-loss coefficient"""
+    moe_router_load_balancing_type: LoadBalancingType = LoadBalancingType.aux_loss
+    """aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none"""
+    moe_router_score_function: RouterScoreFunction = RouterScoreFunction.softmax
+    """softmax or sigmoid"""
+    moe_router_pre_softmax: bool = False
+    """softmax before the top-k (else over the selected experts)"""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """scale applied to the routing weights"""
+    moe_router_num_groups: Optional[int] = None
+    """group-limited routing: expert groups"""
+    moe_router_group_topk: Optional[int] = None
+    """group-limited routing: groups each token may use"""
+    moe_router_group_score: RouterGroupScore = RouterGroupScore.topk_sum
+    """how group-limited routing ranks a group: topk-sum or max"""
+    moe_router_enable_expert_bias: bool = False
+    """aux-loss-free balancing bias on the expert scores"""
+    moe_router_dtype: Optional[RouterDtype] = RouterDtype.fp32
+    """router compute dtype (fp32, fp64)"""
+    moe_token_dispatcher_type: DispatcherType = DispatcherType.alltoall
+    """how tokens reach their experts: all-to-all among EP ranks, or all-gather"""
+    moe_expert_capacity_factor: Optional[float] = None
+    """expert capacity as a multiple of the balanced load (unset: dropless)"""
+    moe_pad_expert_input_to_capacity: bool = False
+    """pad every expert's input to its capacity"""
+    moe_token_drop_policy: TokenDropPolicy = TokenDropPolicy.probs
+    """which tokens a full expert drops: probs or position"""
     # variants (moe_variants/registry.py): which MoE layer class (``standard`` or a variant's, e.g.
     # ``bigmac``: a registry-resolved MoELayer), and each registered variant's config section by name;
     # the sections' fields are flags of their own (``--bigmac-ratio``, ``--farskip``, ...)
-    moe_variant: MoELayer = dataclasses.field(default=MoELayer("standard"), metadata={"help": "the MoE layer class: standard, or a registered variant's"})
+    moe_variant: MoELayer = MoELayer("standard")
+    """the MoE layer class: standard, or a registered variant's"""
     variants: dict = dataclasses.field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self):
@@ -349,11 +409,17 @@ class ModelConfig:
 class ParallelConfig:
     """Model-parallel layout; data parallelism is whatever remains of the world size."""
 
-    tensor_model_parallel_size: int = dataclasses.field(default=1, metadata={"help": "tensor-parallel size (TP)"})
-    pipeline_model_parallel_size: int = dataclasses.field(default=1, metadata={"help": "pipeline-parallel stages (PP)"})
-    expert_model_parallel_size: int = dataclasses.field(default=1, metadata={"help": "expert-parallel size (EP): ranks the experts are spread over"})
-    expert_tensor_parallel_size: int = dataclasses.field(default=1, metadata={"help": "tensor-parallel size inside each expert"})
-    sequence_parallel: Optional[bool] = dataclasses.field(default=None, metadata={"help": "sequence parallelism; default: on whenever TP > 1 (megatron-core requires it for MoE training; the server turns it off)"})
+    tensor_model_parallel_size: int = 1
+    """tensor-parallel size (TP)"""
+    pipeline_model_parallel_size: int = 1
+    """pipeline-parallel stages (PP)"""
+    expert_model_parallel_size: int = 1
+    """expert-parallel size (EP): ranks the experts are spread over"""
+    expert_tensor_parallel_size: int = 1
+    """tensor-parallel size inside each expert"""
+    sequence_parallel: Optional[bool] = None
+    """sequence parallelism; default: on whenever TP > 1 (megatron-core requires it for MoE training; the
+    server turns it off)"""
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)

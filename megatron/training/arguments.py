@@ -4,7 +4,8 @@ Every field of the config dataclasses is a flag (``moe_router_topk`` -> ``--moe-
 YAML key (either spelling): the core sections below, every registered variant's section
 (``moe_variants.registry``: ``--bigmac-ratio``, ``--farskip``, ...) and an entry point's extra
 sections. Precedence: dataclass defaults < ``--config FILE.yaml`` < flags. An unknown flag or YAML
-key is an error that names it and the nearest known one. Booleans take ``--flag`` / ``--no-flag``.
+key is an error that names it and the nearest known one. Booleans take ``--flag`` / ``--no-flag``. A
+flag's help is the docstring under its field (``megatron.common.fielddocs``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Optional, Sequence, Union
 import yaml
 
 from megatron.common.cli import ArgumentParser, did_you_mean
+from megatron.common.fielddocs import field_docs
 from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 from moe_variants import registry
 from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
@@ -90,14 +92,13 @@ def default_of(field: dataclasses.Field):
     return None
 
 
-def _help(field: dataclasses.Field, extra: str = "") -> str:
-    """The flag's help: the field's ``metadata["help"]`` and its default (the parser itself uses
+def _help(field: dataclasses.Field, doc: str) -> str:
+    """The flag's help: the field's docstring ``doc`` and its default (the parser itself uses
     SUPPRESS defaults, so argparse cannot show them)."""
-    text = field.metadata.get("help", "")
     default = plain(default_of(field))
     shown = "unset" if default is None else (
         json.dumps(default) if isinstance(default, (list, dict)) else str(default))
-    text = f"{text} (default: {shown}{extra})" if text else f"(default: {shown}{extra})"
+    text = f"{doc} (default: {shown})" if doc else f"(default: {shown})"
     return text.replace("%", "%%")
 
 
@@ -105,7 +106,7 @@ def _help(field: dataclasses.Field, extra: str = "") -> str:
 _DYNAMIC_CHOICES = {"moe_variant": lambda: list(registry.moe_layer_choices())}
 
 
-def _add_field(group, field: dataclasses.Field, hint) -> None:
+def _add_field(group, field: dataclasses.Field, hint, doc: str) -> None:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if origin is Union and len(args) == 1:
@@ -114,22 +115,22 @@ def _add_field(group, field: dataclasses.Field, hint) -> None:
     if hint is bool:
         if field.name.startswith("no_") and default_of(field) is False:
             # Megatron-LM's --no-load-optim style: a plain switch (never --no-no-load-optim)
-            group.add_argument(flag, dest=field.name, action="store_true", help=_help(field))
+            group.add_argument(flag, dest=field.name, action="store_true", help=_help(field, doc))
         else:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=_help(field))
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=_help(field, doc))
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-        group.add_argument(flag, dest=field.name, choices=[m.value for m in hint], help=_help(field))
+        group.add_argument(flag, dest=field.name, choices=[m.value for m in hint], help=_help(field, doc))
     elif hint is list or origin is list:
-        group.add_argument(flag, dest=field.name, nargs="+", help=_help(field))
+        group.add_argument(flag, dest=field.name, nargs="+", help=_help(field, doc))
     elif origin is Union:  # moe_layer_freq: int or list
-        group.add_argument(flag, dest=field.name, type=_parse_layer_freq, help=_help(field), metavar="N|[0,1,..]")
+        group.add_argument(flag, dest=field.name, type=_parse_layer_freq, help=_help(field, doc), metavar="N|[0,1,..]")
     elif field.name in _DYNAMIC_CHOICES:  # a string whose values are registered at run time
-        group.add_argument(flag, dest=field.name, choices=_DYNAMIC_CHOICES[field.name](), help=_help(field))
+        group.add_argument(flag, dest=field.name, choices=_DYNAMIC_CHOICES[field.name](), help=_help(field, doc))
     elif hint in (int, float, str):
-        group.add_argument(flag, dest=field.name, type=hint, help=_help(field),
+        group.add_argument(flag, dest=field.name, type=hint, help=_help(field, doc),
                            metavar={int: "N", float: "X", str: "STR"}[hint])
     elif isinstance(hint, type) and hasattr(hint, "parse"):  # a typed value parsed from its text
-        group.add_argument(flag, dest=field.name, type=str, help=_help(field), metavar="STR")
+        group.add_argument(flag, dest=field.name, type=str, help=_help(field, doc), metavar="STR")
     else:
         raise TypeError(f"no CLI mapping for {field.name}: {hint}")
 
@@ -145,9 +146,9 @@ def build_parser(prog: str, extra_sections: Optional[dict] = None,
                         help="YAML file with the same keys as the flags (either spelling); flags override it")
     for name, cls in _all_sections(extra_sections).items():
         group = parser.add_argument_group(name)
-        hints = typing.get_type_hints(cls)
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for field in cli_fields(cls):
-            _add_field(group, field, hints[field.name])
+            _add_field(group, field, hints[field.name], docs.get(field.name, ""))
     return parser
 
 

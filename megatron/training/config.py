@@ -2,7 +2,7 @@
 
 Field names are Megatron-LM's flag names with ``-`` -> ``_``. The model's own configs
 (``ModelConfig``, ``ParallelConfig`` and the variants' sections) live in the model library,
-``moe_variants.config``. ``metadata={"help": ...}`` is the flag's ``--help`` text.
+``moe_variants.config``. The docstring under a field is its flag's ``--help`` text.
 """
 
 from __future__ import annotations
@@ -45,11 +45,6 @@ class LRDecayStyle(str, enum.Enum):
     WSD = "WSD"
 
 
-def _opt(default, help: str, **kw):
-    """A dataclass field with ``--help`` text."""
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
-
-
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -59,43 +54,58 @@ def _check(condition: bool, message: str) -> None:
 class TrainingConfig:
     """Optimisation and schedule (Megatron-LM flag names)."""
 
-    micro_batch_size: int = _opt(4, "sequences per micro-batch on each data-parallel rank")
-    global_batch_size: Optional[int] = _opt(
-        None, "sequences per optimizer step over all ranks (gradient accumulation makes up the rest); "
-        "default: micro-batch size x data-parallel size")
-    train_iters: int = _opt(100, "optimizer steps to train for (a resumed run continues up to this)")
-    lr: float = _opt(3e-4, "peak learning rate")
-    min_lr: float = _opt(0.0, "learning rate at the end of the decay")
-    lr_warmup_iters: int = _opt(0, "steps of linear warm-up from 0 to --lr")
-    lr_decay_iters: Optional[int] = _opt(None, "steps over which the learning rate decays; default: --train-iters")
-    lr_decay_style: LRDecayStyle = _opt(LRDecayStyle.cosine, "shape of the learning-rate decay")
-    lr_wsd_decay_iters: Optional[int] = _opt(None, "WSD: steps of the final decay phase")
-    weight_decay: float = _opt(0.01, "AdamW weight decay")
-    adam_beta1: float = _opt(0.9, "Adam beta1")
-    adam_beta2: float = _opt(0.95, "Adam beta2")
-    adam_eps: float = _opt(1e-8, "Adam epsilon")
-    clip_grad: float = _opt(1.0, "global gradient-norm clipping threshold (0: off)")
-    optimizer: Optimizer = _opt(Optimizer.adam, "megatron-core optimizer")
-    use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
-    # megatron-core DDP: reduce each gradient bucket during the backward as soon as it is complete
-    # (off by default, as in Megatron-LM); turns FarSkip's deferred weight gradients off
-    overlap_grad_reduce: bool = _opt(
-        False, "reduce each gradient bucket during the backward as soon as it is complete (turns "
-        "deferred expert weight gradients off)")
-    seed: int = _opt(1234, "random seed (initialisation, data order, dropout)")
-    distributed_timeout_minutes: float = _opt(
-        10.0, "timeout of torch.distributed collectives: a rank that waits longer on a hung or dead "
-        "peer fails instead of blocking (Megatron-LM's flag)")
-    heartbeat_timeout: float = _opt(
-        30.0, "seconds without a heartbeat after which a rank counts as lost (stopped, stuck holding the "
-        "GIL, dead) and the job exits with code 3 (megatron/training/watchdog.py; 0: off)")
-    step_timeout: float = _opt(
-        180.0, "seconds without a finished training step (grown to 5x the slowest step, the first one "
-        "included; the first step may take 10x; not counting "
-        "evaluation and saves) after which the job dumps every stack and exits with code 3 (0: off)")
-    peak_tflops: Optional[float] = _opt(
-        None, "the accelerator's peak dense TFLOP/s for MFU in the step line (default: known GPUs' bf16 "
-        "peak; none on CPU)")
+    micro_batch_size: int = 4
+    """sequences per micro-batch on each data-parallel rank"""
+    global_batch_size: Optional[int] = None
+    """sequences per optimizer step over all ranks (gradient accumulation makes up the rest); default:
+    micro-batch size x data-parallel size"""
+    train_iters: int = 100
+    """optimizer steps to train for (a resumed run continues up to this)"""
+    lr: float = 3e-4
+    """peak learning rate"""
+    min_lr: float = 0.0
+    """learning rate at the end of the decay"""
+    lr_warmup_iters: int = 0
+    """steps of linear warm-up from 0 to --lr"""
+    lr_decay_iters: Optional[int] = None
+    """steps over which the learning rate decays; default: --train-iters"""
+    lr_decay_style: LRDecayStyle = LRDecayStyle.cosine
+    """shape of the learning-rate decay"""
+    lr_wsd_decay_iters: Optional[int] = None
+    """WSD: steps of the final decay phase"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """Adam beta1"""
+    adam_beta2: float = 0.95
+    """Adam beta2"""
+    adam_eps: float = 1e-8
+    """Adam epsilon"""
+    clip_grad: float = 1.0
+    """global gradient-norm clipping threshold (0: off)"""
+    optimizer: Optimizer = Optimizer.adam
+    """megatron-core optimizer"""
+    use_distributed_optimizer: bool = False
+    """shard optimizer state over data-parallel ranks (ZeRO-1)"""
+    # megatron-core DDP's overlap (off by default, as in Megatron-LM)
+    overlap_grad_reduce: bool = False
+    """reduce each gradient bucket during the backward as soon as it is complete (turns deferred expert
+    weight gradients off)"""
+    seed: int = 1234
+    """random seed (initialisation, data order, dropout)"""
+    distributed_timeout_minutes: float = 10.0
+    """timeout of torch.distributed collectives: a rank that waits longer on a hung or dead peer fails
+    instead of blocking (Megatron-LM's flag)"""
+    heartbeat_timeout: float = 30.0
+    """seconds without a heartbeat after which a rank counts as lost (stopped, stuck holding the GIL, dead)
+    and the job exits with code 3 (megatron/training/watchdog.py; 0: off)"""
+    step_timeout: float = 180.0
+    """seconds without a finished training step (grown to 5x the slowest step, the first one included; the
+    first step may take 10x; not counting evaluation and saves) after which the job dumps every stack and
+    exits with code 3 (0: off)"""
+    peak_tflops: Optional[float] = None
+    """the accelerator's peak dense TFLOP/s for MFU in the step line (default: known GPUs' bf16 peak; none
+    on CPU)"""
 
     def __post_init__(self):
         coerce_enums(self)
@@ -137,52 +147,61 @@ class DataConfig:
     """Where tokens come from. With no ``data_path`` the embedded tiny-shakespeare corpus and its
     tokenizer are used (preprocessed on first use into ``data_cache_path``)."""
 
-    data_path: Optional[list] = _opt(
-        None, "indexed dataset prefix (scripts/preprocess_data.py), or a weighted blend W1 P1 W2 P2; "
-        "default: the embedded tiny-shakespeare corpus")
-    split: str = _opt("969,30,1", "train,valid,test proportions of each dataset")
-    tokenizer_type: Optional[str] = _opt(
-        None, "HuggingFaceTokenizer, GPT2BPETokenizer or NullTokenizer; default: the embedded BPE")
-    tokenizer_model: Optional[str] = _opt(None, "tokenizer.json (or its directory) of a HuggingFaceTokenizer")
-    vocab_file: Optional[str] = _opt(None, "GPT2BPETokenizer vocabulary")
-    merge_file: Optional[str] = _opt(None, "GPT2BPETokenizer merges")
-    data_cache_path: Optional[str] = _opt(None, "where dataset indices are cached; default: SAVE/data_cache")
-    num_workers: int = _opt(0, "data-loader worker processes per rank")
-    heldout_text: Optional[list] = _opt(
-        None, "text files scored for perplexity at the end of training (e.g. WikiText-2 test)")
+    data_path: Optional[list] = None
+    """indexed dataset prefix (scripts/preprocess_data.py), or a weighted blend W1 P1 W2 P2; default: the
+    embedded tiny-shakespeare corpus"""
+    split: str = "969,30,1"
+    """train,valid,test proportions of each dataset"""
+    tokenizer_type: Optional[str] = None
+    """HuggingFaceTokenizer, GPT2BPETokenizer or NullTokenizer; default: the embedded BPE"""
+    tokenizer_model: Optional[str] = None
+    """tokenizer.json (or its directory) of a HuggingFaceTokenizer"""
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer vocabulary"""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer merges"""
+    data_cache_path: Optional[str] = None
+    """where dataset indices are cached; default: SAVE/data_cache"""
+    num_workers: int = 0
+    """data-loader worker processes per rank"""
+    heldout_text: Optional[list] = None
+    """text files scored for perplexity at the end of training (e.g. WikiText-2 test)"""
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    save: Optional[str] = _opt(
-        None, "directory for checkpoints, metrics.jsonl and config.yaml; one run writes there at a time")
-    load: Optional[str] = _opt(
-        None, "resume from the newest checkpoint of this directory (or this iter_ directory); the same "
-        "directory as --save resumes if it holds a checkpoint and starts from scratch if not; another "
-        "directory without a checkpoint is an error (see --allow-empty-load)")
-    save_interval: Optional[int] = _opt(None, "save a checkpoint every N steps (and always at the end)")
-    keep_last_checkpoints: Optional[int] = _opt(
-        2, "keep only this run's newest N checkpoints (0 or unset: keep all); other runs' are never deleted")
-    no_load_optim: bool = _opt(False, "load weights, iteration and data position but restart the optimizer")
-    no_load_rng: bool = _opt(False, "do not restore the random-number generator states")
-    finetune: bool = _opt(False, "load weights only: start at iteration 0 with a fresh optimizer and data order")
-    allow_empty_load: bool = _opt(
-        False, "a --load directory other than --save that holds no checkpoint starts the run from scratch "
-        "(default: an error, so that a mistyped path never trains from random weights)")
-    load_fallback: bool = _opt(
-        False, "if the newest checkpoint under --load is incomplete or corrupt, report it and load the "
-        "newest good one before it (the bad one is moved aside, never deleted, at the next save)")
-    overwrite_save: bool = _opt(
-        False, "let this run write into a --save directory that holds another run's checkpoints, "
-        "deleting them (and their metrics.jsonl) at start-up")
-    verify_checkpoint: VerifyCheckpoint = _opt(
-        VerifyCheckpoint.full, "integrity check of checkpoints, at save (what the manifest records) and "
-        "at load: full (sha256 of every file, hashed in parallel by all ranks), sizes (file sizes and the "
-        ".metadata file's sha256), off")
-    async_save: bool = _opt(
-        False, "write checkpoints in a background thread from a CPU copy of the state while training "
-        "goes on (at most one in flight; it is complete, and named iter_N, once the next save or the end "
-        "of the run finishes it)")
+    save: Optional[str] = None
+    """directory for checkpoints, metrics.jsonl and config.yaml; one run writes there at a time"""
+    load: Optional[str] = None
+    """resume from the newest checkpoint of this directory (or this iter_ directory); the same directory as
+    --save resumes if it holds a checkpoint and starts from scratch if not; another directory without a
+    checkpoint is an error (see --allow-empty-load)"""
+    save_interval: Optional[int] = None
+    """save a checkpoint every N steps (and always at the end)"""
+    keep_last_checkpoints: Optional[int] = 2
+    """keep only this run's newest N checkpoints (0 or unset: keep all); other runs' are never deleted"""
+    no_load_optim: bool = False
+    """load weights, iteration and data position but restart the optimizer"""
+    no_load_rng: bool = False
+    """do not restore the random-number generator states"""
+    finetune: bool = False
+    """load weights only: start at iteration 0 with a fresh optimizer and data order"""
+    allow_empty_load: bool = False
+    """a --load directory other than --save that holds no checkpoint starts the run from scratch (default:
+    an error, so that a mistyped path never trains from random weights)"""
+    load_fallback: bool = False
+    """if the newest checkpoint under --load is incomplete or corrupt, report it and load the newest good
+    one before it (the bad one is moved aside, never deleted, at the next save)"""
+    overwrite_save: bool = False
+    """let this run write into a --save directory that holds another run's checkpoints, deleting them (and
+    their metrics.jsonl) at start-up"""
+    verify_checkpoint: VerifyCheckpoint = VerifyCheckpoint.full
+    """integrity check of checkpoints, at save (what the manifest records) and at load: full (sha256 of
+    every file, hashed in parallel by all ranks), sizes (file sizes and the .metadata file's sha256), off"""
+    async_save: bool = False
+    """write checkpoints in a background thread from a CPU copy of the state while training goes on (at
+    most one in flight; it is complete, and named iter_N, once the next save or the end of the run finishes
+    it)"""
 
     def __post_init__(self):
         coerce_enums(self)
@@ -194,18 +213,28 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    log_interval: int = _opt(10, "print and record a step line every N steps")
-    eval_interval: int = _opt(100, "validate every N steps (0: only at the end)")
-    eval_iters: int = _opt(10, "validation batches per evaluation (0: no validation)")
-    metrics_file: Optional[str] = _opt(None, "JSON-lines metrics file; default: SAVE/metrics.jsonl")
-    tensorboard_dir: Optional[str] = _opt(None, "also write TensorBoard scalars here (needs the log extra)")
-    wandb_project: Optional[str] = _opt(None, "also log to this Weights & Biases project (needs the log extra)")
-    wandb_exp_name: Optional[str] = _opt(None, "Weights & Biases run name")
-    wandb_mode: WandbMode = _opt(WandbMode.offline, "Weights & Biases mode")
-    wandb_save_dir: Optional[str] = _opt(None, "Weights & Biases local directory")
-    log_progress: bool = _opt(True, "print the step lines")
-    print_config: bool = _opt(
-        False, "print the resolved configuration before training (it is always written to SAVE/config.yaml)")
+    log_interval: int = 10
+    """print and record a step line every N steps"""
+    eval_interval: int = 100
+    """validate every N steps (0: only at the end)"""
+    eval_iters: int = 10
+    """validation batches per evaluation (0: no validation)"""
+    metrics_file: Optional[str] = None
+    """JSON-lines metrics file; default: SAVE/metrics.jsonl"""
+    tensorboard_dir: Optional[str] = None
+    """also write TensorBoard scalars here (needs the log extra)"""
+    wandb_project: Optional[str] = None
+    """also log to this Weights & Biases project (needs the log extra)"""
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name"""
+    wandb_mode: WandbMode = WandbMode.offline
+    """Weights & Biases mode"""
+    wandb_save_dir: Optional[str] = None
+    """Weights & Biases local directory"""
+    log_progress: bool = True
+    """print the step lines"""
+    print_config: bool = False
+    """print the resolved configuration before training (it is always written to SAVE/config.yaml)"""
 
     def __post_init__(self):
         coerce_enums(self)

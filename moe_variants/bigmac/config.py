@@ -34,19 +34,14 @@ class BigMacConfig(VariantConfig):
 
     SECTION = "bigmac"
 
-    bigmac_ratio: Optional[float] = dataclasses.field(
-        default=0.25, metadata={"help": "r: the all-to-all runs at r x --hidden-size (with --moe-variant bigmac)"},
-    )
-    moe_latent_size: Optional[int] = dataclasses.field(
-        default=None, metadata={"help": "the low dimension L itself (megatron-core's name); overrides --bigmac-ratio"},
-    )
-    bigmac_ffn_hidden_size: Optional[int] = dataclasses.field(
-        default=None, metadata={"help": "reversed experts' intermediate size F (default: expert FFN / r)"},
-    )
-    bigmac_up_init: UpProjectionInit = dataclasses.field(
-        default=UpProjectionInit.output_scaled,
-        metadata={"help": "up-projection L -> H init: output_scaled (std / sqrt(2 x layers)) or plain (std)"},
-    )
+    bigmac_ratio: Optional[float] = 0.25
+    """r: the all-to-all runs at r x --hidden-size (with --moe-variant bigmac)"""
+    moe_latent_size: Optional[int] = None
+    """the low dimension L itself (megatron-core's name); overrides --bigmac-ratio"""
+    bigmac_ffn_hidden_size: Optional[int] = None
+    """reversed experts' intermediate size F (default: expert FFN / r)"""
+    bigmac_up_init: UpProjectionInit = UpProjectionInit.output_scaled
+    """up-projection L -> H init: output_scaled (std / sqrt(2 x layers)) or plain (std)"""
 
     def __post_init__(self):
         coerce_enums(self)

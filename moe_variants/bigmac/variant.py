@@ -1,4 +1,5 @@
-"""BigMac as a registered variant: ``--moe-variant bigmac`` swaps the MoE layer class."""
+"""BigMac as a registered variant: ``--moe-variant bigmac`` swaps the MoE layer class (its upstream
+peer's shape for the benchmarks: ``tools/bigmac/variant_tools.py``)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,3 @@ class BigMac(Variant):
 
     def export_refusal(self, model, target: str):
         return f"--moe-variant bigmac: BigMac layers have no {target} equivalent"
-
-    def upstream_moe_config(self, model):
-        """megatron-core 0.16.1's own latent MoE (``moe_latent_size``) at this model's shape: latent
-        L = r x H and expert FFN F / r from the BigMac section, whether or not the model selects the
-        BigMac layer (the EP benchmark's ``mcore-latent`` peer)."""
-        cfg = self.section(model)
-        return {"moe_latent_size": cfg.latent_size(model.hidden_size), "moe_ffn_hidden_size": cfg.expert_ffn(model)}

@@ -15,13 +15,8 @@ same seed). Stacking keeps one parameter per projection, so megatron-core's DDP 
 distributed optimizer and ``main_grad`` see two large parameters instead of 2E small ones, and no
 weight is copied per step (keeping per-expert parameters and stacking them each step would copy
 every expert weight in every forward). Checkpoints are interchangeable with ``SequentialMLP``:
-
-- ``state_dict()`` has ``SequentialMLP``'s keys (``local_experts.{i}.linear_fc1.weight``, ...,
-  and the linears' ``_extra_state``); ``load_state_dict`` takes those or the stacked names;
-- ``sharded_state_dict()`` (megatron-core dist-checkpointing) writes the same keys with the same
-  global shapes ([E, 2F, H] under ``experts.experts.linear_fc1.weight``, the SwiGLU halves as
-  separate chunks) chunked per rank instead of per expert; the loader reshards either way, and the
-  optimizer state follows the parameter's sharding, so it moves between the two paths too.
+the checkpoint layout's adapter, ``moe_variants/common/state_dict/grouped_experts.py``, stores the
+stacked parameters under its per-expert keys (``state_dict()`` and dist-checkpointing).
 
 ``RoutedExperts`` is the spec's expert module: it builds ``GroupedExperts`` where the kernel runs
 (``grouped_gemm_refusal``) and ``SequentialMLP`` (or the given loop class) otherwise, recording why
@@ -38,22 +33,20 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from moe_variants.common import wgrad
+from moe_variants.common.state_dict import grouped_experts as checkpoint_layout
 
 __all__ = ["GroupedExperts", "RoutedExperts", "grouped_gemm_refusal", "describe", "group_offsets",
            "grouped_linear", "local_expert_weights", "GROUPED", "LOOP"]
 
 GROUPED = "grouped GEMM"  # GroupedExperts
 LOOP = "SequentialMLP loop"
-_LINEARS = (("fc1_weight", "linear_fc1"), ("fc2_weight", "linear_fc2"))
 
 
 def _device() -> torch.device:
@@ -197,8 +190,7 @@ class GroupedExperts(MegatronModule):
             setattr(self, name, param)
         if config.perform_initialization:
             self._initialize(ffn * glu, ffn, glu, tp_rank, tp_size)
-        self.register_state_dict_post_hook(self._per_expert_keys)
-        self.register_load_state_dict_pre_hook(self._stacked_keys)
+        checkpoint_layout.install(self)  # SequentialMLP's state-dict keys
 
     @torch.no_grad()
     def _initialize(self, fc1_out: int, ffn: int, glu: int, tp_rank: int, tp_size: int) -> None:
@@ -260,89 +252,11 @@ class GroupedExperts(MegatronModule):
         """``(name, stacked parameter, expert)`` of every per-expert weight, ``name`` being
         ``SequentialMLP``'s state-dict name relative to this module."""
         return [(f"local_experts.{e}.{linear}.weight", getattr(self, name), e)
-                for e in range(self.num_local_experts) for name, linear in _LINEARS]
-
-    # -- checkpoints: SequentialMLP's keys (torch's public state-dict hooks, set in __init__) ------
-    @staticmethod
-    def _per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
-        """``state_dict()`` post-hook: each stacked parameter as ``SequentialMLP``'s per-expert
-        weights (views of it), with the linears' empty ``_extra_state``."""
-        stacked = {name: state_dict.pop(prefix + name) for name, _ in _LINEARS}
-        for e in range(module.num_local_experts):
-            for name, linear in _LINEARS:
-                state_dict[f"{prefix}local_experts.{e}.{linear}.weight"] = stacked[name][e]
-                state_dict[f"{prefix}local_experts.{e}.{linear}._extra_state"] = None
-
-    @staticmethod
-    def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                      error_msgs) -> None:
-        """``load_state_dict`` pre-hook: per-expert weights (``SequentialMLP``'s keys) stacked into
-        the parameters' own keys; a stacked tensor (a dist-checkpoint load) passes as it is."""
-        for e in range(module.num_local_experts):
-            for _, linear in _LINEARS:
-                state_dict.pop(f"{prefix}local_experts.{e}.{linear}._extra_state", None)
-        for name, linear in _LINEARS:
-            keys = [f"{prefix}local_experts.{e}.{linear}.weight" for e in range(module.num_local_experts)]
-            present = [k for k in keys if k in state_dict]
-            if not present:
-                continue
-            if len(present) < len(keys):
-                missing_keys.extend(k for k in keys if k not in state_dict)
-            parts = [state_dict.pop(k) for k in present]
-            if len(parts) == len(keys) and prefix + name not in state_dict:
-                state_dict[prefix + name] = torch.stack(parts)
+                for e in range(self.num_local_experts) for name, linear in checkpoint_layout.LINEARS]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """``SequentialMLP``'s dist-checkpoint keys and global shapes (module docstring); one
-        sharded tensor per stacked parameter, so the optimizer maps its state to it."""
-        if (metadata or {}).get("singleton_local_shards", False):
-            raise ValueError("singleton_local_shards checkpoints need the SequentialMLP experts "
-                             "(--no-moe-grouped-gemm)")
-        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
-        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        dp_rank = self.dp_group.rank()
-        axis = len(sharded_offsets)  # the expert axis, in front of [out, in]
-        replica_id = (0, 0, dp_rank)
-        out = {}
-        fc1_key = f"{prefix}experts.linear_fc1.weight"
-        if self.config.gated_linear_unit:
-            out[f"{prefix}fc1_weight"] = _swiglu_factory(fc1_key, self.fc1_weight, sharded_offsets, axis,
-                                                         (ep_rank, ep_size), (tp_rank, tp_size), replica_id)
-        else:
-            out[f"{prefix}fc1_weight"] = ShardedTensor.from_rank_offsets(
-                fc1_key, self.fc1_weight, *sharded_offsets, (axis, ep_rank, ep_size),
-                (axis + 1, tp_rank, tp_size), replica_id=replica_id, prepend_axis_num=axis)
-        out[f"{prefix}fc2_weight"] = ShardedTensor.from_rank_offsets(
-            f"{prefix}experts.linear_fc2.weight", self.fc2_weight, *sharded_offsets, (axis, ep_rank, ep_size),
-            (axis + 2, tp_rank, tp_size), replica_id=replica_id, prepend_axis_num=axis)
-        num_global = ep_size * self.num_local_experts
-        for e in range(self.num_local_experts):
-            offsets = (*sharded_offsets, (axis, ep_rank * self.num_local_experts + e, num_global))
-            for _, linear in _LINEARS:
-                out[f"{prefix}local_experts.{e}.{linear}._extra_state"] = make_sharded_object_for_checkpoint(
-                    None, f"{prefix}experts.{linear}._extra_state", offsets, (0, tp_rank, dp_rank))
-        return out
-
-
-def _swiglu_factory(key, weight, sharded_offsets, axis, ep, tp, replica_id):
-    """The stacked SwiGLU fc1 [E, 2F/tp, H] as ``SequentialMLP`` stores it: the gate and up halves
-    of each rank's slice at their places in the global [E_total, 2F, H] (gate rows first)."""
-    (ep_rank, ep_size), (tp_rank, tp_size) = ep, tp
-
-    @torch.no_grad()
-    def build(key, data, replica_id, flattened_range):
-        assert flattened_range is None, "flattened optimizer formats are not supported"
-        gate, up = torch.chunk(data, 2, dim=1)
-        return [ShardedTensor.from_rank_offsets(key, half, *sharded_offsets, (axis, ep_rank, ep_size),
-                                                (axis + 1, offset, 2 * tp_size), replica_id=replica_id,
-                                                prepend_axis_num=axis)
-                for half, offset in ((gate, tp_rank), (up, tp_size + tp_rank))]
-
-    @torch.no_grad()
-    def merge(parts):
-        return torch.cat(parts, dim=1)
-
-    return ShardedTensorFactory(key, weight, build, merge, replica_id)
+        """``SequentialMLP``'s dist-checkpoint keys and global shapes (the layout's adapter)."""
+        return checkpoint_layout.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 class RoutedExperts:

@@ -119,46 +119,32 @@ class FarSkipConfig(VariantConfig):
 
     SECTION = "farskip"
 
-    farskip: LayerSelection = dataclasses.field(
-        default=LayerSelection("none"),
-        metadata={"help": "layers with FarSkip connectivity: none, all, first:N, last:N or A-B (0-based, inclusive)"},
-    )
-    farskip_impl: FarSkipImpl = dataclasses.field(
-        default=FarSkipImpl.simple,
-        metadata={"help": "simple: blocking collectives (the reference); overlapped: dispatch/combine in flight "
-                          "behind attention and the next layer"},
-    )
-    farskip_mode: FarSkipMode = dataclasses.field(
-        default=FarSkipMode.full, metadata={"help": "which sub-block reads the earlier activation"},
-    )
-    farskip_connectivity: FarSkipConnectivity = dataclasses.field(
-        default=FarSkipConnectivity.reference,
-        metadata={"help": "reference: the authors' wiring (a standard MoE layer right before the FarSkip range "
-                          "hands the range its routed-free stream); paper-text: that layer hands on one "
-                          "collapsed stream (what checkpoints written before this option were trained with)"},
-    )
-    # overlapped FarSkip: the local experts' and the output layer's weight gradients run while a
-    # later gradient all-to-all flies (moe_variants/common/wgrad.py)
-    farskip_defer_wgrad: bool = dataclasses.field(
-        default=True,
-        metadata={"help": "overlapped only: defer expert and output-layer weight gradients into the "
-                          "gradient all-to-alls' windows"},
-    )
+    farskip: LayerSelection = LayerSelection("none")
+    """layers with FarSkip connectivity: none, all, first:N, last:N or A-B (0-based, inclusive)"""
+    farskip_impl: FarSkipImpl = FarSkipImpl.simple
+    """simple: blocking collectives (the reference); overlapped: dispatch/combine in flight behind
+    attention and the next layer"""
+    farskip_mode: FarSkipMode = FarSkipMode.full
+    """which sub-block reads the earlier activation"""
+    farskip_connectivity: FarSkipConnectivity = FarSkipConnectivity.reference
+    """reference: the authors' wiring (a standard MoE layer right before the FarSkip range hands the range
+    its routed-free stream); paper-text: that layer hands on one collapsed stream (what checkpoints written
+    before this option were trained with)"""
+    # the deferred gradients run in moe_variants/common/wgrad.py
+    farskip_defer_wgrad: bool = True
+    """overlapped only: defer expert and output-layer weight gradients into the gradient all-to-alls'
+    windows"""
 
     # inference with TP > 1: the attention output's TP reduction flies behind the MoE (paper §4.2)
-    farskip_async_tp: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "overlapped, forward only (inference), TP > 1: the attention projection's "
-                          "tensor-parallel reduction runs asynchronously behind the layer's MoE"},
-    )
+    farskip_async_tp: bool = False
+    """overlapped, forward only (inference), TP > 1: the attention projection's tensor-parallel reduction
+    runs asynchronously behind the layer's MoE"""
 
     # inference: attention split at its input projections (the paper's training split, Fig. 9)
-    farskip_inference_split: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "overlapped, at inference: only attention's input projections run behind the previous "
-                          "layer's combine; core attention over the KV cache and the output projection run behind "
-                          "this layer's dispatch (default: the whole attention behind the combine)"},
-    )
+    farskip_inference_split: bool = False
+    """overlapped, at inference: only attention's input projections run behind the previous layer's
+    combine; core attention over the KV cache and the output projection run behind this layer's dispatch
+    (default: the whole attention behind the combine)"""
 
     def __post_init__(self):
         self.farskip = LayerSelection.parse(self.farskip)

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 class ScaleConfig(VariantConfig):
     SECTION = "toy-scale"
 
-    moe_output_scale: float = dataclasses.field(default=1.0, metadata={"help": "multiply each MoE output"})
+    moe_output_scale: float = 1.0
+    """multiply each MoE output"""
 
 
 class ToyScale(Variant):

@@ -1,9 +1,10 @@
-"""The tools and the applications name no variant: they loop over the registry (``moe_variants.registry``).
+"""The tools and the applications name no variant: they loop over the registries (``moe_variants.registry``,
+``tools.variants``).
 
 The rule: outside the folder of a variant's own tools (``tools/<variant>/``: ``tools/semmoe``, ``tools/bigmac``,
 whose folder name is a registered variant's), no Python file under ``tools/`` mentions a name the
-registry gives a variant (``registry.variant_names()``: the variants, their benchmark presets,
-run-time bench variants and placed serving variants, e.g. bigmac, farskip, farskip-simple,
+registries give a variant (``tools.variants.variant_names()``: the variants, their presets, the
+tools' run-time bench variants and placed serving variants, e.g. bigmac, farskip, farskip-simple,
 semmoe, eplb; ``standard``, every variant off, is not one) in code: in an identifier (a name,
 attribute, function, class, argument, keyword or import) or in a string that is not a docstring.
 What a tool does must come from the registry's hooks, so a new variant needs no edit in the tools
@@ -20,7 +21,7 @@ import pathlib
 
 import pytest
 
-from moe_variants import registry
+from tools import variants as variant_hooks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -99,7 +100,7 @@ def test_checker_finds_a_variant_name(source):
 @pytest.mark.parametrize("source", [
     '"""Sem-MoE placements (eplb, semmoe) and BigMac: documentation."""\nx = 1',
     "def f():\n    '''farskip-simple is documented here'''\n    return 1  # bigmac in a comment",
-    'x = "standard"\nvariants = registry.runtime_names()',
+    'x = "standard"\nvariants = variant_hooks.runtime_names()',
     "y = {'deepspeed-moe': 1, 'mcore-latent': 2}",
 ])
 def test_checker_allows_the_rest(source):
@@ -107,11 +108,11 @@ def test_checker_allows_the_rest(source):
 
 
 def _variant_tool_folders() -> set[pathlib.Path]:
-    return {ROOT / "tools" / name for name in registry.variant_names() if (ROOT / "tools" / name).is_dir()}
+    return {ROOT / "tools" / name for name in variant_hooks.variant_names() if (ROOT / "tools" / name).is_dir()}
 
 
 def test_the_rule_sees_the_registry_and_the_tools():
-    names = registry.variant_names()
+    names = variant_hooks.variant_names()
     assert {"bigmac", "farskip", "semmoe", "eplb"} <= set(names) and "standard" not in names
     assert _variant_tool_folders() == {ROOT / "tools" / "semmoe", ROOT / "tools" / "bigmac"}
     assert len(list((ROOT / "tools").rglob("*.py"))) > 30
@@ -122,7 +123,7 @@ NAMES_ENTRY_POINTS = {ROOT / "tools" / "docs" / "reference.py"}
 
 
 def test_the_tools_name_no_variant():
-    names = registry.variant_names()
+    names = variant_hooks.variant_names()
     exempt = _variant_tool_folders()
     offenders = []
     for path in sorted((ROOT / "tools").rglob("*.py")):
@@ -141,7 +142,7 @@ def test_the_applications_name_no_variant():
     """Generic code reads no variant's flag or name (``args.semmoe_tables`` in evaluate_lm was one):
     what a variant refuses or adds there comes from a registry hook (``check_runtime``,
     ``request_scheduler``, ``serving_model``, ``add_runtime_arguments``)."""
-    names = registry.variant_names()
+    names = variant_hooks.variant_names()
     offenders = []
     files = [p for pkg in APPLICATIONS for p in sorted((ROOT / pkg).rglob("*.py"))]
     assert len(files) > 40

@@ -87,9 +87,12 @@ class Color(enum.Enum):
 class Section:
     """A section for the test."""
 
-    color: Color = dataclasses.field(default=Color.red, metadata={"help": "the colour"})
-    size: Optional[int] = dataclasses.field(default=None, metadata={"help": "default: auto"})
-    names: list = dataclasses.field(default_factory=lambda: ["x", "y"], metadata={"help": "names"})
+    color: Color = Color.red
+    """the colour"""
+    size: Optional[int] = None
+    """default: auto"""
+    names: list = dataclasses.field(default_factory=lambda: ["x", "y"])
+    """names"""
     hidden: int = dataclasses.field(default=3, metadata={"cli": False})
 
 

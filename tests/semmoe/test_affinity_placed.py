@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_variants import registry
 from moe_variants.semmoe.methods import place
 from moe_variants.semmoe.profile import load_profile
 from moe_variants.semmoe.tables import save_tables
+from tools import variants as variant_hooks
 from tools.spawn import run_distributed
 
 ATOL = RTOL = 1e-5
@@ -89,20 +89,20 @@ def _serve_args(tables_dir, load, tp=1, ranks=2):
 def test_bench_serve_serves_it_as_a_placed_baseline(tiny_model, tmp_path):
     from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
 
-    assert "affinity-eplb" in registry.serve_placement_names()
+    assert "affinity-eplb" in variant_hooks.serve_placement_names()
     manifest = read_manifest(find_latest_checkpoint(tiny_model.ckpt), verify=False)
     args = _serve_args(tmp_path, tiny_model.ckpt)
     with pytest.raises(ValueError, match="no affinity-eplb/ tables directory"):
-        registry.check_serve_bench(args, ["standard", "affinity-eplb"], manifest)
+        variant_hooks.check_serve_bench(args, ["standard", "affinity-eplb"], manifest)
     save_tables(place("affinity-eplb", load_profile(tiny_model.profile_path), 2), tmp_path / "affinity-eplb")
-    registry.check_serve_bench(args, ["standard", "affinity-eplb"], manifest)
+    variant_hooks.check_serve_bench(args, ["standard", "affinity-eplb"], manifest)
     with pytest.raises(ValueError, match="on 2 devices; --load has .* --ranks is 4"):
-        registry.check_serve_bench(_serve_args(tmp_path, tiny_model.ckpt, ranks=4), ["affinity-eplb"], manifest)
+        variant_hooks.check_serve_bench(_serve_args(tmp_path, tiny_model.ckpt, ranks=4), ["affinity-eplb"], manifest)
     path = os.path.abspath(tmp_path / "affinity-eplb")
-    served = registry.serve_placement("affinity-eplb", args)
+    served = variant_hooks.serve_placement("affinity-eplb", args)
     assert served.command("CKPT", "OUT") == ["-m", "moe_variants.semmoe", "apply", "--load", "CKPT", "--tables",
                                              path, "--out", "OUT"]  # fmt: skip
     assert served.request_scheduler == "round-robin" and served.server_arguments == ()  # served as EPLB is
     # attention-TP: Algorithm 3's layout on contiguous slices, as the eplb baseline
-    at_tp = registry.serve_placement("affinity-eplb", _serve_args(tmp_path, tiny_model.ckpt, tp=2))
+    at_tp = variant_hooks.serve_placement("affinity-eplb", _serve_args(tmp_path, tiny_model.ckpt, tp=2))
     assert at_tp.server_arguments == ("--semmoe-tables", path) and at_tp.request_scheduler == "round-robin"

@@ -24,7 +24,7 @@ def _megatron_imported():
     """megatron-core takes seconds to import: once in this process, inherited by the forked ranks."""
     import megatron.core.parallel_state  # noqa: F401
     import tools.bench.variant_worker  # noqa: F401
-    import moe_variants.semmoe.bench  # noqa: F401
+    import tools.semmoe.bench  # noqa: F401
 
 
 def _run_variants(rank, world, out_dir, variants, profile_samples):
@@ -74,7 +74,7 @@ def _schedule_once(rank, world):
 
     from megatron.core import parallel_state
 
-    from moe_variants.semmoe.bench import SemMoEBench
+    from tools.semmoe.bench import SemMoEBench
     from moe_variants.semmoe.scheduling import DPRequestScheduler
     from moe_variants.semmoe.tables import Tables
 

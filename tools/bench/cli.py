@@ -45,6 +45,7 @@ from megatron.common.files import write_json
 from .tune import find_rate
 from .variant_worker import variant_overrides
 from moe_variants import registry
+from tools import variants as variant_hooks
 
 __all__ = ["build_parser", "main", "WORKERS", "worker_module_for", "add_model_options", "model_overrides",
            "host_info", "Budget", "script_path"]
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--variants", default="standard",
                    help="comma-separated, '+' combines: the registered presets ("
                         + ", ".join(registry.bench_presets()) + "), run-time variants ("
-                        + ", ".join(registry.runtime_names()) + ") and peers (" + ", ".join(peers.names())
+                        + ", ".join(variant_hooks.runtime_names()) + ") and peers (" + ", ".join(peers.names())
                         + ") on the model worker, or synthetic")
     g.add_argument("--warmup", type=nonneg_int, default=2)
     g.add_argument("--steps", type=positive_int, default=10)
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_discipline_arguments(g, runs_help="one launch per variant and run (--repeats is calibration's)")
     g = ap.add_argument_group("model (passed to the model worker)")
     add_model_options(g)
-    registry.add_bench_arguments(g)
+    variant_hooks.add_bench_arguments(g)
     g = ap.add_argument_group("synthetic worker (--variants synthetic)")
     for f in dataclasses.fields(SyntheticOptions):
         g.add_argument(f"--synthetic-{f.name}", type=positive_int, default=f.default)
@@ -227,7 +228,7 @@ def _run_variant(net, variant, args, overrides, work_dir, tag, budget, warmup, s
     run_dir = os.path.join(work_dir, tag)
     options = dataclasses.asdict(_synthetic_options(args)) if variant == SYNTHETIC else {}
     if variant != SYNTHETIC:
-        options.update(registry.bench_options(args, variant))
+        options.update(variant_hooks.bench_options(args, variant))
         options["device"] = args.device
     if args.trace and variant != SYNTHETIC and trace:
         options["trace_dir"] = os.path.abspath(args.trace)

@@ -48,6 +48,7 @@ import time
 from typing import Optional, Sequence
 
 from moe_variants import registry
+from tools import variants as variant_hooks
 from megatron.common.cli import UserError, nonneg_int, positive_int, run_cli, user_input
 from megatron.common.files import write_json
 from tools.bench.discipline import LoadGate, add_discipline_arguments, format_ci, interval_name, rotations
@@ -315,7 +316,7 @@ def _variants(text: Optional[str]) -> list[str]:
     for v in names:
         from tools.bench import peers
 
-        if peers.get(v) is not None or set(v.split("+")) & set(registry.runtime_names()):
+        if peers.get(v) is not None or set(v.split("+")) & set(variant_hooks.runtime_names()):
             raise ValueError(f"--variants {v}: time to quality trains the registered variants' presets only")
         variant_overrides(v)
     return names

@@ -30,6 +30,7 @@ from typing import Optional
 
 from megatron import compat
 from moe_variants import registry
+from tools import variants as variant_hooks
 
 from . import peers
 from .overlap import comm_spans, direction_totals, events_from_timeline
@@ -43,7 +44,7 @@ __all__ = ["RUNTIME_VARIANTS", "variant_overrides", "worker_configs", "main"]
 
 # bench variants that change no config: the worker sets them up at run time (the registered
 # variants' run-time bench variants, which combine with any preset, and the peers, which run alone)
-RUNTIME_VARIANTS = registry.runtime_names() + peers.names()
+RUNTIME_VARIANTS = variant_hooks.runtime_names() + peers.names()
 
 
 def variant_overrides(variant: str) -> dict:
@@ -157,9 +158,9 @@ def run(spec: WorkerSpec) -> RankResult:
     dp_size = parallel_state.get_data_parallel_world_size()
     num_micro = c.training.num_microbatches(dp_size)
     global_batch = c.training.resolved_global_batch_size(dp_size)
-    context = registry.BenchContext(configs=c, tokenizer=tokenizer, pg_collection=pgc, options=spec.options,
+    context = variant_hooks.BenchContext(configs=c, tokenizer=tokenizer, pg_collection=pgc, options=spec.options,
                                     validation_split=_validation_split(c, tokenizer, global_batch))
-    runtimes = registry.bench_runtimes(spec.variant, context)
+    runtimes = variant_hooks.bench_runtimes(spec.variant, context)
     scheduled = {name: rt for name, rt in runtimes.items() if rt.schedules}
     device = spec.options.get("device", "cpu")
     peer, hooks = peers.get(spec.variant), None

@@ -3,7 +3,7 @@
 * ``cli/<command>.md``: an entry point's flags, from its argparse parser (``COMMANDS``); the config
   sections a training entry point takes as flags link to their page instead of being repeated;
 * ``config/<section>.md``: the keys of a config section (YAML key = flag without ``--``), from its
-  dataclass: type, default, help (``metadata["help"]``);
+  dataclass: type, default, help (the docstring under each field, ``megatron.common.fielddocs``);
 * ``server-api.md``: the server's routes (``megatron.inference.frontend.Frontend.app``) and the
   request fields the protocol accepts;
 * ``schemas.md``: the ``schema`` names and versions the tools write into their JSON (module
@@ -290,14 +290,15 @@ def _type_name(hint) -> str:
 
 def config_page(section: str, cls: type, commands: list[str]) -> str:
     """The keys of one config section."""
+    from megatron.common.fielddocs import field_docs
     from megatron.training.arguments import cli_fields, default_of
 
-    hints = typing.get_type_hints(cls)
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
     rows = []
     for field in cli_fields(cls):
         flag = "--" + field.name.replace("_", "-")
         rows.append([_code(field.name), _code(flag), _cell(_type_name(hints[field.name])), _value(default_of(field)),
-                     _cell(field.metadata.get("help", ""))])
+                     _cell(docs.get(field.name, ""))])
     doc = inspect.getdoc(cls) or ""
     if doc.startswith(f"{cls.__name__}("):  # dataclasses' generated signature: no docstring
         doc = ""

@@ -82,16 +82,16 @@ def train(args, variants, work_dir, budget, printer) -> dict:
 
 
 def place(args, variants, work_dir, printer) -> dict:
-    """The placed checkpoint of each placed variant (its ``registry.ServePlacement`` pass run into
+    """The placed checkpoint of each placed variant (its ``tools.variants.ServePlacement`` pass run into
     the work directory; one placed there from the same checkpoint and inputs is reused)."""
     import subprocess
 
-    from moe_variants import registry
     from tools import repo_root
+    from tools import variants as variant_hooks
 
     out = {}
     for v in placed(variants):
-        placement = registry.serve_placement(v, args)
+        placement = variant_hooks.serve_placement(v, args)
         run_dir = os.path.join(work_dir, f"placed-{v}")
         ckpt, marker = os.path.join(run_dir, "ckpt"), os.path.join(run_dir, "placed.json")
         key = {"load": os.path.abspath(args.load), **placement.key}

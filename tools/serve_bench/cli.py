@@ -51,7 +51,7 @@ import sys
 import time
 from typing import Optional
 
-from moe_variants import registry
+from tools import variants as variant_hooks
 from megatron.common.cli import UserError, one_line
 from megatron.common.files import write_json
 from tools.bench import netns
@@ -73,7 +73,7 @@ OUTPUT_SCHEMA = "bench_serve/2"  # 2: --runs (runs, over_runs, requests[variant]
 
 def _benchmark(args, argv, work_dir, budget, printer) -> int:
     variants = variant_list(args.variants)
-    placements = {v: registry.serve_placement(v, args) for v in placed(variants)}
+    placements = {v: variant_hooks.serve_placement(v, args) for v in placed(variants)}
     host_start = host_info()
     if args.load:
         checkpoints = {v: args.load for v in variants}
@@ -157,7 +157,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             "ranks": args.ranks, "expert_model_parallel_size": args.serve_ep,
             "tensor_model_parallel_size": args.tensor_model_parallel_size, "expert_comm": args.expert_comm,
             "variants": variants, "seed": args.seed,
-            **registry.serve_bench_record(args),
+            **variant_hooks.serve_bench_record(args),
             "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
             "workload": {**work["info"],
                          "request_rates": [f"{r:g}" for r in args.request_rates] if args.mode == "serve" else None,

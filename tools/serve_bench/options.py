@@ -7,6 +7,7 @@ import math
 import os
 
 from moe_variants import registry
+from tools import variants as variant_hooks
 from megatron.common.cli import UserError, float_list, nonneg_int, positive_float, positive_int
 from tools.bench import netns
 from tools.bench.cli import add_model_options, model_overrides
@@ -45,12 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("model")
     g.add_argument("--load", metavar="CKPT", help="serve this checkpoint (variants: presets that keep its parameters)")
     add_model_options(g)
-    registry.add_serve_bench_arguments(g)
+    variant_hooks.add_serve_bench_arguments(g)
     g.add_argument("--train-steps", type=positive_int, default=30,
                    help="with --config (or the default model): training steps per variant's checkpoint")
     g.add_argument("--variants", default="standard", help="comma-separated registry presets ("
                    + ", ".join(registry.bench_presets()) + "; '+' combines) or placed variants ("
-                   + ", ".join(registry.serve_placement_names()) + ", with --load)")
+                   + ", ".join(variant_hooks.serve_placement_names()) + ", with --load)")
     g.add_argument("--seed", type=int, default=1234, help="training, prompt order, arrivals")
     g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     g = ap.add_argument_group("load")
@@ -107,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def placed(variants: list) -> list:
-    """The placed variants among ``variants`` (``registry.serve_placement_names``): ``--load`` with
+    """The placed variants among ``variants`` (``variant_hooks.serve_placement_names``): ``--load`` with
     its experts re-placed by a checkpoint pass, not a preset."""
-    names = registry.serve_placement_names()
+    names = variant_hooks.serve_placement_names()
     return [v for v in variants if v in names]
 
 
@@ -120,11 +121,11 @@ def variant_list(text: str, args=None) -> list:
         raise UserError("--variants is empty")
     if len(set(names)) != len(names):
         raise UserError(f"--variants lists a variant twice: {text}")
-    placements = registry.serve_placement_names()
+    placements = variant_hooks.serve_placement_names()
     for v in names:
         if v in placements:
             if args is not None:
-                registry.serve_placement(v, args)  # what the placement needs is given
+                variant_hooks.serve_placement(v, args)  # what the placement needs is given
             continue
         if any(p in v.split("+") for p in placements):
             raise UserError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
@@ -215,7 +216,7 @@ def check_args(args) -> None:
         from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
 
         manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
-    registry.check_serve_bench(args, variants, manifest)  # the variants' own options (e.g. placements' inputs)
+    variant_hooks.check_serve_bench(args, variants, manifest)  # the variants' own options (e.g. placements' inputs)
     if args.load:
         check_load_variants(args.load, [v for v in variants if v not in placed(variants)])  # last: builds meta models
 

@@ -66,9 +66,9 @@ def refusal(variant: str, device: str, ranks: int) -> Optional[str]:
 def peer_config_overrides(variant: str, model) -> dict:
     """``TransformerConfig`` fields the peer sets on top of the model's own (see the docstring)."""
     if variant == LATENT:
-        from moe_variants import registry
+        from tools import variants as variant_hooks
 
-        latent = {name: c for name, c in registry.upstream_moe_configs(model).items() if "moe_latent_size" in c}
+        latent = {name: c for name, c in variant_hooks.upstream_moe_configs(model).items() if "moe_latent_size" in c}
         if len(latent) != 1:
             raise ValueError(f"--variants {LATENT} takes its shape from the registered variant whose upstream "
                              f"equivalent is megatron-core's latent MoE; {len(latent)} offer one ({', '.join(latent)})")

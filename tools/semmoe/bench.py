@@ -1,6 +1,6 @@
 """Sem-MoE in the EP benchmark: run-time bench variant ``semmoe`` (``semmoe+bigmac``, ``semmoe+farskip``, ...).
 
-The variant's ``bench_runtime`` hook (``moe_variants.registry``) returns a :class:`SemMoEBench`;
+The variant's ``bench_runtime`` hook (``tools/semmoe/variant_tools.py``) returns a :class:`SemMoEBench`;
 the model worker (``tools.bench.variant_worker``) runs it. The benchmark trains with attention data-parallel over the EP ranks (TP=1, EP = world), so the
 scheduling that applies is Algorithm 2 (requests -> DP ranks); every training sample is a request.
 :class:`SemMoEBench` adds two things to the model worker's run, nothing else changes:
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.common import collectives
-from moe_variants.registry import BenchRuntime
+from tools.variants import BenchRuntime
 
 __all__ = ["SemMoEBench", "VARIANT", "DEFAULT_PROFILE_SAMPLES", "from_context"]
 
@@ -196,7 +196,7 @@ def _forward(model, tokens: torch.Tensor):
 
 
 def from_context(context) -> SemMoEBench:
-    """The bench variant's set-up for one model-worker run (``registry.BenchContext``): the spec's
+    """The bench variant's set-up for one model-worker run (``tools.variants.BenchContext``): the spec's
     options ``semmoe_profile_samples`` and ``semmoe_seed``, profiling on that many samples of the
     run's validation split."""
     samples = int(context.options.get("semmoe_profile_samples", DEFAULT_PROFILE_SAMPLES))
