@@ -23,8 +23,9 @@ process (``PR_SET_PDEATHSIG``).
 
 Over several machines (``--nnodes M --rdzv-endpoint HOST:PORT``, the same command on each with its
 ``--node-rank``), node 0 runs the front end and its torchrun agent joins torchrun's c10d rendezvous
-at HOST:PORT instead of ``--standalone``; the front end listens for rank 0 on TCP at HOST (node 0's
-address as the other nodes reach it; a free port, the same authentication). Every other node's
+at HOST:PORT instead of ``--standalone``; the front end listens for rank 0 on TCP (every interface,
+a free port, the same authentication), reached at HOST (node 0's address as the other nodes reach
+it). Every other node's
 process becomes its node's torchrun agent (``run_node``). Rank 0 may be on any node: it takes the
 link's address and key from node 0's ranks (``link.frontend_link``). A stopped rank is looked for
 among node 0's processes only.
@@ -142,10 +143,9 @@ def run_frontend(args, argv: list, rank_command) -> int:
     if args.nnodes == 1:
         address = os.path.join(workdir, "engine.sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-    else:  # rank 0 may be on another node: TCP at node 0's rendezvous address
-        host = args.rdzv_endpoint.rpartition(":")[0]
-        listener = Listener((host, 0), family="AF_INET", authkey=authkey)
-        address = f"{host}:{listener.address[1]}"
+    else:  # rank 0 may be on another node: TCP, reached at node 0's rendezvous address
+        listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+        address = f"{args.rdzv_endpoint.rpartition(':')[0]}:{listener.address[1]}"
     bridge = EngineBridge(listener, stall_timeout_s=args.stall_timeout, log=lambda line: print(line, flush=True))
     child = subprocess.Popen(torchrun_command(args.nproc_per_node, args.max_restarts, rank_command, argv, args.nnodes,
                                               args.rdzv_endpoint),

@@ -6,8 +6,8 @@ listens on a Unix socket in a private directory (``multiprocessing.connection``:
 proves it holds the authentication key, which only the front end's children inherit, before a
 message is read); its address and key reach the ranks in ``$MOE_SERVE_FRONTEND`` and
 ``$MOE_SERVE_FRONTEND_KEY``. Rank 0 connects once it has built its engine, after every restart
-too. Over several machines (``--nnodes``) the front end listens on TCP at node 0's rendezvous
-address instead, and only node 0's ranks are its children: the other nodes' ranks have an empty
+too. Over several machines (``--nnodes``) the front end listens on TCP instead, reached at node
+0's rendezvous address, and only node 0's ranks are its children: the other nodes' ranks have an empty
 ``$MOE_SERVE_FRONTEND``, and rank 0, wherever the rendezvous put it, takes the address and key
 from node 0's ranks (``frontend_link``). Messages are pickled tuples, ``(kind, ...)``:
 

@@ -229,11 +229,14 @@ def test_requests_travel_over_a_tcp_link():
         setup.close()
 
 
-def _link_of(rank, world, envs):
+def _links(rank, world, envs):
     from megatron.inference.link import frontend_link
 
     os.environ.update(envs[rank])
-    return frontend_link()
+    with_front_end = frontend_link()
+    for key in envs[rank]:
+        del os.environ[key]
+    return with_front_end, frontend_link()
 
 
 def test_rank0_on_another_node_takes_the_front_ends_link_from_its_node():
@@ -244,8 +247,7 @@ def test_rank0_on_another_node_takes_the_front_ends_link_from_its_node():
 
     node0 = {"MOE_SERVE_FRONTEND": "node0:4711", "MOE_SERVE_FRONTEND_KEY": "ab"}
     other = {"MOE_SERVE_FRONTEND": ""}
-    assert run_distributed(_link_of, 2, [other, node0]) == [("node0:4711", "ab")] * 2
-    assert run_distributed(_link_of, 2, [{}, {}]) == [None, None]
+    assert run_distributed(_links, 2, [other, node0]) == [(("node0:4711", "ab"), None)] * 2
 
 
 @pytest.mark.parametrize("argv,env,message", [
