@@ -68,17 +68,21 @@ def _run(rank, world, name):
     return out
 
 
+def _assert_equal(loop, grouped, what: str) -> None:
+    """The same per-token losses and gradients, exactly."""
+    (loop_loss, loop_grads), (loss, grads) = loop, grouped
+    torch.testing.assert_close(loss, loop_loss, rtol=0, atol=0, msg=lambda m: f"{what} loss: {m}")
+    assert grads.keys() == loop_grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads[key], loop_grads[key], rtol=0, atol=0, msg=lambda m: f"{what} {key}: {m}")
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_grouped_equals_loop(name):
     results = run_distributed(_run, 2, name, timeout_s=240)
     for rank_out in results:
         for ep in (1, 2):
-            (loop_loss, loop_grads), (loss, grads) = rank_out[(ep, False)], rank_out[(ep, True)]
-            torch.testing.assert_close(loss, loop_loss, rtol=0, atol=0, msg=lambda m: f"EP={ep} loss: {m}")
-            assert grads.keys() == loop_grads.keys()
-            for key in grads:
-                torch.testing.assert_close(grads[key], loop_grads[key], rtol=0, atol=0,
-                                           msg=lambda m: f"EP={ep} {key}: {m}")
+            _assert_equal(rank_out[(ep, False)], rank_out[(ep, True)], f"EP={ep}")
         # the layouts agree too (gradients summed over data-parallel replicas at EP=1, EP ranks at EP=2)
         torch.testing.assert_close(rank_out[(2, True)][0], rank_out[(1, True)][0], rtol=1e-5, atol=1e-6)
 
@@ -116,12 +120,7 @@ def test_grouped_equals_loop_at_expert_tensor_parallel_2():
     as above; the initial weights are equal too (``_initialize`` slices the same master matrix)."""
     for rank_out in run_distributed(_run_etp2, 2, timeout_s=240):
         for name in ("standard", "gelu"):
-            (loop_loss, loop_grads), (loss, grads) = rank_out[(name, False)], rank_out[(name, True)]
-            torch.testing.assert_close(loss, loop_loss, rtol=0, atol=0, msg=lambda m: f"{name} loss: {m}")
-            assert grads.keys() == loop_grads.keys()
-            for key in grads:
-                torch.testing.assert_close(grads[key], loop_grads[key], rtol=0, atol=0,
-                                           msg=lambda m: f"{name} {key}: {m}")
+            _assert_equal(rank_out[(name, False)], rank_out[(name, True)], name)
             init = rank_out[(name, "init")]
             assert init[True].keys() == init[False].keys()
             for key in init[False]:
