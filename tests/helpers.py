@@ -74,6 +74,73 @@ def torchrun(module: str, args, nproc: int = 2, timeout: float = 300, env=None, 
     return subprocess.run(cmd, cwd=repo, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def start_agent(log_path, module: str, args, *, port: int, nnodes: int = 2, nproc_per_node: int = 1,
+                max_restarts: int = 0, env=None):
+    """One node's torchrun agent, as ``scripts/launch_multinode.sh`` starts it on every node of a
+    cluster (c10d rendezvous on 127.0.0.1:``port``), running ``-m module args``; in a session of its
+    own, output to ``log_path``. ``kill_agent`` stops it with its ranks (a lost node)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo, PYTHON=sys.executable, NNODES=str(nnodes),
+                    GPUS_PER_NODE=str(nproc_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    MAX_RESTARTS=str(max_restarts))
+    full_env.update(env or {})
+    with open(log_path, "w") as log:
+        return subprocess.Popen(["bash", os.path.join(repo, "scripts", "launch_multinode.sh"), module,
+                                 *[str(a) for a in args]], cwd=repo, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_agent(agent) -> None:
+    """SIGKILL a ``start_agent`` agent and every process below it (torchrun starts each rank in a
+    session of its own, so the agent's session alone would leave the ranks running)."""
+    import os
+    import signal
+
+    import psutil
+
+    try:
+        below = psutil.Process(agent.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    try:
+        os.killpg(agent.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for proc in below:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    agent.wait()
+
+
+def run_agents(log_dir, module: str, args, *, nnodes: int = 2, timeout: float = 300, **kwargs) -> list:
+    """``nnodes`` agents of one job on this machine (``start_agent``), waited for; their exit codes
+    (124: killed after ``timeout``). Logs in ``log_dir/agent<i>.log``."""
+    import os
+    import subprocess
+    import time
+
+    from tools.bench.launcher import free_port
+
+    port = free_port()
+    agents = [start_agent(os.path.join(log_dir, f"agent{i}.log"), module, args, port=port, nnodes=nnodes, **kwargs)
+              for i in range(nnodes)]
+    deadline = time.monotonic() + timeout
+    codes = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            kill_agent(agent)
+            codes.append(124)
+    return codes
+
+
 def read_jsonl(path):
     import json
 

@@ -20,6 +20,15 @@ It ends when torchrun does: after SIGTERM or SIGINT (stop accepting, let what is
 within ``--shutdown-timeout``, tell the engine to stop) with 0; when torchrun gives up (no restart
 left) with its exit code, every request in flight answered 503 first. torchrun dies with this
 process (``PR_SET_PDEATHSIG``).
+
+Over several machines (``--nnodes M --rdzv-endpoint HOST:PORT``, the same command on each with its
+``--node-rank``), node 0 runs the front end and its torchrun agent joins torchrun's c10d rendezvous
+at HOST:PORT instead of ``--standalone``; the front end listens for rank 0 on TCP (every interface,
+a free port, the same authentication), reached at HOST (node 0's address as the other nodes reach
+it). Every other node's
+process becomes its node's torchrun agent (``run_node``). Rank 0 may be on any node: it takes the
+link's address and key from node 0's ranks (``link.frontend_link``). A stopped rank is looked for
+among node 0's processes only.
 """
 
 from __future__ import annotations
@@ -33,13 +42,38 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Listener
+from typing import NoReturn, Optional
 
-__all__ = ["run_frontend", "torchrun_command", "stopped_below"]
+__all__ = ["run_frontend", "run_node", "torchrun_command", "stopped_below"]
 
 
-def torchrun_command(nproc: int, max_restarts: int, rank_command, argv) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+def torchrun_command(nproc: int, max_restarts: int, rank_command, argv, nnodes: int = 1,
+                     rdzv_endpoint: Optional[str] = None) -> list:
+    rendezvous = (["--standalone"] if nnodes == 1 else
+                  [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"])
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", "-m", *rank_command, *argv]
+
+
+def _torchrun_env(args, **extra) -> dict:
+    """torchrun's environment. Over several nodes the ranks' store is each rendezvous round's rank
+    0's, not the agents' shared one: with that, a restarted or replaced node never gets the
+    round's ``MASTER_ADDR`` (pytorch/pytorch#135712)."""
+    env = dict(os.environ, **extra)
+    if args.nnodes > 1:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
+
+
+def run_node(args, argv: list, rank_command) -> NoReturn:
+    """A node other than the front end's (``--node-rank`` > 0): this process becomes the node's
+    torchrun agent (``exec``); its ranks have an empty ``$MOE_SERVE_FRONTEND`` (module docstring)."""
+    from megatron.inference.link import ENV_ADDRESS
+
+    cmd = torchrun_command(args.nproc_per_node, args.max_restarts, rank_command, argv, args.nnodes,
+                           args.rdzv_endpoint)
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, _torchrun_env(args, **{ENV_ADDRESS: ""}))
 
 
 def stopped_below(root_pid: int) -> list:
@@ -93,7 +127,8 @@ def run_frontend(args, argv: list, rank_command) -> int:
     from megatron.training.loading import load_tokenizer
 
     engine_config(args)
-    _, manifest, ckpt, _, _ = check_layout(args, args.nproc_per_node)  # refused here, before any rank starts
+    # refused here, before any rank starts
+    _, manifest, ckpt, _, _ = check_layout(args, args.nproc_per_node * args.nnodes)
     tokenizer = load_tokenizer(manifest, ckpt)
     render, chat_kind = checkpoint_chat(manifest, ckpt)
     stop = {"signal": None}
@@ -104,12 +139,17 @@ def run_frontend(args, argv: list, rank_command) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     workdir = tempfile.mkdtemp(prefix="moe-serve-")  # mode 0700: only this user reaches the socket
-    address = os.path.join(workdir, "engine.sock")
     authkey = secrets.token_bytes(32)
-    bridge = EngineBridge(Listener(address, family="AF_UNIX", authkey=authkey), stall_timeout_s=args.stall_timeout,
-                          log=lambda line: print(line, flush=True))
-    child = subprocess.Popen(torchrun_command(args.nproc_per_node, args.max_restarts, rank_command, argv),
-                             env=dict(os.environ, **{ENV_ADDRESS: address, ENV_AUTHKEY: authkey.hex()}),
+    if args.nnodes == 1:
+        address = os.path.join(workdir, "engine.sock")
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    else:  # rank 0 may be on another node: TCP, reached at node 0's rendezvous address
+        listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+        address = f"{args.rdzv_endpoint.rpartition(':')[0]}:{listener.address[1]}"
+    bridge = EngineBridge(listener, stall_timeout_s=args.stall_timeout, log=lambda line: print(line, flush=True))
+    child = subprocess.Popen(torchrun_command(args.nproc_per_node, args.max_restarts, rank_command, argv, args.nnodes,
+                                              args.rdzv_endpoint),
+                             env=_torchrun_env(args, **{ENV_ADDRESS: address, ENV_AUTHKEY: authkey.hex()}),
                              preexec_fn=_die_with_parent)
     frontend = None
     try:
@@ -130,7 +170,9 @@ def run_frontend(args, argv: list, rank_command) -> int:
         if args.ready_file:
             write_json(args.ready_file, {"url": url, "port": port, **info, "frontend_pid": os.getpid(),
                                          "max_restarts": args.max_restarts})
-        print(f"serving {served_name(args)} on {url} (front end pid {os.getpid()}; {args.nproc_per_node} ranks under "
+        ranks = (f"{args.nproc_per_node} ranks" if args.nnodes == 1 else
+                 f"{args.nproc_per_node} ranks on each of {args.nnodes} nodes")
+        print(f"serving {served_name(args)} on {url} (front end pid {os.getpid()}; {ranks} under "
               f"torchrun, --max-restarts {args.max_restarts}; chat: {chat_kind})", flush=True)
         return _supervise(child, frontend, bridge, stop, args.shutdown_timeout)
     finally:

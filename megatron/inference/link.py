@@ -6,7 +6,10 @@ listens on a Unix socket in a private directory (``multiprocessing.connection``:
 proves it holds the authentication key, which only the front end's children inherit, before a
 message is read); its address and key reach the ranks in ``$MOE_SERVE_FRONTEND`` and
 ``$MOE_SERVE_FRONTEND_KEY``. Rank 0 connects once it has built its engine, after every restart
-too. Messages are pickled tuples, ``(kind, ...)``:
+too. Over several machines (``--nnodes``) the front end listens on TCP instead, reached at node
+0's rendezvous address, and only node 0's ranks are its children: the other nodes' ranks have an empty
+``$MOE_SERVE_FRONTEND``, and rank 0, wherever the rendezvous put it, takes the address and key
+from node 0's ranks (``frontend_link``). Messages are pickled tuples, ``(kind, ...)``:
 
 engine (rank 0) -> front end
     ``("hello", pid, machine id, protocol.Limits, info)`` first: the engine serves; ``info`` is
@@ -48,10 +51,10 @@ from megatron.common.process import machine_id, same_machine
 from megatron.common.watchdog import Pulse
 from megatron.inference.frontend import Commands
 
-__all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", "EngineLink", "EngineBridge", "RemoteHeartbeat",
-           "beat_interval"]
+__all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", "EngineLink", "EngineBridge",
+           "RemoteHeartbeat", "beat_interval", "frontend_link"]
 
-ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket
+ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket or HOST:PORT; empty on its other nodes
 ENV_AUTHKEY = "MOE_SERVE_FRONTEND_KEY"  # its authentication key, hex
 
 
@@ -64,6 +67,30 @@ def hang_up(conn) -> None:
     except OSError:  # closed already
         pass
     conn.close()
+
+
+def frontend_link() -> Optional[tuple]:
+    """``(address, key hex)`` of the front end process this engine serves through, or None (no
+    front end process: rank 0 serves HTTP itself). Collective over the world: a rank of the front
+    end's node contributes its environment's pair, every other rank None, so that a rank 0 on
+    another node gets the pair too."""
+    import torch.distributed as dist
+
+    from megatron.common import collectives
+
+    address = os.environ.get(ENV_ADDRESS)
+    mine = (address, os.environ[ENV_AUTHKEY]) if address else None
+    pairs = collectives.all_gather_object([None] * dist.get_world_size(), mine)
+    return next((pair for pair in pairs if pair is not None), None)
+
+
+def _dial_address(address: str) -> tuple:
+    """``multiprocessing.connection``'s address and family for ``$MOE_SERVE_FRONTEND``: a Unix
+    socket's path, or HOST:PORT."""
+    if "/" in address:
+        return address, "AF_UNIX"
+    host, _, port = address.rpartition(":")
+    return (host, int(port)), "AF_INET"
 
 
 def beat_interval(stall_timeout_s: float) -> float:
@@ -104,8 +131,9 @@ class EngineLink:
 
         def dial():
             try:
-                dialed["conn"] = Client(address, family="AF_UNIX", authkey=authkey)
-            except (OSError, EOFError, AuthenticationError) as err:
+                where, family = _dial_address(address)
+                dialed["conn"] = Client(where, family=family, authkey=authkey)
+            except (OSError, EOFError, AuthenticationError, ValueError) as err:
                 dialed["error"] = err
 
         thread = threading.Thread(target=dial, name="frontend-link-connect", daemon=True)

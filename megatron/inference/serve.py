@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: torchrun restarts the engine's ranks up to this many times after a "
                         "failure; the front end keeps its port and the restarted rank 0 reconnects")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="with --nproc-per-node: the engine's ranks span this many machines, N on each (torchrun's "
+                        "c10d rendezvous at --rdzv-endpoint); run the same command on every machine with its "
+                        "--node-rank: node 0 runs the front end, the others only ranks")
+    g.add_argument("--node-rank", type=int, default=0, help="with --nnodes > 1: this machine's index (0: the front end)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --nnodes > 1: torchrun's rendezvous, on node 0 (its address as the others reach it)")
     g = p.add_argument_group("reliability")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' (repeatable; or ${API_KEY_ENV}) on every path but "
@@ -151,6 +158,16 @@ def _check_args(args) -> None:
                              "--nproc-per-node N without torchrun (or torchrun without --nproc-per-node)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need --nnodes >= 1 and "
+                         f"0 <= --node-rank < --nnodes")
+    if args.nnodes > 1:
+        if args.nproc_per_node is None:
+            raise UserError("--nnodes > 1 needs --nproc-per-node (under your own torchrun, give torchrun --nnodes)")
+        host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+        if not host or not port.isdigit():
+            raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (on node 0), "
+                             f"got {args.rdzv_endpoint}")
     if args.max_restarts and args.nproc_per_node is None:
         raise UserError("--max-restarts needs --nproc-per-node (under your own torchrun, give torchrun "
                          "--max-restarts: the front end then restarts with rank 0)")
@@ -161,7 +178,7 @@ def _check_args(args) -> None:
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
-    if os.environ.get("RANK", "0") == "0":  # the rank that serves HTTP, before any rank starts
+    if os.environ.get("RANK", "0") == "0" and args.node_rank == 0:  # what serves HTTP, before any rank starts
         from megatron.inference.frontend import check_address
 
         check_address(args.host, args.port)
@@ -307,9 +324,12 @@ def serve(args, argv=None, rank_command=RANK_COMMAND) -> int:
     from megatron.inference.link import ENV_ADDRESS
 
     if args.nproc_per_node is not None and ENV_ADDRESS not in os.environ:
-        from megatron.inference.launcher import run_frontend
+        from megatron.inference.launcher import run_frontend, run_node
 
-        return run_frontend(args, list(sys.argv[1:] if argv is None else argv), rank_command)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if args.node_rank > 0:
+            return run_node(args, argv, rank_command)
+        return run_frontend(args, argv, rank_command)
     return serve_rank(args)
 
 
@@ -320,7 +340,7 @@ def serve_rank(args) -> int:
 
     from megatron.inference.engine import RankEngine, build_engine
     from megatron.inference.failures import roster_for_job
-    from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineLink, beat_interval
+    from megatron.inference.link import EngineLink, beat_interval, frontend_link
     from megatron.inference.loop import serve_loop
     from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.protocol import Limits
@@ -383,6 +403,7 @@ def serve_rank(args) -> int:
 
         heartbeat = Heartbeat()
         frontend = None
+        link = frontend_link()  # collective: rank 0 may be on another node than the front end
         if rank == 0:
             render, chat_kind = checkpoint_chat(manifest, ckpt)
             name = served_name(args)
@@ -399,9 +420,9 @@ def serve_rank(args) -> int:
                     "request_scheduler": scheduler.name if scheduler is not None else "round-robin",
                     "token_scheduler": changed.name if changed is not None else None}
             layout = f"{world} ranks, EP {args.expert_model_parallel_size}, TP {args.tensor_model_parallel_size}"
-            address = os.environ.get(ENV_ADDRESS)
-            if address:  # the front end runs in its own process (--nproc-per-node)
-                frontend = EngineLink.connect(address, bytes.fromhex(os.environ[ENV_AUTHKEY]), heartbeat,
+            if link is not None:  # the front end runs in its own process (--nproc-per-node)
+                address, authkey = link
+                frontend = EngineLink.connect(address, bytes.fromhex(authkey), heartbeat,
                                               beat_interval(args.stall_timeout))
                 frontend.hello(limits, info)
                 print(f"engine serving {name} through the front end at {address} ({layout})", flush=True)

@@ -111,6 +111,12 @@ class _GroupedLinear(torch.autograd.Function):
     with gradient-accumulation fusion (as megatron-core's local linears do), or, with deferral on,
     queued for ``moe_variants.common.wgrad`` to run later. The incoming gradient is made contiguous
     (a broadcast gradient, e.g. of ``y.sum()``, has zero strides, which the kernels reject).
+
+    Edges the kernels do not guarantee, handled without a host sync: an expert with no rows gets a
+    weight gradient of exactly 0 (its group of ``dy_e^T x_e`` is a zero-length contraction, which
+    some GPUs' kernels leave unwritten: pytorch/pytorch#172439), by a ``masked_fill_`` on the
+    device-side group sizes; no rows at all (N = 0, known from the shape on the host) calls no
+    kernel: the output and the input gradient are empty, the weight gradient is zero.
     """
 
     @staticmethod
@@ -118,18 +124,26 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, offs)
         ctx.defer = owner.defer_wgrad
         ctx.fuse = owner.config.gradient_accumulation_fusion
+        if not x.shape[0]:
+            return x.new_zeros(0, weight.shape[1])
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight, offs = ctx.saved_tensors
         dy = grad_output.contiguous()
-        grad_input = F.grouped_mm(dy, weight, offs=offs) if ctx.needs_input_grad[0] else None
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = F.grouped_mm(dy, weight, offs=offs) if x.shape[0] else torch.zeros_like(x)
         if not ctx.needs_input_grad[1]:
             return grad_input, None, None, None
 
-        def weight_grad():
-            return F.grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]
+        def weight_grad():  # [E, out, in]
+            if not x.shape[0]:
+                return torch.zeros_like(weight)
+            grad = F.grouped_mm(dy.t(), x, offs=offs)
+            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0  # [E], on the device
+            return grad.masked_fill_(empty[:, None, None], 0)
 
         if ctx.defer:
             wgrad.queue(lambda: wgrad.accumulate(weight, weight_grad()))

@@ -194,29 +194,17 @@ def test_step_line_leads_with_what_distillation_optimises():
 
 
 @pytest.mark.slow  # starts processes
-def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
-    """A short FCSD run: the student trains, the saved teacher is byte-identical, the teacher's
-    parameters never need gradients, the best checkpoint is kept, early stopping reports. No
-    --proxy-text: the proxy scores the training data's validation split."""
-    import hashlib
+def test_distillation_job_keeps_teacher_frozen(teacher_ckpt, student):
+    """A short FCSD run (``conftest.student``): the student trains, the saved teacher is
+    byte-identical, the teacher's parameters never need gradients, the best checkpoint is kept,
+    early stopping reports. No --proxy-text: the proxy scores the training data's validation split."""
     import os
 
-    from tests.helpers import read_jsonl, torchrun
+    from tests.distill.conftest import teacher_digest
+    from tests.helpers import read_jsonl
 
-    teacher = teacher_ckpt / "teacher" / "iter_0000004"
-    digest = lambda: hashlib.sha256(b"".join(
-        open(os.path.join(teacher, f), "rb").read() for f in sorted(os.listdir(teacher)) if f.endswith(".distcp")
-    )).hexdigest()
-    before = digest()
-    out = teacher_ckpt / "student"
-    proc = torchrun("distill.fcsd", [
-        "--load", teacher_ckpt / "teacher", "--farskip", "all", "--farskip-impl", "overlapped",
-        "--expert-model-parallel-size", 2, "--save", out, "--train-iters", 4, "--eval-interval", 2,
-        "--eval-iters", 0, "--log-interval", 1, "--micro-batch-size", 4, "--global-batch-size", 16,
-        "--proxy-max-windows", 8, "--patience", 5,
-        "--data-cache-path", teacher_ckpt / "cache", "--lr", 1e-3])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert digest() == before
+    out, proc, before = student
+    assert teacher_digest(teacher_ckpt) == before
     records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "event" not in r]
     assert len(steps) == 4 and all("kd_loss" in r for r in steps)
@@ -224,6 +212,26 @@ def test_distillation_job_keeps_teacher_frozen(teacher_ckpt):
     best = [n for n in os.listdir(out / "best") if n.startswith("iter_")]
     assert len(best) == 1  # keep_last=1 prunes the earlier best (same lineage)
     assert "student before distillation" in proc.stdout
+
+
+@pytest.mark.slow  # starts processes
+def test_distillation_on_two_agents_equals_one_node(teacher_ckpt, student, tmp_path):
+    """The same FCSD run on two torchrun agents (``--nnodes 2``, one rank each, EP=2 spanning them:
+    ``scripts/launch_multinode.sh``) logs the one-node run's losses, gradient norms and held-out
+    KL. Exact: the same 2 ranks run the same gloo collectives (tests/training/test_multinode.py)."""
+    from tests.distill.conftest import fcsd_args
+    from tests.helpers import read_jsonl, run_agents
+
+    out = tmp_path / "student"
+    codes = run_agents(tmp_path, "distill.fcsd", fcsd_args(teacher_ckpt, out))
+    assert codes == [0, 0], "".join(open(tmp_path / f"agent{i}.log").read()[-3000:] for i in range(2))
+    one_node = read_jsonl(student[0] / "metrics.jsonl")
+    two_agents = read_jsonl(out / "metrics.jsonl")
+    fields = ("step", "loss", "kd_loss", "grad_norm", "heldout_kl")
+    pick = lambda records: [{k: r[k] for k in fields if k in r} for r in records
+                            if "event" not in r or r["event"] == "valid"]
+    assert pick(two_agents) == pick(one_node)
+    assert len(pick(one_node)) == 6 and all("kd_loss" in r or "heldout_kl" in r for r in pick(one_node))
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ saver's logits, and the next training step gives the loss and the parameters the
 step gives: the weights and the optimizer state (Adam moments, fp32 main parameters; the
 distributed optimizer's fully reshardable format or the plain one) were restored. The grouped
 module's sharded state dict has ``SequentialMLP``'s keys and global shapes, chunked per rank
-instead of per expert, and the loader reshards.
+instead of per expert, and the loader reshards. The same holds at expert tensor parallelism 2
+(each expert's FFN split over the 2 ranks) with SwiGLU experts (fc1's gate and up halves stored
+apart) and with non-gated GeLU experts.
 
 Tolerance: exact. Both paths compute the same fp32 arithmetic on the CPU
 (``test_grouped_equivalence``), and a checkpoint restores bits.
@@ -19,7 +21,17 @@ import torch
 from tools.spawn import run_distributed
 
 
-def _setup(grouped: bool, distributed_optimizer: bool):
+# name: (ParallelConfig fields, model overrides, training overrides). At ETP = 2 gradient clipping
+# is off: its norm sums fp32 squares per parameter (one stacked tensor of 4 experts, or 4), whose
+# different association moves the norm by an ulp, so the next step would differ by ~1e-7
+LAYOUTS = {
+    "ep2": ({"expert_model_parallel_size": 2}, {}, {}),
+    "etp2": ({"expert_tensor_parallel_size": 2}, {}, {"clip_grad": 0.0}),
+    "etp2-gelu": ({"expert_tensor_parallel_size": 2}, {"swiglu": False}, {"clip_grad": 0.0}),
+}
+
+
+def _setup(grouped: bool, distributed_optimizer: bool, layout: str = "ep2"):
     from megatron.training.checkpointing import layout_of
     from megatron.training.config import TrainingConfig
     from megatron.training.parallel import initialize_parallel
@@ -27,10 +39,11 @@ def _setup(grouped: bool, distributed_optimizer: bool):
     from moe_variants.config import ParallelConfig
     from tests.helpers import VOCAB, tiny_model_config
 
-    parallel = ParallelConfig(expert_model_parallel_size=2)
-    model_cfg = tiny_model_config(moe_grouped_gemm=grouped)
+    parallel_fields, overrides, training = LAYOUTS[layout]
+    parallel = ParallelConfig(**parallel_fields)
+    model_cfg = tiny_model_config(moe_grouped_gemm=grouped, **overrides)
     train_cfg = TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=10, lr=1e-2, lr_warmup_iters=1,
-                               use_distributed_optimizer=distributed_optimizer)
+                               use_distributed_optimizer=distributed_optimizer, **training)
     pgc = initialize_parallel(parallel, seed=3)
     chunks, optimizer, scheduler = setup_model_and_optimizer(model_cfg, parallel, train_cfg, vocab_size=VOCAB,
                                                              pg_collection=pgc)
@@ -64,12 +77,12 @@ def _logits_and_weights(run, rank):
     return loss, gather_global_state_dict(model, run[2])
 
 
-def _rank(rank, world, save_dir, saver_grouped, distributed_optimizer):
+def _rank(rank, world, save_dir, saver_grouped, distributed_optimizer, layout="ep2"):
     import megatron.training.checkpointing as ck
 
     from moe_variants.common.experts import GroupedExperts
 
-    saver = _setup(saver_grouped, distributed_optimizer)
+    saver = _setup(saver_grouped, distributed_optimizer, layout)
     _step(saver, rank)
     _step(saver, rank)
     ck.save_checkpoint(save_dir, 2, saver[3], saver[4], saver[5], consumed_samples=8, layout=saver[6],
@@ -77,7 +90,7 @@ def _rank(rank, world, save_dir, saver_grouped, distributed_optimizer):
     saved = _logits_and_weights(saver, rank)
     saver_next = _step(saver, rank), _logits_and_weights(saver, rank)
 
-    loader = _setup(not saver_grouped, distributed_optimizer)
+    loader = _setup(not saver_grouped, distributed_optimizer, layout)
     grouped = [isinstance(m, GroupedExperts) for m in loader[3][0].modules()]
     assert any(grouped) == (not saver_grouped)
     loaded = ck.load_checkpoint(save_dir, loader[3], loader[4], loader[5], layout=loader[6])
@@ -101,6 +114,21 @@ def test_checkpoint_loads_in_the_other_expert_path(tmp_path, saver_grouped, dist
     """Weights, optimizer state and the next step carry over exactly; with the distributed optimizer
     too (its reload raised ``KeyError: 'step'`` before ``compat._fix_distributed_optimizer_step``)."""
     results = run_distributed(_rank, 2, str(tmp_path), saver_grouped, distributed_optimizer, timeout_s=300)
+    for saved, restored, (saver_loss, saver_after), (loader_loss, loader_after) in results:
+        _assert_same(restored, saved, "restored")
+        assert loader_loss == saver_loss
+        _assert_same(loader_after, saver_after, "after one more step")
+
+
+@pytest.mark.parametrize("layout,saver_grouped", [("etp2", False), ("etp2-gelu", True)],
+                         ids=["loop-to-grouped-etp2", "grouped-to-loop-etp2-gelu"])
+def test_checkpoint_loads_in_the_other_expert_path_at_expert_tensor_parallel_2(tmp_path, saver_grouped, layout):
+    """ETP = 2 (TP = EP = 1) on 2 ranks: each rank's half of every expert's FFN is stored at its
+    place in the global tensors and the other path loads it; logits, weights and the next step
+    carry over exactly. SwiGLU is loaded into the grouped path (its gate/up chunks built and merged
+    back), GeLU saved from it (its fc1 rows chunked per rank); the other directions run the same
+    code."""
+    results = run_distributed(_rank, 2, str(tmp_path), saver_grouped, False, layout, timeout_s=300)
     for saved, restored, (saver_loss, saver_after), (loader_loss, loader_after) in results:
         _assert_same(restored, saved, "restored")
         assert loader_loss == saver_loss

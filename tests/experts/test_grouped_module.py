@@ -185,3 +185,84 @@ def test_gradient_accumulation_fusion_adds_into_main_grad():
     for p in (experts.fc1_weight, experts.fc2_weight):
         assert p.grad_added_to_main_grad
         assert torch.equal(p.main_grad, expected[id(p)])
+
+
+MODES = ("eager", "deferred", "main_grad")
+
+
+def _run_mode(experts, counts, mode, seed=2):
+    """Forward and backward of ``experts`` on ``counts`` rows per expert with its weight gradients
+    computed ``mode``'s way: in the backward (``.grad``), deferred (``wgrad``: queued, run when the
+    backward ends) or accumulated into megatron-core DDP's ``main_grad``. Returns the output and the
+    gradients of the input, the probabilities and both stacked weights."""
+    weights = (experts.fc1_weight, experts.fc2_weight)
+    for p in weights:
+        p.grad = None
+        p.main_grad = torch.zeros_like(p) if mode == "main_grad" else None
+        p.grad_added_to_main_grad = False
+    experts.defer_wgrad = mode == "deferred"
+    experts.config = copy.copy(experts.config)
+    experts.config.gradient_accumulation_fusion = mode == "main_grad"
+    x, tokens_per_expert, probs = _layer_inputs(experts, counts, seed)
+    out, _ = experts(x, tokens_per_expert, probs)
+    out.square().sum().backward()
+    grads = [p.main_grad if mode == "main_grad" else p.grad for p in weights]
+    return (out.detach(), x.grad, probs.grad, *grads)
+
+
+def _edge_kernel(grouped_mm):
+    """``grouped_mm`` as some GPUs' kernels behave at the edges: a weight-gradient group of an expert
+    with no rows is left unwritten (NaN here; non-zero values on B200s, pytorch/pytorch#172439), and a
+    call with no rows at all is refused."""
+
+    def edge(a, b, offs=None, **kwargs):
+        rows = a.shape[1] if b.dim() == 2 else a.shape[0]  # wgrad's rows are its contraction
+        if rows == 0:
+            raise RuntimeError("grouped_mm: no rows (emulated refusal)")
+        out = grouped_mm(a, b, offs=offs, **kwargs)
+        if out.dim() == 3:  # a weight gradient [E, out, in]
+            out[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")
+        return out
+
+    return edge
+
+
+@one_rank
+def test_empty_experts_get_exactly_zero_weight_gradients_whatever_the_kernel_leaves():
+    """Counts [3, 0, 5, 0] under a kernel that leaves empty experts' weight-gradient groups
+    unwritten (``_edge_kernel``): in each of the three weight-gradient modes the empty experts'
+    gradients are exactly 0 and everything else equals the plain kernel's results exactly (the
+    guard only overwrites empty groups)."""
+    experts = _experts(_model()[0])
+    counts = [3, 0, 5, 0]
+    plain = {mode: _run_mode(experts, counts, mode) for mode in MODES}
+    grouped_mm = torch.nn.functional.grouped_mm
+    torch.nn.functional.grouped_mm = _edge_kernel(grouped_mm)
+    try:
+        for mode in MODES:
+            got = _run_mode(experts, counts, mode)
+            for name, a, b in zip(("output", "x grad", "probs grad", "fc1 grad", "fc2 grad"), got, plain[mode]):
+                assert torch.equal(a, b), (mode, name)
+            for grad in got[3:]:
+                assert torch.equal(grad[[1, 3]], torch.zeros_like(grad[[1, 3]])), mode
+                assert grad[[0, 2]].abs().sum() > 0, mode
+    finally:
+        torch.nn.functional.grouped_mm = grouped_mm
+
+
+@one_rank
+def test_no_tokens_at_all_calls_no_kernel():
+    """N = 0 (every count 0, e.g. an EP rank that received no tokens) under a kernel that refuses
+    a problem with no rows: the forward gives [0, H], the input and probability gradients are
+    empty, and every weight gradient is exactly 0 in each of the three modes."""
+    experts = _experts(_model()[0])
+    grouped_mm = torch.nn.functional.grouped_mm
+    torch.nn.functional.grouped_mm = _edge_kernel(grouped_mm)
+    try:
+        for mode in MODES:
+            out, x_grad, probs_grad, fc1_grad, fc2_grad = _run_mode(experts, [0, 0, 0, 0], mode)
+            assert out.shape == x_grad.shape == (0, experts.input_size) and probs_grad.shape == (0,), mode
+            for grad, param in ((fc1_grad, experts.fc1_weight), (fc2_grad, experts.fc2_weight)):
+                assert torch.equal(grad, torch.zeros_like(param)), mode
+    finally:
+        torch.nn.functional.grouped_mm = grouped_mm

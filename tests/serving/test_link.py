@@ -15,8 +15,10 @@ does. No model, no torch.distributed.
   the engine's reason.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
   front end that closed the link as ``FrontendGone``.
-- ``--nproc-per-node`` and ``--max-restarts`` misused are refused in one line, and so is a
-  ``$MOE_SERVE_FRONTEND`` no front end listens on.
+- Over TCP (several nodes) the link works the same; ``frontend_link`` hands node 0's address and key
+  to a rank 0 on another node.
+- ``--nproc-per-node``, ``--max-restarts`` and ``--nnodes`` misused are refused in one line, and so is
+  a ``$MOE_SERVE_FRONTEND`` no front end listens on.
 """
 
 from __future__ import annotations
@@ -81,13 +83,17 @@ class ScriptedRank0:
 
 
 class Setup:
-    def __init__(self):
+    def __init__(self, tcp: bool = False):
         self.dir = tempfile.mkdtemp(prefix="link-", dir="/tmp")  # a Unix socket path has at most 107 bytes
-        self.address = os.path.join(self.dir, "engine.sock")
         self.authkey = os.urandom(32)
+        if tcp:  # as over several nodes: HOST:PORT
+            listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=self.authkey)
+            self.address = f"127.0.0.1:{listener.address[1]}"
+        else:
+            self.address = os.path.join(self.dir, "engine.sock")
+            listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
         self.logs = []
-        self.bridge = EngineBridge(Listener(self.address, family="AF_UNIX", authkey=self.authkey),
-                                   stall_timeout_s=STALL_S, log=self.logs.append).start()
+        self.bridge = EngineBridge(listener, stall_timeout_s=STALL_S, log=self.logs.append).start()
         self.engines = []
         self.frontend = None
 
@@ -218,11 +224,53 @@ def test_rank0_drains_through_the_front_end_which_then_stops_it(linked):
     assert sum(c.stop for c in engine.commands) == 1  # told once
 
 
+def test_requests_travel_over_a_tcp_link():
+    """Over several nodes the link is TCP (``$MOE_SERVE_FRONTEND`` HOST:PORT): the same
+    authentication, the same messages."""
+    from multiprocessing import AuthenticationError
+
+    setup = Setup(tcp=True)
+    try:
+        with pytest.raises(AuthenticationError):
+            Client(("127.0.0.1", int(setup.address.rpartition(":")[2])), family="AF_INET", authkey=b"not the key")
+        setup.engine()
+        f = setup.serve()
+        status, body, _ = _request(f.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and body["choices"][0]["text"] == "ok"
+    finally:
+        setup.close()
+
+
+def _links(rank, world, envs):
+    from megatron.inference.link import frontend_link
+
+    os.environ.update(envs[rank])
+    with_front_end = frontend_link()
+    for key in envs[rank]:
+        del os.environ[key]
+    return with_front_end, frontend_link()
+
+
+def test_rank0_on_another_node_takes_the_front_ends_link_from_its_node():
+    """``frontend_link`` over 2 gloo ranks: the pair of the rank whose node runs the front end
+    reaches every rank (rank 0 of a node with an empty ``$MOE_SERVE_FRONTEND`` included); without
+    a front end process every rank gets None."""
+    from tools.spawn import run_distributed
+
+    node0 = {"MOE_SERVE_FRONTEND": "node0:4711", "MOE_SERVE_FRONTEND_KEY": "ab"}
+    other = {"MOE_SERVE_FRONTEND": ""}
+    assert run_distributed(_links, 2, [other, node0]) == [(("node0:4711", "ab"), None)] * 2
+
+
 @pytest.mark.parametrize("argv,env,message", [
     (["--nproc-per-node", "0"], {}, "--nproc-per-node must be >= 1, got 0"),
     (["--nproc-per-node", "2"], {"RANK": "0"}, "--nproc-per-node starts torchrun itself"),
     (["--max-restarts", "1"], {}, "--max-restarts needs --nproc-per-node"),
     (["--nproc-per-node", "2", "--max-restarts", "-1"], {}, "--max-restarts must be >= 0, got -1"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0:29400"], {}, "--nnodes > 1 needs --nproc-per-node"),
+    (["--nproc-per-node", "1", "--nnodes", "2"], {}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29400"], {},
+     "0 <= --node-rank < --nnodes"),
 ])
 def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts, monkeypatch, capsys):
     from megatron.inference.serve import main

@@ -39,18 +39,6 @@ def _tree_digest(path):
     return h.hexdigest()
 
 
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory):
-    """6 steps at EP=2 with checkpoints at 3 and 6."""
-    root = tmp_path_factory.mktemp("pretrain")
-    save = root / "a"
-    args = SMALL_PRETRAIN_ARGS + ["--train-iters", 6, "--expert-model-parallel-size", 2,
-                                  "--save", save, "--save-interval", 3, "--data-cache-path", root / "cache"]
-    proc = torchrun(MODULE, args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, save, proc
-
-
 def test_loss_falls_and_metrics_written(run_a):
     root, save, proc = run_a
     records = read_jsonl(save / "metrics.jsonl")
