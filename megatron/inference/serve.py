@@ -158,7 +158,9 @@ def _check_args(args) -> None:
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
-    if os.environ.get("RANK", "0") == "0":  # the rank that serves HTTP, before any rank starts
+    # the process that serves HTTP, before any rank starts: rank 0, or the front end of
+    # --nproc-per-node (which holds the port across restarts: its ranks never bind it)
+    if os.environ.get("RANK", "0") == "0" and ENV_ADDRESS not in os.environ:
         from megatron.inference.frontend import check_address
 
         check_address(args.host, args.port)

@@ -220,3 +220,25 @@ def test_front_end_flags_are_refused_in_one_line(argv, env, message, serve_ckpts
     assert main(["--load", serve_ckpts["standard"], *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megatron.inference.serve: error: ") and message in err and "\n" not in err
+
+
+def test_ranks_under_the_front_end_leave_its_port_alone(serve_ckpts, monkeypatch):
+    """The front end of ``--nproc-per-node`` holds ``--port`` across restarts: a (re)started rank 0
+    under it must not check that it can bind the port (it cannot: the front end holds it), while
+    rank 0 serving HTTP itself still refuses a busy port in one line."""
+    import socket
+
+    from megatron.common.cli import UserError
+    from megatron.inference.link import ENV_ADDRESS
+    from megatron.inference.serve import _check_args, build_parser
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = build_parser().parse_args(["--load", serve_ckpts["standard"], "--port", str(port)])
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(UserError, match=f"--port {port}: cannot bind"):
+            _check_args(args)
+        monkeypatch.setenv(ENV_ADDRESS, "/nonexistent/engine.sock")
+        _check_args(args)
