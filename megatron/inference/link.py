@@ -13,7 +13,7 @@ engine (rank 0) -> front end
     what the ready file holds;
     ``("assigned", {request id: data-parallel rank})``, ``("publish", [TokenUpdate], [rank stats])``:
     what the in-process ``Frontend`` is told by the loop;
-    ``("beat", age_s, longest_s, intervals)``: the loop heartbeat's ``Pulse``, from a thread, every
+    ``("beat", *Pulse fields)``: the loop heartbeat's ``Pulse``, from a thread, every
     ``beat_interval(stall_timeout)`` seconds (``/health`` reads it as it reads a local heartbeat);
     ``("drain",)``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
     ``("dead", reason)``: the engine failed or its watchdog fired; rank 0 exits next.
@@ -34,6 +34,7 @@ next loop iteration and fails as an engine failure (exit 1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -131,7 +132,7 @@ class EngineLink:
         while not self._closed.wait(interval_s):
             pulse = self._heartbeat.pulse()
             try:
-                self._send(("beat", pulse.age_s, pulse.longest_s, pulse.intervals))
+                self._send(("beat", *dataclasses.astuple(pulse)))
             except OSError:
                 return
 
@@ -192,8 +193,9 @@ class RemoteHeartbeat:
         self._clock = clock
         self._last: Optional[tuple] = None  # (Pulse, when it arrived)
 
-    def update(self, age_s: Optional[float], longest_s: float, intervals: int) -> None:
-        self._last = (Pulse(age_s, longest_s, intervals), self._clock())
+    def update(self, *fields) -> None:
+        """A beat's ``Pulse`` fields."""
+        self._last = (Pulse(*fields), self._clock())
 
     def reset(self) -> None:
         self._last = None
@@ -201,10 +203,10 @@ class RemoteHeartbeat:
     def pulse(self) -> Pulse:
         last = self._last
         if last is None:
-            return Pulse(None, 0.0, 0)
+            return Pulse(None, 0.0, 0, started=False)
         pulse, at = last
         age = None if pulse.age_s is None else pulse.age_s + max(self._clock() - at, 0.0)
-        return Pulse(age, pulse.longest_s, pulse.intervals)
+        return dataclasses.replace(pulse, age_s=age)
 
 
 class EngineBridge:

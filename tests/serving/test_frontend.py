@@ -176,7 +176,7 @@ def test_health_follows_the_heartbeat_drain_and_death(frontend):
     clock[0] += 5.0  # the loop has made no progress for 5 s
     status, body, _ = _request(f.url, "/health")
     assert status == 503 and body["status"] == "stalled" and body["seconds_since_last_step"] == 5
-    assert "--stall-timeout 1 or 5 x the longest step, 0.0 s" in body["reason"]
+    assert "--stall-timeout 1 or 5 x the longest recent step, 0.0 s" in body["reason"]
     heartbeat.tick()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
