@@ -22,7 +22,10 @@ front end -> engine
 
 The front end (``EngineBridge``) declares the engine lost when rank 0 closes the link (it exited:
 at once), sends ``dead``, or sends nothing for ``--stall-timeout`` seconds (stopped, or stuck in
-native code holding the GIL: its beat thread cannot run). Every in-flight request then gets a 503,
+native code holding the GIL: its beat thread cannot run). It reads rank 0's messages in whatever
+pieces arrive (``FrameReader``), never blocking past a deadline: a rank 0 stopped between a
+message's header and its body (``Connection.send`` writes them apart above 16 KiB) is silent like
+any other. Every in-flight request then gets a 503,
 new ones get a 503 with ``Retry-After``, ``/health`` says ``lost`` and why; a silent rank 0 is
 SIGKILLed (a stopped process ignores the SIGTERM torchrun would send, and its peers wait for it in
 a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once (``give_up``
@@ -36,9 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
+import select
 import signal
 import socket
+import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -50,7 +56,7 @@ from megatron.common.watchdog import Pulse
 from megatron.inference.frontend import Commands
 
 __all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "EngineLink", "EngineBridge", "RemoteHeartbeat",
-           "beat_interval"]
+           "FrameReader", "beat_interval"]
 
 ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket
 ENV_AUTHKEY = "MOE_SERVE_FRONTEND_KEY"  # its authentication key, hex
@@ -70,6 +76,55 @@ def hang_up(conn) -> None:
 def beat_interval(stall_timeout_s: float) -> float:
     """Seconds between rank 0's beats: several per ``--stall-timeout``, at most 0.5 s."""
     return min(0.5, stall_timeout_s / 5)
+
+
+class FrameReader:
+    """The messages ``Connection.send`` writes to ``conn``, read with a deadline: its framing (a
+    4-byte big-endian length, or -1 and an 8-byte length, then the pickled body) is taken from
+    whatever bytes have arrived, so a sender that stops in the middle of a message holds no reader.
+    (``Connection.recv`` reads a header and then blocks until its whole body is there.)"""
+
+    NOTHING = object()  # no complete message within the deadline
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._buf = bytearray()
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a message has arrived and not the rest."""
+        return bool(self._buf)
+
+    def recv(self, timeout_s: float):
+        """The next message, or ``NOTHING`` when none completed within ``timeout_s``; ``EOFError``
+        once the peer closed the connection."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            message = self._take()
+            if message is not self.NOTHING:
+                return message
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.conn.fileno()], [], [], left)[0]:
+                return self.NOTHING
+            chunk = os.read(self.conn.fileno(), 1 << 20)
+            if not chunk:
+                raise EOFError("the connection was closed")
+            self._buf += chunk
+
+    def _take(self):
+        buf = self._buf
+        if len(buf) < 4:
+            return self.NOTHING
+        size, start = struct.unpack("!i", buf[:4])[0], 4
+        if size == -1:
+            if len(buf) < 12:
+                return self.NOTHING
+            size, start = struct.unpack("!Q", buf[4:12])[0], 12
+        if len(buf) < start + size:
+            return self.NOTHING
+        body = bytes(buf[start:start + size])
+        del buf[:start + size]
+        return pickle.loads(body)
 
 
 class FrontendGone(ConnectionError):
@@ -226,6 +281,7 @@ class EngineBridge:
         self._send_lock = threading.Lock()
         self._conn = None  # the engine serving now
         self._hello: Optional[tuple] = None  # its hello
+        self._reader: Optional[FrameReader] = None  # its messages
         self._connected = threading.Condition(self._lock)
         self._closing = False
 
@@ -250,9 +306,9 @@ class EngineBridge:
         """Serve ``frontend`` from now on (once, after the first hello)."""
         with self._lock:
             self.frontend = frontend
-            conn = self._conn
+            conn, reader = self._conn, self._reader
         if conn is not None:
-            self._start_receiving(conn)
+            self._start_receiving(conn, reader)
         threading.Thread(target=self._forward, name="engine-bridge-send", daemon=True).start()
 
     def close(self) -> None:
@@ -272,15 +328,17 @@ class EngineBridge:
                 if self._closing:
                     return
                 continue
+            reader = FrameReader(conn)
             try:
-                hello = conn.recv() if conn.poll(60) else None
-            except (EOFError, OSError):
+                hello = reader.recv(60)
+            except (EOFError, OSError, pickle.UnpicklingError):
                 hello = None
             if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
                 conn.close()
                 continue
             with self._lock:
                 old, self._conn, self._hello = self._conn, conn, hello
+                self._reader = reader
                 self.engines += 1
                 frontend = self.frontend
                 self._connected.notify_all()
@@ -291,28 +349,31 @@ class EngineBridge:
             self.log(f"frontend: engine {self.engines} connected (rank 0 pid {pid})")
             if frontend is not None:
                 frontend.engine_up(limits)
-                self._start_receiving(conn)
+                self._start_receiving(conn, reader)
 
-    def _start_receiving(self, conn) -> None:
-        threading.Thread(target=self._receive, args=(conn,), name="engine-bridge-receive", daemon=True).start()
+    def _start_receiving(self, conn, reader: FrameReader) -> None:
+        threading.Thread(target=self._receive, args=(conn, reader), name="engine-bridge-receive",
+                         daemon=True).start()
 
-    def _receive(self, conn) -> None:
-        """Rank 0's messages to the frontend until the link closes or falls silent."""
+    def _receive(self, conn, reader: FrameReader) -> None:
+        """Rank 0's messages to the frontend until the link closes or falls silent (no complete
+        message for ``--stall-timeout``, also when one stopped half sent)."""
         frontend = self.frontend
         pid = self._hello[1]
         last = time.monotonic()
         poll_s = min(0.1, self.stall_timeout_s / 10)
         while self._conn is conn:
             try:
-                if not conn.poll(poll_s):
+                message = reader.recv(poll_s)
+                if message is FrameReader.NOTHING:
                     silent = time.monotonic() - last
                     if silent > self.stall_timeout_s:
+                        half = "; a message stopped half sent" if reader.partial else ""
                         self._lose(conn, f"rank 0 of the engine (pid {pid}) sent nothing for {silent:.1f} s "
-                                         f"(--stall-timeout {self.stall_timeout_s:g}): it is stopped, or stuck "
+                                         f"(--stall-timeout {self.stall_timeout_s:g}{half}): it is stopped, or stuck "
                                          f"holding the GIL", kill=[pid])
                     continue
-                message = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, pickle.UnpicklingError):
                 self._lose(conn, "rank 0 of the engine closed the link: it exited")
                 return
             last = time.monotonic()

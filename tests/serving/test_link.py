@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import pickle
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -171,6 +173,56 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
     status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a"})
     assert status == 200 and body["choices"][0]["text"] == "ok"
     assert any(f"SIGKILLed pid {sleeper.pid}" in line for line in linked.logs)
+
+
+def test_a_rank0_stopped_in_the_middle_of_a_message_is_lost_like_a_silent_one(linked):
+    """Rank 0 stopped between a large message's header and the rest of its body (over 16 KiB,
+    ``Connection.send`` writes them apart): the front end must not block reading that message; its
+    stall check runs, and the request in flight gets a 503 after the stall timeout."""
+    sleeper = subprocess.Popen(["sleep", "600"])  # plays the stopped rank 0's process
+    try:
+        conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
+        conn.send(("hello", sleeper.pid, machine_id(), LIMITS, {"model": "m"}))
+        conn.send(("beat", 0.0, 0.0, 1))
+        assert linked.bridge.wait_engine(10)
+        f = linked.serve()
+        _until(lambda: _health(f.url)[0] == 200)
+        big = pickle.dumps(("publish", [], [{"pad": "x" * 100_000}]))
+        os.write(conn.fileno(), struct.pack("!i", len(big)) + big[:1000])  # the header and a part
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+            status, body, _ = in_flight.result(timeout=30)
+        message = body["error"]["message"]
+        assert status == 503 and f"rank 0 of the engine (pid {sleeper.pid}) sent nothing for" in message
+        assert "a message stopped half sent" in message
+        assert sleeper.wait(10) == -9
+        conn.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_frames_are_read_in_any_pieces():
+    """``FrameReader`` reads what ``Connection.send`` wrote, whole or in pieces, small and large
+    messages alike; nothing until a message is complete, ``EOFError`` once the sender closed."""
+    from multiprocessing import Pipe
+
+    from megatron.inference.link import FrameReader
+
+    receiver, sender = Pipe(duplex=False)
+    reader = FrameReader(receiver)
+    sender.send(("beat", 1.0))
+    sender.send(("publish", "y" * 50_000))
+    assert reader.recv(1) == ("beat", 1.0) and reader.recv(1) == ("publish", "y" * 50_000)
+    body = pickle.dumps(("assigned", {7: 1}))
+    frame = struct.pack("!i", len(body)) + body
+    for piece in (frame[:2], frame[2:9], frame[9:]):
+        assert reader.recv(0.01) is FrameReader.NOTHING
+        os.write(sender.fileno(), piece)
+    assert reader.recv(1) == ("assigned", {7: 1}) and not reader.partial
+    sender.close()
+    with pytest.raises(EOFError):
+        reader.recv(1)
 
 
 def test_a_closed_link_or_a_dead_engine_fails_in_flight_requests_at_once(linked):
