@@ -480,6 +480,8 @@ class Frontend:
             self.commands.put(("submit", submit))
         try:
             await self._respond(req, stream, send, chat, arrival)
+        except BadRequest as err:  # answered while it still counts in flight: wait_answered waits for it
+            await _send_json(send, err.status, protocol.error_body(err), err.headers)
         finally:
             watcher.cancel()
             for rid, choice in stream.choices.items():
