@@ -24,7 +24,9 @@ step or a collective, e.g. a peer rank died) fails every in-flight request with 
 a rank that stops making progress (stopped, hung, deadlocked: every peer then waits in a
 collective) turns ``/health`` 503 after ``--stall-timeout`` and ends the server after
 ``--watchdog-timeout`` (in-flight requests get a 503, the process exits 3 with every thread's
-stack on stderr; torchrun then stops the other ranks). See docs/design/serving.md.
+stack on stderr; torchrun then stops the other ranks); a rank that has not entered the loop
+``--startup-timeout`` after it started (stopped or hung while loading, or waiting for a rank that
+is) exits 3 the same way. See docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -348,8 +350,8 @@ def serve_rank(args) -> int:
             reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is " \
                      "stopped, hung or dead"
         else:
-            reason = f"rank {rank} did not start serving within {age:.1f} s ({why}): it, or a rank it waits " \
-                     "for, is stopped, hung or dead while starting"
+            reason = f"did not start serving within {age:.1f} s ({why}): this rank, or one it waits for, is " \
+                     "stopped, hung or dead while starting"
         if frontend is not None:
             frontend.mark_dead(reason)
             frontend.wait_answered(2.0)

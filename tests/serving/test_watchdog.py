@@ -187,3 +187,16 @@ def test_intervals_that_waited_for_work_stay_out_of_the_window():
     heartbeat.tick(record=False)
     pulse = heartbeat.pulse()
     assert pulse.recent_s == 2 and pulse.intervals == 3 and pulse.age_s == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-watchdog-timeout", "10"], "--max-watchdog-timeout must be >= --watchdog-timeout 60, got 10"),
+    (["--stall-timeout", "5", "--max-stall-timeout", "4"], "--max-stall-timeout must be >= --stall-timeout 5, got 4"),
+    (["--startup-timeout", "-1"], "--startup-timeout must be >= 0, got -1.0"),
+])
+def test_bad_limits_are_refused_in_one_line(argv, message, serve_ckpts, capsys):
+    from megatron.inference.serve import main
+
+    assert main(["--load", serve_ckpts["standard"], "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"megatron.inference.serve: error: {message}"

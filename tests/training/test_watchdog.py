@@ -396,6 +396,27 @@ def test_stalled_rank_ends_the_job_with_the_watchdog_code(tmp_path, kind, needle
 
 
 @pytest.mark.slow
+def test_a_save_stuck_on_io_ends_the_job_and_keeps_the_checkpoints_before(tmp_path):
+    """From step 3 on, every ``fsync`` of rank 1 blocks as on a hung file system
+    (``tools.faults.inject`` ``stuck-io``), so the save at step 4 never completes while both ranks'
+    heartbeats go on. ``--save-timeout 5`` ends the job with the watchdog's code and one line naming
+    the save and the flag, instead of hanging it; the checkpoint of step 2 stays the newest
+    complete one (the latest pointer names it, its manifest verifies) and step 4's is never
+    published."""
+    from megatron.training.checkpointing import find_latest_checkpoint, verify_checkpoint
+
+    result = _train(tmp_path, "stuck-io", extra=["--save-interval", 2, "--save-timeout", 5])
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "checkpoint save on rank" in out and "it is stuck" in out and "--save-timeout 5 s" in out, out[-3000:]
+    assert f"exitcode  : {EXIT_WATCHDOG}" in out, out[-3000:]
+    newest = find_latest_checkpoint(str(tmp_path / "run"))
+    assert os.path.basename(newest) == "iter_0000002"
+    verify_checkpoint(newest)
+    assert not (tmp_path / "run" / "iter_0000004").exists()
+
+
+@pytest.mark.slow
 def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
     """``--max-restarts 1`` with ``--save D --load D``: a stopped rank ends the first attempt; the
     second resumes from D's checkpoint (saved every step) and finishes all 8 steps."""
