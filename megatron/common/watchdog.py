@@ -3,13 +3,17 @@ mechanism with two uses: training (``megatron.training.watchdog``) and serving
 (``megatron.inference.watchdog``).
 
 - ``Heartbeat``: the loop ticks it where it proves progress (a training step finished; a serving
-  iteration's all-gather completed). The time between two ticks is an interval. ``paused()``
-  marks work without a deadline (an evaluation, a checkpoint save); the heartbeat's clock
-  restarts when it ends.
-- ``Deadline``: how long a heartbeat may stay still: a configured limit, grown to ``growth``
-  times the longest interval seen, so that a slow but steady loop is not taken for a hung one;
-  before the first interval has completed there is nothing to scale by, and a startup limit
-  applies instead.
+  iteration's all-gather completed). The time between two ticks is an interval. ``arm()`` starts
+  its clock before the first tick (at process start), so that start-up has a deadline too.
+  ``paused(what, limit_s)`` marks work with a deadline of its own (a checkpoint save, an
+  evaluation; none with ``limit_s`` 0); the heartbeat's clock restarts when it ends.
+- ``Deadline``: how long a heartbeat may stay still, by phase: from arming to the first tick a
+  start-up limit; the first interval (one-off costs: memory allocation, kernel compilation, lazily
+  created communicators) its own limit; then a configured limit, grown to ``growth`` times the
+  longest of the last ``WINDOW`` intervals (so that a slow but steady loop is not taken for a hung
+  one) and capped at a stated maximum (so that one slow interval cannot stretch the limit without
+  bound). The first interval stays out of that window; it scales only the second's limit, while
+  no other interval has completed.
 - ``Watchdog``: a daemon thread that runs a check every interval until the check fires. A
   thread needs the GIL, so a process stopped (SIGSTOP) or stuck in native code holding the GIL
   stops checking too: only a peer can see that (``StorePeers``).
@@ -24,6 +28,7 @@ Standard library only; ``clock`` arguments take a fake clock in tests.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import signal
@@ -34,16 +39,23 @@ from typing import Callable, Optional
 
 from megatron.common.process import machine_id, same_machine
 
-__all__ = ["Pulse", "Heartbeat", "Deadline", "Watchdog", "LostPeer", "StorePeers"]
+__all__ = ["WINDOW", "Pulse", "Heartbeat", "Deadline", "Watchdog", "LostPeer", "StorePeers"]
+
+
+WINDOW = 32  # the recent intervals a grown limit is taken from
 
 
 @dataclasses.dataclass(frozen=True)
 class Pulse:
     """A heartbeat read at one instant."""
 
-    age_s: Optional[float]  # since the last tick; None before the first tick and while paused
-    longest_s: float  # the longest completed interval (pauses excluded)
-    intervals: int  # completed intervals
+    age_s: Optional[float]  # since the last tick, the arming or the start of a bounded pause; None
+    # before arming and in a pause without a deadline
+    recent_s: float  # the longest of the recent intervals (the first one only while no other completed)
+    intervals: int  # completed intervals (pauses and unrecorded ticks excluded)
+    started: bool = True  # false from arming to the first tick (start-up)
+    pause: Optional[str] = None  # what a pause with a deadline in progress is doing
+    pause_limit_s: float = 0.0  # its deadline
 
 
 class Heartbeat:
@@ -53,27 +65,48 @@ class Heartbeat:
     with the old clock (a rank reported hung right after a long evaluation). The clock is read
     outside the lock."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, window: int = WINDOW):
         self._clock = clock
         self._lock = threading.Lock()
-        self._at: Optional[float] = None  # the last tick, or the end of the last pause
+        self._at: Optional[float] = None  # the last tick, the arming, or the end of the last pause
         self._ticks = 0
-        self._longest_s = 0.0
+        self._intervals = 0
+        self._first_s: Optional[float] = None  # the first recorded interval
+        self._recent: collections.deque = collections.deque(maxlen=window)  # the later ones
         self._paused = 0  # pause depth
+        self._pause: Optional[tuple] = None  # (what, limit_s, since) of the outermost pause
 
-    def tick(self) -> None:
+    def arm(self, at: Optional[float] = None) -> None:
+        """Start the clock before the first tick (``at``: an earlier instant of this clock, e.g.
+        the process start): the start-up phase, judged by ``Deadline.startup_s``."""
+        now = self._clock() if at is None else at
+        with self._lock:
+            if self._at is None:
+                self._at = now
+
+    def tick(self, record: bool = True) -> None:
+        """Progress. ``record`` false: the interval it ends says nothing about how long work takes
+        (a loop that waited for work): it restarts the clock but stays out of the window."""
         now = self._clock()
         with self._lock:
-            if self._at is not None and not self._paused:
-                self._longest_s = max(self._longest_s, now - self._at)
+            if self._ticks and not self._paused and record:
+                if self._first_s is None:
+                    self._first_s = now - self._at
+                else:
+                    self._recent.append(now - self._at)
+                self._intervals += 1
             self._at = now
             self._ticks += 1
 
     @contextmanager
-    def paused(self):
-        """No deadline inside; the interval in progress restarts when the last pause ends."""
+    def paused(self, what: Optional[str] = None, limit_s: float = 0.0):
+        """Work with a deadline of its own inside (``limit_s`` seconds; 0: none); the interval in
+        progress restarts when the last pause ends."""
+        since = self._clock()
         with self._lock:
             self._paused += 1
+            if self._paused == 1:
+                self._pause = (what, limit_s, since)
         try:
             yield
         finally:
@@ -82,33 +115,57 @@ class Heartbeat:
                 if self._at is not None:
                     self._at = now
                 self._paused -= 1
+                if not self._paused:
+                    self._pause = None
 
     def pulse(self) -> Pulse:
         now = self._clock()
         with self._lock:
+            recent = max(self._recent) if self._recent else (self._first_s or 0.0)
+            started = self._ticks > 0
+            if self._pause is not None and self._pause[1] > 0:
+                what, limit_s, since = self._pause
+                return Pulse(max(now - since, 0.0), recent, self._intervals, started, what or "paused", limit_s)
             age = None if self._at is None or self._paused else max(now - self._at, 0.0)
-            return Pulse(age, self._longest_s, max(self._ticks - 1, 0))
+            return Pulse(age, recent, self._intervals, started)
 
 
 @dataclasses.dataclass(frozen=True)
 class Deadline:
-    """How long a heartbeat may stay still: ``limit_s`` (0: no deadline), grown to ``growth`` x
-    the longest interval seen (0: fixed). Until the first interval completes, ``startup_s`` when
-    it is longer: a loop's first interval carries one-off costs (memory allocation, kernel
-    compilation, lazily created communicators) and then counts like any other."""
+    """How long a heartbeat may stay still (module docstring): ``startup_s`` from arming to the
+    first tick (0: none); then ``limit_s`` (0: no deadline), for the first interval
+    ``first_s`` when that is longer, and later grown to ``growth`` x the longest recent interval
+    (0: fixed), at most ``max_s`` (0: no cap; never below ``limit_s``). A pause with a deadline
+    has its own (``Pulse.pause_limit_s``)."""
 
     limit_s: float
     growth: float = 0.0
+    max_s: float = 0.0
+    first_s: float = 0.0
     startup_s: float = 0.0
 
     def limit(self, pulse: Pulse) -> float:
+        """The limit in force (0: none)."""
+        if pulse.pause is not None:
+            return pulse.pause_limit_s
+        if not pulse.started:
+            return self.startup_s
+        if self.limit_s <= 0:
+            return 0.0
         if pulse.intervals == 0:
-            return max(self.limit_s, self.startup_s)
-        return max(self.limit_s, self.growth * pulse.longest_s)
+            return max(self.limit_s, self.first_s)
+        grown = max(self.limit_s, self.growth * pulse.recent_s)
+        return min(grown, max(self.max_s, self.limit_s)) if self.max_s > 0 else grown
+
+    def capped(self, pulse: Pulse) -> bool:
+        """Whether the grown limit in force is the cap."""
+        return (pulse.pause is None and pulse.started and pulse.intervals > 0 and self.max_s > 0
+                and self.growth * pulse.recent_s > max(self.max_s, self.limit_s))
 
     def overdue(self, pulse: Pulse) -> bool:
-        """Whether the heartbeat has been still for longer than its limit."""
-        return self.limit_s > 0 and pulse.age_s is not None and pulse.age_s > self.limit(pulse)
+        """Whether the heartbeat has been still for longer than the limit in force."""
+        limit = self.limit(pulse)
+        return limit > 0 and pulse.age_s is not None and pulse.age_s > limit
 
 
 class Watchdog:

@@ -20,8 +20,8 @@ requests without a first token yet) past ``max_queued_requests`` gets 503 with `
 one still unfinished ``request_timeout`` seconds after it arrived is cancelled in the engine and
 answered 504. ``/health`` is 200 only while the loop's heartbeat
 (``megatron.common.watchdog.Heartbeat``: its last all-gather, engine step start or end) is
-younger than ``stall_timeout``, grown with the slowest engine step
-(``megatron.inference.watchdog``); 503 with the reason (starting, stalled, draining, dead)
+younger than ``stall_timeout``, grown with the slowest recent engine step up to
+``max_stall_timeout`` (``megatron.inference.watchdog``); 503 with the reason (starting, stalled, draining, dead)
 otherwise. With ``api_keys``, every path except ``/health``,
 ``/v1/health`` and ``/metrics`` needs ``Authorization: Bearer KEY`` (401 otherwise; compared as
 SHA-256 digests in constant time).
@@ -95,6 +95,7 @@ class FrontendConfig:
     max_queued_requests: int = 512
     request_timeout: float = 600.0  # 0: none
     stall_timeout: float = 30.0
+    max_stall_timeout: Optional[float] = None  # default: watchdog.STALL_GROWTH x stall_timeout
     max_body_bytes: int = 16 * 1024 * 1024
     enable_tokenizer_info: bool = False
 
@@ -155,7 +156,7 @@ class Frontend:
         self.served_model = config.served_model
         self.context_length = int(config.limits.context)
         self.heartbeat = heartbeat
-        self._stall = health_deadline(config.stall_timeout)
+        self._stall = health_deadline(config.stall_timeout, config.max_stall_timeout)
         self.commands: "queue.Queue[tuple]" = queue.Queue()
         self.metrics = ServingMetrics(config.served_model)
         self._key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
@@ -377,12 +378,12 @@ class Frontend:
             return 200, {"status": "ok", "model": self.served_model, "seconds_since_last_step": 0.0}
         pulse = self.heartbeat.pulse()
         age = pulse.age_s
-        if age is None:
+        if age is None or not pulse.started:
             return 503, {"status": "starting"}
         if self._stall.overdue(pulse):
+            why = limit_text("--stall-timeout", self._stall, pulse, "--max-stall-timeout")
             return 503, {"status": "stalled", "seconds_since_last_step": round(age, 3),
-                         "reason": f"the engine loop made no progress for {age:.1f} s "
-                                   f"({limit_text('--stall-timeout', self._stall, pulse)})"}
+                         "reason": f"the engine loop made no progress for {age:.1f} s ({why})"}
         return 200, {"status": "ok", "model": self.served_model, "seconds_since_last_step": round(age, 3)}
 
     async def _health(self, receive, send):
@@ -486,6 +487,9 @@ class Frontend:
             self.commands.put(("submit", submit))
         try:
             await self._respond(req, stream, send, chat, arrival)
+        except BadRequest as err:  # answered while it still counts in flight: wait_answered waits for it
+            self._cancel_unfinished(stream)
+            await _send_json(send, err.status, protocol.error_body(err), err.headers)
         except BaseException:  # a bug or a cancelled handler: no engine request decodes on for nobody
             self._cancel_unfinished(stream)
             raise

@@ -16,7 +16,7 @@ engine (rank 0) -> front end
     what the ready file holds;
     ``("assigned", {request id: data-parallel rank})``, ``("publish", [TokenUpdate], [rank stats])``:
     what the in-process ``Frontend`` is told by the loop;
-    ``("beat", age_s, longest_s, intervals)``: the loop heartbeat's ``Pulse``, from a thread, every
+    ``("beat", *Pulse fields)``: the loop heartbeat's ``Pulse``, from a thread, every
     ``beat_interval(stall_timeout)`` seconds (``/health`` reads it as it reads a local heartbeat);
     ``("drain",)``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
     ``("dead", reason)``: the engine failed or its watchdog fired; rank 0 exits next.
@@ -25,7 +25,10 @@ front end -> engine
 
 The front end (``EngineBridge``) declares the engine lost when rank 0 closes the link (it exited:
 at once), sends ``dead``, or sends nothing for ``--stall-timeout`` seconds (stopped, or stuck in
-native code holding the GIL: its beat thread cannot run). Every in-flight request then gets a 503,
+native code holding the GIL: its beat thread cannot run). It reads rank 0's messages in whatever
+pieces arrive (``FrameReader``), never blocking past a deadline: a rank 0 stopped between a
+message's header and its body (``Connection.send`` writes them apart above 16 KiB) is silent like
+any other. Every in-flight request then gets a 503,
 new ones get a 503 with ``Retry-After``, ``/health`` says ``lost`` and why; a silent rank 0 is
 SIGKILLed (a stopped process ignores the SIGTERM torchrun would send, and its peers wait for it in
 a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once (``give_up``
@@ -37,10 +40,14 @@ next loop iteration and fails as an engine failure (exit 1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import queue
+import select
 import signal
 import socket
+import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -52,7 +59,7 @@ from megatron.common.watchdog import Pulse
 from megatron.inference.frontend import Commands
 
 __all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", "EngineLink", "EngineBridge",
-           "RemoteHeartbeat", "beat_interval", "frontend_link"]
+           "FrameReader", "RemoteHeartbeat", "beat_interval", "frontend_link"]
 
 ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket or HOST:PORT; empty on its other nodes
 ENV_AUTHKEY = "MOE_SERVE_FRONTEND_KEY"  # its authentication key, hex
@@ -96,6 +103,55 @@ def _dial_address(address: str) -> tuple:
 def beat_interval(stall_timeout_s: float) -> float:
     """Seconds between rank 0's beats: several per ``--stall-timeout``, at most 0.5 s."""
     return min(0.5, stall_timeout_s / 5)
+
+
+class FrameReader:
+    """The messages ``Connection.send`` writes to ``conn``, read with a deadline: its framing (a
+    4-byte big-endian length, or -1 and an 8-byte length, then the pickled body) is taken from
+    whatever bytes have arrived, so a sender that stops in the middle of a message holds no reader.
+    (``Connection.recv`` reads a header and then blocks until its whole body is there.)"""
+
+    NOTHING = object()  # no complete message within the deadline
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._buf = bytearray()
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a message has arrived and not the rest."""
+        return bool(self._buf)
+
+    def recv(self, timeout_s: float):
+        """The next message, or ``NOTHING`` when none completed within ``timeout_s``; ``EOFError``
+        once the peer closed the connection."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            message = self._take()
+            if message is not self.NOTHING:
+                return message
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.conn.fileno()], [], [], left)[0]:
+                return self.NOTHING
+            chunk = os.read(self.conn.fileno(), 1 << 20)
+            if not chunk:
+                raise EOFError("the connection was closed")
+            self._buf += chunk
+
+    def _take(self):
+        buf = self._buf
+        if len(buf) < 4:
+            return self.NOTHING
+        size, start = struct.unpack("!i", buf[:4])[0], 4
+        if size == -1:
+            if len(buf) < 12:
+                return self.NOTHING
+            size, start = struct.unpack("!Q", buf[4:12])[0], 12
+        if len(buf) < start + size:
+            return self.NOTHING
+        body = bytes(buf[start:start + size])
+        del buf[:start + size]
+        return pickle.loads(body)
 
 
 class FrontendGone(ConnectionError):
@@ -164,7 +220,7 @@ class EngineLink:
         while not self._closed.wait(interval_s):
             pulse = self._heartbeat.pulse()
             try:
-                self._send(("beat", pulse.age_s, pulse.longest_s, pulse.intervals))
+                self._send(("beat", *dataclasses.astuple(pulse)))
             except OSError:
                 return
 
@@ -225,8 +281,9 @@ class RemoteHeartbeat:
         self._clock = clock
         self._last: Optional[tuple] = None  # (Pulse, when it arrived)
 
-    def update(self, age_s: Optional[float], longest_s: float, intervals: int) -> None:
-        self._last = (Pulse(age_s, longest_s, intervals), self._clock())
+    def update(self, *fields) -> None:
+        """A beat's ``Pulse`` fields."""
+        self._last = (Pulse(*fields), self._clock())
 
     def reset(self) -> None:
         self._last = None
@@ -234,10 +291,10 @@ class RemoteHeartbeat:
     def pulse(self) -> Pulse:
         last = self._last
         if last is None:
-            return Pulse(None, 0.0, 0)
+            return Pulse(None, 0.0, 0, started=False)
         pulse, at = last
         age = None if pulse.age_s is None else pulse.age_s + max(self._clock() - at, 0.0)
-        return Pulse(age, pulse.longest_s, pulse.intervals)
+        return dataclasses.replace(pulse, age_s=age)
 
 
 class EngineBridge:
@@ -258,6 +315,7 @@ class EngineBridge:
         self._send_lock = threading.Lock()
         self._conn = None  # the engine serving now
         self._hello: Optional[tuple] = None  # its hello
+        self._reader: Optional[FrameReader] = None  # its messages
         self._connected = threading.Condition(self._lock)
         self._closing = False
 
@@ -282,9 +340,9 @@ class EngineBridge:
         """Serve ``frontend`` from now on (once, after the first hello)."""
         with self._lock:
             self.frontend = frontend
-            conn = self._conn
+            conn, reader = self._conn, self._reader
         if conn is not None:
-            self._start_receiving(conn)
+            self._start_receiving(conn, reader)
         threading.Thread(target=self._forward, name="engine-bridge-send", daemon=True).start()
 
     def close(self) -> None:
@@ -304,15 +362,17 @@ class EngineBridge:
                 if self._closing:
                     return
                 continue
+            reader = FrameReader(conn)
             try:
-                hello = conn.recv() if conn.poll(60) else None
-            except (EOFError, OSError):
+                hello = reader.recv(60)
+            except (EOFError, OSError, pickle.UnpicklingError):
                 hello = None
             if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
                 conn.close()
                 continue
             with self._lock:
                 old, self._conn, self._hello = self._conn, conn, hello
+                self._reader = reader
                 self.engines += 1
                 frontend = self.frontend
                 self._connected.notify_all()
@@ -323,28 +383,31 @@ class EngineBridge:
             self.log(f"frontend: engine {self.engines} connected (rank 0 pid {pid})")
             if frontend is not None:
                 frontend.engine_up(limits)
-                self._start_receiving(conn)
+                self._start_receiving(conn, reader)
 
-    def _start_receiving(self, conn) -> None:
-        threading.Thread(target=self._receive, args=(conn,), name="engine-bridge-receive", daemon=True).start()
+    def _start_receiving(self, conn, reader: FrameReader) -> None:
+        threading.Thread(target=self._receive, args=(conn, reader), name="engine-bridge-receive",
+                         daemon=True).start()
 
-    def _receive(self, conn) -> None:
-        """Rank 0's messages to the frontend until the link closes or falls silent."""
+    def _receive(self, conn, reader: FrameReader) -> None:
+        """Rank 0's messages to the frontend until the link closes or falls silent (no complete
+        message for ``--stall-timeout``, also when one stopped half sent)."""
         frontend = self.frontend
         pid = self._hello[1]
         last = time.monotonic()
         poll_s = min(0.1, self.stall_timeout_s / 10)
         while self._conn is conn:
             try:
-                if not conn.poll(poll_s):
+                message = reader.recv(poll_s)
+                if message is FrameReader.NOTHING:
                     silent = time.monotonic() - last
                     if silent > self.stall_timeout_s:
+                        half = "; a message stopped half sent" if reader.partial else ""
                         self._lose(conn, f"rank 0 of the engine (pid {pid}) sent nothing for {silent:.1f} s "
-                                         f"(--stall-timeout {self.stall_timeout_s:g}): it is stopped, or stuck "
+                                         f"(--stall-timeout {self.stall_timeout_s:g}{half}): it is stopped, or stuck "
                                          f"holding the GIL", kill=[pid])
                     continue
-                message = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, pickle.UnpicklingError):
                 self._lose(conn, "rank 0 of the engine closed the link: it exited")
                 return
             last = time.monotonic()

@@ -237,7 +237,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
         headers = [torch.empty_like(header) for _ in range(world)]
         collectives.all_gather(headers, header)
         if heartbeat is not None:
-            heartbeat.tick()
+            heartbeat.tick(record=busy)  # after an idle iteration the interval waited for work
         headers = torch.stack(headers)  # [world, HEADER_FIELDS]
         stop = bool(headers[0, _STOP])
         _check_tp_groups(headers, tp_groups, steps)

@@ -24,7 +24,9 @@ step or a collective, e.g. a peer rank died) fails every in-flight request with 
 a rank that stops making progress (stopped, hung, deadlocked: every peer then waits in a
 collective) turns ``/health`` 503 after ``--stall-timeout`` and ends the server after
 ``--watchdog-timeout`` (in-flight requests get a 503, the process exits 3 with every thread's
-stack on stderr; torchrun then stops the other ranks). See docs/design/serving.md.
+stack on stderr; torchrun then stops the other ranks); a rank that has not entered the loop
+``--startup-timeout`` after it started (stopped or hung while loading, or waiting for a rank that
+is) exits 3 the same way. See docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -105,10 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may take before it is cancelled and answered 504 (0: no limit)")
     g.add_argument("--stall-timeout", type=float, default=30.0,
                    help="/health turns 503 when the engine loop made no progress for this long (grown to 5x the "
-                        "slowest engine step seen)")
+                        "slowest recent engine step, at most --max-stall-timeout)")
+    g.add_argument("--max-stall-timeout", type=float, default=None, metavar="S",
+                   help="the most --stall-timeout grows to with slow engine steps (default: 5x --stall-timeout)")
     g.add_argument("--watchdog-timeout", type=float, default=60.0,
-                   help=f"a rank whose loop made no progress for this long (grown to 10x the slowest engine step "
-                        f"seen) fails in-flight requests and exits {EXIT_WATCHDOG} (0: never)")
+                   help=f"a rank whose loop made no progress for this long (grown to 10x the slowest recent "
+                        f"engine step, at most --max-watchdog-timeout) fails in-flight requests and exits "
+                        f"{EXIT_WATCHDOG} (0: never)")
+    g.add_argument("--max-watchdog-timeout", type=float, default=None, metavar="S",
+                   help="the most --watchdog-timeout grows to with slow engine steps (default: 10x "
+                        "--watchdog-timeout)")
+    g.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                   help=f"a rank that has not entered the serving loop this many seconds after it started "
+                        f"(loading the model, building the engine, waiting for a rank that is stopped or hung; "
+                        f"after every restart too) exits {EXIT_WATCHDOG} (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 beyond)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens, chat template: lm-eval's remote tokenizer)")
@@ -144,12 +156,16 @@ def _check_args(args) -> None:
                  "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    for flag in ("request_timeout", "watchdog_timeout"):
+    for flag in ("request_timeout", "watchdog_timeout", "startup_timeout"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     for flag in ("stall_timeout", "metrics_interval"):
         if not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    for cap, flag in (("max_stall_timeout", "stall_timeout"), ("max_watchdog_timeout", "watchdog_timeout")):
+        if getattr(args, cap) is not None and not getattr(args, cap) >= getattr(args, flag):
+            raise UserError(f"--{cap.replace('_', '-')} must be >= --{flag.replace('_', '-')} "
+                            f"{getattr(args, flag):g}, got {getattr(args, cap):g}")
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1:
             raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -178,7 +194,9 @@ def _check_args(args) -> None:
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"serving needs the 'serve' extra ({', '.join(missing)} missing): pip install -e '.[serve]'")
-    if os.environ.get("RANK", "0") == "0" and args.node_rank == 0:  # what serves HTTP, before any rank starts
+    # the process that serves HTTP, before any rank starts: rank 0 of node 0, or the front end of
+    # --nproc-per-node (which holds the port across restarts: its ranks never bind it)
+    if os.environ.get("RANK", "0") == "0" and args.node_rank == 0 and ENV_ADDRESS not in os.environ:
         from megatron.inference.frontend import check_address
 
         check_address(args.host, args.port)
@@ -311,7 +329,8 @@ def frontend_config(args, limits):
     return FrontendConfig(served_model=served_name(args), limits=limits, host=args.host, port=args.port,
                           shutdown_timeout=args.shutdown_timeout, api_keys=api_keys(args),
                           max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
-                          stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
+                          stall_timeout=args.stall_timeout, max_stall_timeout=args.max_stall_timeout,
+                          max_body_bytes=args.max_body_bytes,
                           enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
 
 
@@ -352,7 +371,27 @@ def serve_rank(args) -> int:
     from moe_variants import registry
 
     cfg = engine_config(args)
+    rank = int(os.environ.get("RANK", "0"))
+    frontend = None
+    heartbeat = Heartbeat()
+    heartbeat.arm()  # from process start: loading, building and connecting have --startup-timeout
+
+    def on_stall(age, why):
+        if heartbeat.pulse().started:
+            reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is " \
+                     "stopped, hung or dead"
+        else:
+            reason = f"did not start serving within {age:.1f} s ({why}): this rank, or one it waits for, is " \
+                     "stopped, hung or dead while starting"
+        if frontend is not None:
+            frontend.mark_dead(reason)
+            frontend.wait_answered(2.0)
+        fatal_exit(EXIT_WATCHDOG, f"rank {rank}: {reason}; exiting with status {EXIT_WATCHDOG}")
+
+    watchdog = StallWatchdog(heartbeat, args.watchdog_timeout, on_stall, max_timeout_s=args.max_watchdog_timeout,
+                             startup_timeout_s=args.startup_timeout).start()
     with contextlib.ExitStack() as stack:
+        stack.callback(watchdog.stop)
         _init_distributed(stack)
         rank, world = dist.get_rank(), dist.get_world_size()
         roster = roster_for_job(rank, world)  # who failed, when a collective fails (failures.py)
@@ -401,8 +440,6 @@ def serve_rank(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
 
-        heartbeat = Heartbeat()
-        frontend = None
         link = frontend_link()  # collective: rank 0 may be on another node than the front end
         if rank == 0:
             render, chat_kind = checkpoint_chat(manifest, ckpt)
@@ -439,20 +476,11 @@ def serve_rank(args) -> int:
                     write_json(args.ready_file, {"url": url, "port": port, **info})
                 print(f"serving {name} on {url} ({layout}; chat: {chat_kind})", flush=True)
 
-        def on_stall(age, why):
-            reason = f"the engine loop made no progress on rank {rank} for {age:.1f} s ({why}): a rank is stopped, " \
-                     "hung or dead"
-            if frontend is not None:
-                frontend.mark_dead(reason)
-                frontend.wait_answered(2.0)
-            fatal_exit(EXIT_WATCHDOG, f"rank {rank}: {reason}; exiting with status {EXIT_WATCHDOG}")
-
         def on_iteration(busy):
             if rank == 0 and stop["signal"] is not None and not frontend.stop_requested.is_set():
                 print(f"received signal {stop['signal']}: draining the requests in flight", flush=True)
                 frontend.request_stop()
 
-        watchdog = StallWatchdog(heartbeat, args.watchdog_timeout, on_stall).start()
         try:
             serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
                        schedule=scheduler.online() if scheduler is not None else None,

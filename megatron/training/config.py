@@ -100,9 +100,22 @@ class TrainingConfig:
     """seconds without a heartbeat after which a rank counts as lost (stopped, stuck holding the GIL, dead)
     and the job exits with code 3 (megatron/training/watchdog.py; 0: off)"""
     step_timeout: float = 180.0
-    """seconds without a finished training step (grown to 5x the slowest step, the first one included; the
-    first step may take 10x; not counting evaluation and saves) after which the job dumps every stack and
-    exits with code 3 (0: off)"""
+    """seconds without a finished training step (grown to 5x the slowest recent step, at most
+    --max-step-timeout; the first step may take 10x and does not count later; evaluation and saves have
+    their own limits) after which the job dumps every stack and exits with code 3 (0: off)"""
+    max_step_timeout: Optional[float] = None
+    """the most --step-timeout grows to with slow steps (default: 5x --step-timeout)"""
+    startup_timeout: float = 600.0
+    """seconds from a rank's start to its first training step (building the model, loading the checkpoint
+    and the data; after every restart too) after which the job dumps every stack and exits with code 3: a
+    rank hung while starting, or waiting for one that is (0: off)"""
+    save_timeout: float = 1800.0
+    """seconds a checkpoint save may take (an --async-save's completion included) after which the job
+    dumps every stack and exits with code 3: a save stuck on I/O or on a rank; the checkpoints saved before
+    it stay complete (0: off)"""
+    eval_timeout: float = 1800.0
+    """seconds an evaluation (validation, test, held-out text) may take after which the job dumps every
+    stack and exits with code 3: a collective waiting for a rank that is hung (0: off)"""
     peak_tflops: Optional[float] = None
     """the accelerator's peak dense TFLOP/s for MFU in the step line (default: known GPUs' bf16 peak; none
     on CPU)"""
@@ -123,6 +136,10 @@ class TrainingConfig:
                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
         _check(self.heartbeat_timeout >= 0 and self.step_timeout >= 0,
                f"--heartbeat-timeout and --step-timeout must be >= 0, got {self.heartbeat_timeout} and {self.step_timeout}")
+        for flag in ("startup_timeout", "save_timeout", "eval_timeout"):
+            _check(getattr(self, flag) >= 0, f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
+        _check(self.max_step_timeout is None or self.max_step_timeout >= self.step_timeout,
+               f"--max-step-timeout must be >= --step-timeout {self.step_timeout:g}, got {self.max_step_timeout}")
         _check(self.peak_tflops is None or self.peak_tflops > 0, f"--peak-tflops must be > 0, got {self.peak_tflops}")
 
     def resolved_global_batch_size(self, data_parallel_size: int) -> int:

@@ -304,7 +304,7 @@ class Trainer:
         self.rank = dist.get_rank()
         # the stop flag is agreed on every step: on a CPU (gloo) group it never waits for the GPU
         self.stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        self.watchdog = start_watchdog(WatchdogConfig(t.heartbeat_timeout, t.step_timeout), prog=self.prog)
+        self.watchdog = start_watchdog(WatchdogConfig.of(t), prog=self.prog, armed_at=self.started)
         if ck.save:  # one writer per directory, refused before anything is built
             def take_lock():
                 self.lock = SaveDirLock(ck.save).acquire()
@@ -485,16 +485,17 @@ class Trainer:
                 eta_s=elapsed / done * (c.training.train_iters - self.iteration),
             ))
 
-    def paused(self):
-        """Evaluation and saves have no step deadline (the watchdog's heartbeat goes on)."""
-        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+    def paused(self, what: str):
+        """Evaluation and saves have their own deadline instead of the step's (``--eval-timeout``,
+        ``--save-timeout``; ``megatron.training.watchdog.PAUSES``)."""
+        return self.watchdog.paused(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def save(self, step: int) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
         ck = self.c.checkpoint
         self.finish_pending_save()
-        with self.paused():
+        with self.paused("checkpoint save"):
             path = save_checkpoint(
                 ck.save, step, self.chunks, self.optimizer, self.scheduler, consumed_samples=self.consumed,
                 layout=self.layout, configs=self.config_dict, keep_last=ck.keep_last_checkpoints,
@@ -512,7 +513,7 @@ class Trainer:
         """An ``--async-save`` in flight becomes a checkpoint (collective)."""
         from megatron.training.checkpointing import finalize_pending_save
 
-        with self.paused():
+        with self.paused("checkpoint save"):
             done = finalize_pending_save()
         if done:
             self.writer.log_event("checkpoint", self.last_saved["iteration"], path=done)
@@ -524,7 +525,7 @@ class Trainer:
         c = self.c
         dataset = self.valid_ds if dataset is None else dataset
         result = {}
-        with self.paused():
+        with self.paused("evaluation"):
             if dataset is not None and c.logging.eval_iters > 0:
                 result = evaluate(
                     self.chunks, _eval_iter(dataset, c, self.dp_rank, self.dp_size), model_cfg=c.model,
@@ -561,9 +562,9 @@ class Trainer:
             if self.test_ds is not None and c.logging.eval_iters > 0:
                 summary["test"] = self.evaluate(it, "test", self.test_ds)
             for path in c.data.heldout_text or []:
-                with user_input(), self.paused():
+                with user_input(), self.paused("evaluation"):
                     windows = build_heldout_windows(path, self.tokenizer, c.model.seq_length)
-                with self.paused():
+                with self.paused("evaluation"):
                     result = evaluate_windows(
                         self.chunks, windows, model_cfg=c.model, micro_batch_size=c.training.micro_batch_size,
                         pg_collection=self.pgc,

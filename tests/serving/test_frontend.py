@@ -177,7 +177,7 @@ def test_health_follows_the_heartbeat_drain_and_death(frontend):
     clock[0] += 5.0  # the loop has made no progress for 5 s
     status, body, _ = _request(f.url, "/health")
     assert status == 503 and body["status"] == "stalled" and body["seconds_since_last_step"] == 5
-    assert "--stall-timeout 1 or 5 x the longest step, 0.0 s" in body["reason"]
+    assert "--stall-timeout 1 or 5 x the longest recent step, 0.0 s" in body["reason"]
     heartbeat.tick()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
@@ -333,3 +333,40 @@ def test_bodies_over_the_limit_are_413(frontend):
     f = frontend(_echo_tokens("z"), max_body_bytes=100)
     status, body, _ = _request(f.url, "/v1/completions", {"prompt": "a" * 200})
     assert status == 413 and "--max-body-bytes" in body["error"]["message"]
+
+
+def test_an_error_answer_is_sent_while_its_request_still_counts_in_flight():
+    """``mark_dead`` fails the request in flight with a 503, and the engine thread then waits for
+    ``in_flight`` to reach 0 (``wait_answered``) before the process may exit at once
+    (``serve._engine_failed``, the front end inside rank 0): the 503 must be sent while the request
+    still counts, or the process can end before it is written (the client then sees its connection
+    closed without an answer). Driven through the ASGI app on one event loop: deterministic."""
+    import asyncio
+
+    limits = P.Limits(context=64, vocab_size=VOCAB, max_request_tokens=48)
+    f = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt, heartbeat=Heartbeat(),
+                 config=FrontendConfig(served_model="m", limits=limits))
+    sent = []
+
+    async def main():
+        messages = [{"type": "http.request", "body": json.dumps({"prompt": "ab", "max_tokens": 4}).encode(),
+                     "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays connected
+
+        async def send(message):
+            sent.append((message["type"], message.get("status"), f.in_flight))
+
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+        task = asyncio.ensure_future(f.app(scope, receive, send))
+        while not f.in_flight:
+            await asyncio.sleep(0.001)
+        f._fail_all("rank 1 died")  # what mark_dead runs on the event loop
+        await task
+
+    asyncio.run(main())
+    assert sent[0] == ("http.response.start", 503, 1), sent
+    assert f.in_flight == 0

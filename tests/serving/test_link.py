@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import pickle
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -191,6 +193,56 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
     assert metrics["moe_serve_engine_restarts_total"] == 1
 
 
+def test_a_rank0_stopped_in_the_middle_of_a_message_is_lost_like_a_silent_one(linked):
+    """Rank 0 stopped between a large message's header and the rest of its body (over 16 KiB,
+    ``Connection.send`` writes them apart): the front end must not block reading that message; its
+    stall check runs, and the request in flight gets a 503 after the stall timeout."""
+    sleeper = subprocess.Popen(["sleep", "600"])  # plays the stopped rank 0's process
+    try:
+        conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
+        conn.send(("hello", sleeper.pid, machine_id(), LIMITS, {"model": "m"}))
+        conn.send(("beat", 0.0, 0.0, 1))
+        assert linked.bridge.wait_engine(10)
+        f = linked.serve()
+        _until(lambda: _health(f.url)[0] == 200)
+        big = pickle.dumps(("publish", [], [{"pad": "x" * 100_000}]))
+        os.write(conn.fileno(), struct.pack("!i", len(big)) + big[:1000])  # the header and a part
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+            status, body, _ = in_flight.result(timeout=30)
+        message = body["error"]["message"]
+        assert status == 503 and f"rank 0 of the engine (pid {sleeper.pid}) sent nothing for" in message
+        assert "a message stopped half sent" in message
+        assert sleeper.wait(10) == -9
+        conn.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_frames_are_read_in_any_pieces():
+    """``FrameReader`` reads what ``Connection.send`` wrote, whole or in pieces, small and large
+    messages alike; nothing until a message is complete, ``EOFError`` once the sender closed."""
+    from multiprocessing import Pipe
+
+    from megatron.inference.link import FrameReader
+
+    receiver, sender = Pipe(duplex=False)
+    reader = FrameReader(receiver)
+    sender.send(("beat", 1.0))
+    sender.send(("publish", "y" * 50_000))
+    assert reader.recv(1) == ("beat", 1.0) and reader.recv(1) == ("publish", "y" * 50_000)
+    body = pickle.dumps(("assigned", {7: 1}))
+    frame = struct.pack("!i", len(body)) + body
+    for piece in (frame[:2], frame[2:9], frame[9:]):
+        assert reader.recv(0.01) is FrameReader.NOTHING
+        os.write(sender.fileno(), piece)
+    assert reader.recv(1) == ("assigned", {7: 1}) and not reader.partial
+    sender.close()
+    with pytest.raises(EOFError):
+        reader.recv(1)
+
+
 def test_a_closed_link_or_a_dead_engine_fails_in_flight_requests_at_once(linked):
     first = linked.engine(answer=False)
     f = linked.serve()
@@ -306,3 +358,25 @@ def test_a_rank0_that_finds_no_front_end_says_so_in_one_line(serve_ckpts, tmp_pa
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (f"megatron.inference.serve: error: $MOE_SERVE_FRONTEND {address}: "
                                             "no front end listens there (No such file or directory)"), err
+
+
+def test_ranks_under_the_front_end_leave_its_port_alone(serve_ckpts, monkeypatch):
+    """The front end of ``--nproc-per-node`` holds ``--port`` across restarts: a (re)started rank 0
+    under it must not check that it can bind the port (it cannot: the front end holds it), while
+    rank 0 serving HTTP itself still refuses a busy port in one line."""
+    import socket
+
+    from megatron.common.cli import UserError
+    from megatron.inference.link import ENV_ADDRESS
+    from megatron.inference.serve import _check_args, build_parser
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = build_parser().parse_args(["--load", serve_ckpts["standard"], "--port", str(port)])
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(UserError, match=f"--port {port}: cannot bind"):
+            _check_args(args)
+        monkeypatch.setenv(ENV_ADDRESS, "/nonexistent/engine.sock")
+        _check_args(args)

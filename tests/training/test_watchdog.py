@@ -18,6 +18,7 @@ import pytest
 
 from megatron.training.watchdog import RankWatchdog, WatchdogConfig
 from megatron.common.process import EXIT_WATCHDOG, machine_id
+from megatron.common.watchdog import WINDOW
 from megatron.common.cli import UserError, run_cli, user_input
 from tests.helpers import SMALL_PRETRAIN_ARGS, read_jsonl, torchrun
 from tools.faults import inject
@@ -110,13 +111,13 @@ def test_a_neighbour_that_finished_is_not_lost():
 def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_slow_steps():
     store, clock = DictStore(), Clock()
     w0, w1 = _pair(store, clock, heartbeat_timeout_s=0)
-    w0.check()  # not armed before the loop starts (model build, checkpoint load)
+    w0.check()  # not armed (start() arms it): no deadline
     clock.now += 1000
     w0.check()
     w0.loop_started(0)
     clock.now += 2
     w0.step_done(1)
-    with w0.paused():  # an evaluation or a save longer than the deadline
+    with w0.paused("evaluation"):  # an evaluation longer than the step deadline, within its own
         clock.now += 50
         w0.check()
     clock.now += 19
@@ -138,27 +139,30 @@ def test_hung_step_fires_after_the_deadline_but_not_while_paused_and_grows_with_
     assert w1.fired is None
 
 
-def test_slow_steady_steps_are_not_hung_and_the_first_step_has_a_startup_limit():
+def test_slow_steady_steps_are_not_hung_and_the_first_step_has_its_own_limit():
     """``--step-timeout 20`` on a job whose steps take 60 s (the first included): the first step,
-    from the loop's start to its end, runs under the startup limit (10 x 20 s) and then counts
-    like any other, so from the second step on the deadline is 5 x 60 s; a step that does not
-    end within it is hung. A first step that never ends is caught at the startup limit."""
-    store, clock = DictStore(), Clock()
-    w0, _ = _pair(store, clock, heartbeat_timeout_s=0)
-    w0.loop_started(0)
-    for iteration in (1, 2, 3):
-        for _ in range(6):
-            clock.now += 10
-            w0.check()
-        w0.step_done(iteration)
-    assert w0.fired is None and w0.step_timeout_s == 300
-    clock.now += 299
-    w0.check()
-    assert w0.fired is None
-    clock.now += 2
-    with pytest.raises(Exited):
+    from the loop's start to its end, runs under its own limit (10 x 20 s) and scales only the
+    second step's; from then on the deadline is 5 x 60 s, capped at ``--max-step-timeout`` (default
+    5 x 20 s = 100 s, here also 1000 s); a step that does not end within it is hung. A first step
+    that never ends is caught at its limit."""
+    for cap, limit in ((None, 100), (1000, 300)):
+        store, clock = DictStore(), Clock()
+        w0, _ = _pair(store, clock, heartbeat_timeout_s=0, max_step_timeout_s=cap)
+        w0.loop_started(0)
+        for iteration in (1, 2, 3):
+            for _ in range(6):
+                clock.now += 10
+                w0.check()
+            w0.step_done(iteration)
+        assert w0.fired is None and w0.step_timeout_s == limit
+        clock.now += limit - 1
         w0.check()
-    assert "after iteration 3" in w0.fired
+        assert w0.fired is None
+        clock.now += 2
+        with pytest.raises(Exited):
+            w0.check()
+        assert "after iteration 3" in w0.fired
+        assert ("--max-step-timeout; 5 x the slowest recent step is 300.0 s" in w0.fired) == (cap is None)
 
     first, _ = _pair(DictStore(), clock, heartbeat_timeout_s=0)
     first.loop_started(0)
@@ -171,6 +175,74 @@ def test_slow_steady_steps_are_not_hung_and_the_first_step_has_a_startup_limit()
     assert "the first step may take 10 x --step-timeout 20 s" in first.fired
 
 
+def test_one_slow_step_raises_the_deadline_only_while_it_is_recent():
+    """A first step of 150 s (one-off costs, under its 200 s limit) and later one step of 80 s
+    (``--max-step-timeout 1000``): each raises the deadline only while it is recent. Once the
+    window of recent steps (``WINDOW``) holds only 2 s steps, a step stuck for 21 s is hung at the
+    configured 20 s, not at 5 x 150 s or 5 x 80 s for the rest of the run."""
+    store, clock = DictStore(), Clock()
+    w0, _ = _pair(store, clock, heartbeat_timeout_s=0, max_step_timeout_s=1000)
+    w0.loop_started(0)
+    clock.now += 150
+    w0.step_done(1)
+    assert w0.step_timeout_s == 750  # the second step only
+    iteration = 1
+    for step_s in [2] * 3 + [80] + [2] * WINDOW:
+        clock.now += step_s
+        iteration += 1
+        w0.step_done(iteration)
+        if step_s == 80:
+            assert w0.step_timeout_s == 400
+    assert w0.step_timeout_s == 20
+    clock.now += 21
+    with pytest.raises(Exited):
+        w0.check()
+    assert "limit 20 s: --step-timeout 20 s or 5 x the slowest recent step, 2.0 s" in w0.fired
+
+
+def test_start_up_saves_and_evaluations_have_their_own_deadlines():
+    """Armed at the start (``start`` arms it; here the heartbeat alone, without the thread), a rank
+    that does not reach its first step within ``--startup-timeout`` is hung (loading, or waiting
+    for a rank that is); a checkpoint save past ``--save-timeout`` (stuck on I/O) and an
+    evaluation past ``--eval-timeout`` are too, each named with its flag."""
+    cfg = dict(heartbeat_timeout_s=0, startup_timeout_s=300, save_timeout_s=100, eval_timeout_s=50)
+    clock = Clock()
+    w0, _ = _pair(DictStore(), clock, **cfg)
+    w0.steps.arm()
+    clock.now += 299
+    w0.check()
+    assert w0.fired is None
+    clock.now += 2
+    with pytest.raises(Exited):
+        w0.check()
+    assert "rank 0 did not reach its first training step in 301.0 s" in w0.fired
+    assert "--startup-timeout 300 s" in w0.fired
+
+    _, w1 = _pair(DictStore(), clock, **cfg)  # a job of its own (w0 wrote its abort key)
+    w1.steps.arm()
+    w1.loop_started(0)
+    clock.now += 2
+    w1.step_done(1)
+    with w1.paused("evaluation"):
+        clock.now += 49
+        w1.check()
+    with w1.paused("checkpoint save"):
+        clock.now += 99
+        w1.check()
+        assert w1.fired is None
+        clock.now += 2
+        with pytest.raises(Exited):
+            w1.check()
+    assert "the checkpoint save on rank 1 has taken 101.0 s after iteration 1: it is stuck" in w1.fired
+    assert "--save-timeout 100 s" in w1.fired
+    w2, _ = _pair(DictStore(), clock, **cfg)
+    w2.loop_started(0)
+    with w2.paused("evaluation"), pytest.raises(Exited):
+        clock.now += 51
+        w2.check()
+    assert "the evaluation on rank 0 has taken 51.0 s" in w2.fired and "--eval-timeout 50 s" in w2.fired
+
+
 def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
     """The watchdog thread checks at any instant, also while the main thread leaves ``paused()``
     after an evaluation longer than the step deadline. Here its round runs inside the clock read
@@ -181,7 +253,7 @@ def test_leaving_a_long_pause_is_never_seen_as_a_hung_step():
     w0.loop_started(0)
     clock.now += 2
     w0.step_done(1)
-    with w0.paused():
+    with w0.paused("evaluation"):
         clock.now += 50  # > the 20 s step deadline
         w0.check()
         clock.on_next_read = w0.check  # the thread's round, as the pause ends
@@ -321,6 +393,27 @@ def test_stalled_rank_ends_the_job_with_the_watchdog_code(tmp_path, kind, needle
     assert result.returncode != 0, out[-3000:]
     assert needle in out, out[-3000:]
     assert f"exitcode  : {EXIT_WATCHDOG}" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_save_stuck_on_io_ends_the_job_and_keeps_the_checkpoints_before(tmp_path):
+    """From step 3 on, every ``fsync`` of rank 1 blocks as on a hung file system
+    (``tools.faults.inject`` ``stuck-io``), so the save at step 4 never completes while both ranks'
+    heartbeats go on. ``--save-timeout 5`` ends the job with the watchdog's code and one line naming
+    the save and the flag, instead of hanging it; the checkpoint of step 2 stays the newest
+    complete one (the latest pointer names it, its manifest verifies) and step 4's is never
+    published."""
+    from megatron.training.checkpointing import find_latest_checkpoint, verify_checkpoint
+
+    result = _train(tmp_path, "stuck-io", extra=["--save-interval", 2, "--save-timeout", 5])
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "checkpoint save on rank" in out and "it is stuck" in out and "--save-timeout 5 s" in out, out[-3000:]
+    assert f"exitcode  : {EXIT_WATCHDOG}" in out, out[-3000:]
+    newest = find_latest_checkpoint(str(tmp_path / "run"))
+    assert os.path.basename(newest) == "iter_0000002"
+    verify_checkpoint(newest)
+    assert not (tmp_path / "run" / "iter_0000004").exists()
 
 
 @pytest.mark.slow

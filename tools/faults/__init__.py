@@ -6,6 +6,10 @@ or crashing, end to end under torchrun. ``python -m tools.faults <command>``:
                 segfault, abort or raise under ``torchrun --max-restarts`` (``training.py``)
 * ``serving``   a fault in rank 1 of a two-rank server while a request is in flight: how fast
                 ``/health``, the waiting client and the launcher see it (``serving.py``)
+* ``serving-cases``  the serving end-to-end cases as one table of flag sets (front end process or
+                torchrun; fixed port or 0; EP, TP, MLA) and faults (kill -9, SIGSTOP, segfault,
+                exception; rank 0 or 1; a rank hung at start), each checked against what a user
+                expects (``serving_cases.py``)
 * ``chaos``     random faults of every kind during one long training run, against a fault-free
                 run of the same steps (``chaos.py``)
 * ``serving-chaos``  random faults (kill -9, SIGSTOP, segfault, an exception in a forward) in random

@@ -1,4 +1,5 @@
-"""``python -m tools.faults {training,serving,chaos,serving-chaos} ...`` (see ``tools/faults/__init__.py``)."""
+"""``python -m tools.faults {training,serving,serving-cases,chaos,serving-chaos} ...`` (see
+``tools/faults/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -107,7 +108,40 @@ def _configure_serving_chaos(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watchdog-timeout", type=positive_float, default=d.watchdog_timeout)
     p.add_argument("--client-timeout", type=positive_float, default=d.client_timeout,
                    help="seconds without a byte after which a client counts as hung")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="the server's HTTP port, the same across its restarts (0: any free one)")
     p.add_argument("--skip-baseline", action="store_true", help="reuse OUT/baseline.json from an earlier run")
+
+
+def _configure_serving_cases(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", required=True, metavar="CKPT", help="a standard checkpoint (the EP 2 and TP 2 runs)")
+    p.add_argument("--mla-load", required=True, metavar="CKPT", help="an MLA checkpoint (the MLA EP 2 runs)")
+    p.add_argument("--out", metavar="DIR", help="the servers' logs (default: a new temporary directory, kept)")
+    p.add_argument("--runs", default=None, metavar="NAMES", help="comma-separated run names (default: all)")
+    p.add_argument("--json", metavar="PATH", help="write the results here (schema serving_cases/1)")
+
+
+@commands.add("serving-cases", "the serving end-to-end cases, one table of flag sets and faults, each checked "
+              "against what users expect", _configure_serving_cases)
+def _serving_cases(args) -> int:
+    from tools.faults.serving_cases import TABLE, render_markdown, run_table
+
+    names = None if args.runs is None else [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = sorted(set(names or ()) - {r.name for r in TABLE})
+    if unknown:
+        raise UserError(f"--runs: no run named {', '.join(unknown)} (choose from {', '.join(r.name for r in TABLE)})")
+    for flag, path in (("--load", args.load), ("--mla-load", args.mla_load)):
+        if not os.path.isdir(path):
+            raise UserError(f"{flag} {path}: no such directory")
+    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="serving_cases."))
+    print(f"python -m tools.faults serving-cases: logs in {out}", flush=True)
+    result = run_table({"load": os.path.abspath(args.load), "mla_load": os.path.abspath(args.mla_load)}, out, names,
+                       print_line=lambda line: print(line, flush=True))
+    result["command"] = " ".join(["python -m tools.faults"] + sys.argv[1:])
+    if args.json:
+        write_json(args.json, result)
+    print("\n" + render_markdown(result), flush=True)
+    return 0 if all(c["ok"] for run in result["runs"] for c in run["cases"]) else 1
 
 
 @commands.add("serving-chaos", "random faults of every kind in a server under client load, against a fault-free run",
@@ -120,6 +154,8 @@ def _serving_chaos(args) -> int:
         raise ValueError(f"--kinds: choose from {', '.join(KINDS)} (got {args.kinds})")
     if not 0 <= args.stream_fraction <= 1:
         raise ValueError(f"--stream-fraction must be in [0, 1], got {args.stream_fraction}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.gap[0] > args.gap[1]:
         raise ValueError(f"--gap: MIN {args.gap[0]:g} is above MAX {args.gap[1]:g}")
     for flag, path in (("--load", args.load), ("--prompts", args.prompts)):
@@ -130,7 +166,7 @@ def _serving_chaos(args) -> int:
         faults=args.faults, minutes=args.minutes, rate=args.rate, kinds=kinds, seed=args.seed,
         max_output_len=args.max_output_len, stream_fraction=args.stream_fraction, gap=tuple(args.gap),
         stall_timeout=args.stall_timeout, watchdog_timeout=args.watchdog_timeout, client_timeout=args.client_timeout,
-        skip_baseline=args.skip_baseline))
+        port=args.port, skip_baseline=args.skip_baseline))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Faults that only a rank itself can cause, requested through files: a segfault, an
-``abort()``, a Python spin loop, native code holding the GIL, a SIGSTOP to itself, an exception.
-(``kill -9`` and a SIGSTOP at any instant come from outside: ``tools.faults.launch``.)
+``abort()``, a Python spin loop, native code holding the GIL, a SIGSTOP to itself, an exception,
+and I/O that never returns (every later ``os.fsync``, a checkpoint save's, blocks as on a hung
+file system). (``kill -9`` and a SIGSTOP at any instant come from outside: ``tools.faults.launch``.)
 
 ``request(directory, rank, kind, at)`` writes ``directory/rank<R>`` holding ``<kind> <at>``; a
 rank started through ``tools.faults.rank`` with ``$MEGATRON_FAULT_DIR=directory`` looks for its
 file after every step (the loops' ``STEP_END`` events), takes it (renamed away, so that a
-restarted job does not repeat it) once its step count reaches ``at``, and the fault happens.
+restarted job does not repeat it) once its step count reaches ``at``, and the fault happens. A
+request ``at=AT_START`` is taken when the rank starts, before it loads anything.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 
-__all__ = ["KINDS", "ENV", "request", "take", "cause", "Injector"]
+__all__ = ["KINDS", "ENV", "AT_START", "request", "take", "cause", "Injector"]
 
 ENV = "MEGATRON_FAULT_DIR"
-KINDS = ("segfault", "abort", "spin", "gil", "stop", "error")
+KINDS = ("segfault", "abort", "spin", "gil", "stop", "error", "stuck-io")
+AT_START = -1  # the step count of a rank that is starting (``tools.faults.rank``)
 
 
 def request(directory: str, rank: int, kind: str, at: int = 0) -> str:
@@ -67,6 +71,11 @@ def cause(kind: str, where: str) -> None:
         time.sleep(0)
     elif kind == "error":
         raise RuntimeError(f"injected fault on {where}")
+    elif kind == "stuck-io":
+        def stuck(fd):  # never returns, the GIL released: the watchdog thread goes on
+            threading.Event().wait()
+
+        os.fsync = stuck
     else:
         raise ValueError(f"unknown fault kind {kind!r}: expected one of {', '.join(KINDS)}")
 

@@ -2,8 +2,9 @@
 runs ``megatron.training.pretrain_gpt`` (or ``megatron.inference.serve``) with ARGS, as
 ``-m megatron.training.pretrain_gpt ARGS`` would, after subscribing a ``tools.faults.inject``
 ``Injector`` to the loop's ``STEP_END`` event when ``$MEGATRON_FAULT_DIR`` is set. The fault
-requests are read from that directory after every step; nothing of this ships in the loops but
-the event. ``python -m tools.faults.rank serve --nproc-per-node N ARGS`` is the server's front end
+requests are read from that directory after every step, and once when a torchrun rank starts
+(``inject.AT_START``: before it loads anything); nothing of this ships in the loops but the event.
+``python -m tools.faults.rank serve --nproc-per-node N ARGS`` is the server's front end
 process (``megatron.inference.launcher``) whose torchrun ranks run ``tools.faults.rank serve ARGS``.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tools.faults.inject import ENV, Injector
+from tools.faults.inject import AT_START, ENV, Injector
 
 __all__ = ["main", "ENTRIES"]
 
@@ -35,7 +36,10 @@ def main(argv=None) -> int:
         from megatron.inference.loop import STEP_END
     directory = os.environ.get(ENV)
     if directory:
-        STEP_END.subscribe(Injector(directory, int(os.environ.get("RANK", "0"))))
+        injector = Injector(directory, int(os.environ.get("RANK", "0")))
+        if "RANK" in os.environ:  # a torchrun rank (not the front end process of --nproc-per-node)
+            injector(AT_START)
+        STEP_END.subscribe(injector)
     if entry == "serve":  # with --nproc-per-node, the front end starts its ranks through this module too
         return module.main(args, rank_command=("tools.faults.rank", "serve"))
     return module.main(args)

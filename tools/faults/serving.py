@@ -7,7 +7,7 @@ itself after its next engine step (``tools.faults.inject``'s kinds: the server t
 when ``/health`` first stops answering 200, when the waiting client gets its answer (status and
 message), when the launcher exits (and its code). Every process it started is killed at the end
 whatever happened. Prints a table (medians and ranges over the repeats) and writes JSON;
-``tests/serving/test_liveness.py`` asserts the bounds docs/results/serving.md states.
+``tests/serving/test_liveness.py`` runs it (SIGKILL) against the bounds docs/results/serving.md states.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import Optional
 from tools.faults import inject
 from tools.faults.launch import Launches, rank_pid
 
-__all__ = ["FaultResult", "inject_fault", "summarize", "SIGNALS", "FAULTS"]
+__all__ = ["FaultResult", "inject_fault", "health_status", "summarize", "SIGNALS", "FAULTS"]
 
 SIGNALS = {"SIGSTOP": signal.SIGSTOP, "SIGKILL": signal.SIGKILL}
-FAULTS = (*SIGNALS, *(k for k in inject.KINDS if k != "stop"))  # stop: SIGSTOP at a step's end
+# stop: SIGSTOP at a step's end; stuck-io: a server writes no files
+FAULTS = (*SIGNALS, *(k for k in inject.KINDS if k not in ("stop", "stuck-io")))
 
 
 @dataclasses.dataclass
@@ -64,7 +65,8 @@ def _post(url: str, body: dict, timeout: float) -> tuple:
         return None, {"error": {"message": f"{type(err).__name__}: {err}"}}
 
 
-def _health(url: str):
+def health_status(url: str):
+    """The HTTP status of ``/health`` (None: no answer)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return resp.status
@@ -126,7 +128,7 @@ def inject_fault(ckpt: str, fault: str, work_dir: str, *, rank: int = 1, nproc: 
         else:
             inject.request(fault_dir, rank, fault)
         while time.monotonic() - t0 < limit_s:
-            if result.health_not_ok_s is None and _health(url) != 200:
+            if result.health_not_ok_s is None and health_status(url) != 200:
                 result.health_not_ok_s = time.monotonic() - t0
             if result.launcher_exit_s is None and proc.poll() is not None:
                 result.launcher_exit_s, result.launcher_code = time.monotonic() - t0, proc.returncode

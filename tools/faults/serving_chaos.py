@@ -1,9 +1,10 @@
 """``python -m tools.faults serving-chaos OUT --load CKPT [--faults 8] [--minutes 5] [--rate 2]``:
 random faults in a serving engine under client load, against a fault-free run of the same load.
 
-The server runs as users run it with restarts: ``serve --nproc-per-node 2 --max-restarts`` (the
-front end in its own process, torchrun's ranks as its child; started as ``tools.faults.rank serve``
-so that each rank takes in-rank faults), EP = 2, on 127.0.0.1. The load: ShareGPT first turns
+The server runs as users run it with restarts, the README's command: ``serve --nproc-per-node 2
+--max-restarts K --expert-model-parallel-size 2 --port 8000`` (``--port``; the front end in its own
+process, torchrun's ranks as its child; started as ``tools.faults.rank serve`` so that each rank
+takes in-rank faults), on 127.0.0.1. The load: ShareGPT first turns
 (``--prompts``) cut to the model's context, Poisson arrivals at ``--rate`` for ``--minutes``, a
 seeded ``--stream-fraction`` of them streamed, greedy with ``ignore_eos`` (the answer's length,
 at most ``--max-output-len`` tokens) and ``return_token_ids``; no client retries. The load runs
@@ -73,6 +74,7 @@ class ChaosConfig:
     stall_timeout: float = 2.0
     watchdog_timeout: float = 10.0
     client_timeout: float = 120.0
+    port: int = 8000  # the documented command's fixed port (0: any free one)
     recovery_timeout: float = 300.0  # seconds a fault may take to be detected and recovered from
     skip_baseline: bool = False
 
@@ -200,7 +202,7 @@ class ServerRun:
             os.remove(ready)
         cmd = [sys.executable, "-m", "tools.faults.rank", "serve", "--nproc-per-node", str(NPROC),
                "--max-restarts", str(cfg.faults + 2), "--load", cfg.load, "--expert-model-parallel-size", str(NPROC),
-               "--port", "0", "--ready-file", ready, "--stall-timeout", str(cfg.stall_timeout),
+               "--port", str(cfg.port), "--ready-file", ready, "--stall-timeout", str(cfg.stall_timeout),
                "--watchdog-timeout", str(cfg.watchdog_timeout), "--seed", str(cfg.seed)]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -373,8 +375,8 @@ def serving_chaos(cfg: ChaosConfig) -> int:
         "schema": "serving_chaos/1",
         "command": " ".join(["python -m tools.faults"] + sys.argv[1:]),
         "config": dataclasses.asdict(cfg),
-        "server": {k: chaos["info"].get(k) for k in ("world_size", "expert_model_parallel_size", "context_length",
-                                                      "max_restarts")},
+        "server": {k: chaos["info"].get(k) for k in ("port", "world_size", "expert_model_parallel_size",
+                                                      "context_length", "max_restarts")},
         "machine": {"cpus": os.cpu_count(), "nice": os.nice(0)},
         "baseline": {k: baseline[k] for k in ("wall_s", "exit_code", "load_average")},
         "chaos": {k: chaos[k] for k in ("wall_s", "exit_code", "load_average")},
