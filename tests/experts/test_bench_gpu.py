@@ -127,3 +127,20 @@ def test_the_serving_section_runs_the_servers_engine(tmp_path):
         assert set(model["paths"]) == {"loop", "batched"}
         assert all(row["host_syncs_per_step"] >= 0 for row in model["paths"]["batched"]["decode"])
     assert result["skipped"] == [] and "decode" in gpu.format_table(result)
+
+
+def test_arms_timed_in_turns_give_a_ratio_over_the_rounds():
+    """The CPU preset's way of timing (``measure_training_interleaved``), at toy size: every arm's
+    record, the ratio of the reference arm's step time to the other's as a median with its interval
+    kind over the rounds, the same first loss, and the breakdown of the named arm."""
+    from tools.bench.gpu_measure import measure_training_interleaved
+
+    shape = gpu.PRESETS["cpu-smoke"].train[0]
+    [result] = run_distributed(lambda rank, world: measure_training_interleaved(
+        shape, dict(gpu.PRESETS["cpu-smoke"].arms), warmup=1, iters=1, rounds=2, peak_tflops=None, a2a_ep=8,
+        breakdown_arm="auto", breakdown_steps=1), 1, timeout_s=300)
+    assert set(result["variants"]) == {"local", "auto"} and result["rounds"] == 2
+    assert result["variants"]["local"]["first_loss"] == result["variants"]["auto"]["first_loss"]
+    ratio = result["step_time_ratios"]["local/auto"]
+    assert ratio["n"] == 2 and ratio["interval_kind"] == "range" and ratio["ci_low"] <= ratio["median"] <= ratio["ci_high"]
+    assert "breakdown" in result["variants"]["auto"] and "breakdown" not in result["variants"]["local"]

@@ -219,8 +219,9 @@ def _train_shape(shape: TrainShape, preset: Preset, arms: tuple, train_args: dic
     from tools.bench.gpu_measure import layers_that_fit, measure_training_interleaved
 
     if preset.rounds:
-        result = measure_training_interleaved(shape, dict(arms), warmup=preset.train_warmup, iters=preset.train_iters,
-                                              rounds=preset.rounds, **train_args)
+        result = measure_training_interleaved(shape, dict(arms), rounds=preset.rounds,
+                                              breakdown_arm=None if not breakdown else arms[-1][0],
+                                              breakdown_steps=preset.breakdown_steps, **train_args)
         out = {"arms": result["variants"], "ratios": result["step_time_ratios"], "rounds": result["rounds"],
                "iters_per_round": result["iters_per_round"]}
     else:

@@ -362,12 +362,14 @@ def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: 
 
 
 def measure_training_interleaved(shape: TrainShape, variants: dict, *, warmup: int, iters: int, rounds: int,
-                                 peak_tflops: Optional[float], a2a_ep: int) -> dict:
+                                 peak_tflops: Optional[float], a2a_ep: int, breakdown_arm: Optional[str] = None,
+                                 breakdown_steps: int = 0) -> dict:
     """Several models of ``shape`` (``{name: overrides}``) timed in turns in this one process: each
     round times ``iters`` steps of every model, the order reversed every other round, so that a
     machine's drift falls on all of them alike (how a same-run ratio is taken on a shared CPU).
     Per model: its record over all rounds' steps; per pair against the first model: the ratio of
-    their per-round median step times, as a median with its interval over the rounds."""
+    their per-round median step times, as a median with its interval over the rounds. With
+    ``breakdown_arm``, that model then runs ``breakdown_steps`` more under the profiler."""
     from megatron.training.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
     from tools.bench.discipline import median_ci
@@ -388,6 +390,11 @@ def measure_training_interleaved(shape: TrainShape, variants: dict, *, warmup: i
         timing = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": rounds,
                   "unit": f"median of {iters} steps per round"}
         records[name] = run.record(timing, peak_tflops=peak_tflops, a2a_ep=a2a_ep)
+    if breakdown_arm and breakdown_steps:
+        from tools.bench.breakdown import profile_steps
+
+        run = runs[breakdown_arm]
+        records[breakdown_arm]["breakdown"] = profile_steps(run.step, run.model, run.optimizer, steps=breakdown_steps)
     first = order[0]
     ratios = {f"{first}/{name}": median_ci([a / b for a, b in zip(per_round[first], per_round[name])])
               for name in order[1:]}
