@@ -188,6 +188,8 @@ def _environment(peak: Optional[float]) -> dict:
         "peak_note": ("dense bf16 peak of this device (megatron/training/flops.py PEAK_BF16_TFLOPS: H100 and H200 "
                       "SXM 989.4) or --peak-tflops" if peak else "no peak known: percentages and MFU omitted"),
         "hbm_bandwidth_tb_s": hbm_bandwidth(),
+        "load_average_at_start": os.getloadavg()[0],  # other work on the machine skews CPU timings
+        "cpu_threads": torch.get_num_threads(),
     }
 
 
