@@ -16,7 +16,7 @@ after the first scored once):
   only the MoE), which says which of the two costs; ``--farskip-connectivity`` picks their wiring
   (default ``reference``; ``paper-text`` reproduces figures made before that option existed);
 * each ``--student LABEL=CKPT``: a distilled (or SFT) checkpoint with the connectivity it was
-  saved with;
+  saved with (its wiring is recorded as ``farskip_connectivity``);
 * ``unigram``: token frequencies of ``--unigram-data`` (add-one smoothed), the floor a language
   model must clearly beat.
 
@@ -143,7 +143,9 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
         if student_configs.model.seq_length != configs.model.seq_length:
             raise UserError(f"--student {label}: seq_length {student_configs.model.seq_length} "
                             f"differs from the teacher's {configs.model.seq_length}")
-        rows.append({**row(label, model, str(FarSkipConfig.of(student_configs.model).farskip)), "checkpoint": path})
+        student_farskip = FarSkipConfig.of(student_configs.model)
+        rows.append({**row(label, model, str(student_farskip.farskip)), "checkpoint": path,
+                     "farskip_connectivity": student_farskip.farskip_connectivity.value})
         del model
     teacher_ppl = rows[0]["ppl"]
     for r in rows:

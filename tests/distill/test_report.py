@@ -88,6 +88,30 @@ def test_untrained_sub_block_conversions(teacher_ckpt, tmp_path, capsys):
     assert not (tmp_path / "bad.json").exists()
 
 
+def test_student_rows_record_their_wiring(teacher_ckpt, tmp_path):
+    """A student row carries the FarSkip wiring its checkpoint was trained with
+    (``farskip_connectivity``), so reports of both wirings side by side say which row is which:
+    a 1-step ``last:1`` student trained with ``paper-text`` and one with the default."""
+    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from tests.distill.conftest import fcsd_args
+    from tests.helpers import torchrun
+
+    students = []
+    for wiring in ("paper-text", None):
+        out = tmp_path / f"student_{wiring or 'default'}"
+        args = fcsd_args(teacher_ckpt, out) + ["--farskip", "last:1", "--train-iters", 1, "--eval-interval", 1]
+        proc = torchrun("distill.fcsd", args + (["--farskip-connectivity", wiring] if wiring else []))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        students += ["--student", f"{wiring or 'default'}={out / 'best'}"]
+    report = tmp_path / "report.json"
+    proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", report, *students,
+                   "--max-windows", 2, "--micro-batch-size", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["model"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["paper-text"]["farskip_connectivity"] == "paper-text" and rows["paper-text"]["farskip"] == "last:1"
+    assert rows["default"]["farskip_connectivity"] == "reference"
+
+
 def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
     """``--lm-eval-tasks``: every row gets the task's scores through the adapter; the same weights
     score the same, and the table shows the main metric as a column."""
