@@ -45,7 +45,8 @@ from megatron.common.cli import UserError, one_line, positive_int, run_cli
 from megatron.common.files import write_text
 
 __all__ = ["PAPER_TABLE2", "PAPER_COLUMNS", "DEFAULT_ROW", "table2_markdown", "fig3_markdown", "split_seed", "rows_by_seed",
-           "paired_interval", "seeded_table2", "seeded_table2_markdown", "convergence_markdown", "main"]
+           "paired_interval", "seeded_table2", "seeded_table2_markdown", "convergence_markdown", "paper_key", "mean_sd",
+           "proxy_curve", "main"]
 
 PAPER_COLUMNS = ("ARC-C", "HEval+", "GSM-8K", "MMLU", "AVG-11")
 # FarSkip-Collective, Table 2 (Qwen-3-30B MoE, 500M tokens; higher is better). "KL" and
@@ -78,7 +79,7 @@ def _load(path: Optional[str]) -> Optional[dict]:
         raise UserError(f"{path}: not a JSON report ({one_line(err)})") from None
 
 
-def _paper_key(label: str) -> str:
+def paper_key(label: str) -> str:
     """``"KL (FAR 75%) [last:6 of 8]"`` -> ``"KL (FAR 75%)"``; the teacher row is ``ORIGINAL``."""
     if label == "teacher":
         return "ORIGINAL"
@@ -96,7 +97,7 @@ def table2_markdown(report: Optional[dict], num_layers: int) -> str:
     """The paper's Table 2 rows with ours beside them (``pending`` where ``report`` has no row)."""
     rows_by_key: dict[str, list[dict]] = {}
     for row in (report or {}).get("rows", []):
-        rows_by_key.setdefault(_paper_key(row["model"]), []).append(row)
+        rows_by_key.setdefault(paper_key(row["model"]), []).append(row)
     head = ("| row | paper " + " | paper ".join(PAPER_COLUMNS) + " | ours: layers converted | ours: held-out ppl "
             "| vs teacher | KL(teacher‖model) |")  # fmt: skip
     lines = [head, "|---|" + "---:|" * len(PAPER_COLUMNS) + "---|---:|---:|---:|"]
@@ -134,7 +135,8 @@ def _what(key: str, row: Optional[dict], num_layers: int) -> str:
 
 def fig3_markdown(report: Optional[dict], num_layers: int) -> str:
     """Untrained conversions of the first N and the last N layers, side by side per N."""
-    rows = {r.get("farskip"): r for r in (report or {}).get("rows", [])}
+    # whole-layer conversions only: a sub-block row (``last:1@mlp-only``) has the same layers
+    rows = {r.get("farskip"): r for r in (report or {}).get("rows", []) if not r.get("farskip_mode")}
     lines = ["| N converted (of %d) | first N: held-out ppl | first N: KL | last N: held-out ppl | last N: KL |" % num_layers,
              "|---:|---:|---:|---:|---:|"]  # fmt: skip
     for n in range(1, num_layers + 1):
@@ -189,7 +191,7 @@ def paired_interval(diffs: Sequence[float], level: float = 0.95) -> dict:
     return {"n": n, "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half}
 
 
-def _mean_sd(values: Sequence[float]) -> dict:
+def mean_sd(values: Sequence[float]) -> dict:
     return {"n": len(values), "mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None}
 
 
@@ -220,10 +222,10 @@ def seeded_table2(reports: Sequence[dict], num_layers: int) -> dict:
     """Per row: seeds, per-seed figures, mean +- sd, and the paired relative perplexity (and KL)
     change from ``DEFAULT_ROW`` with its 95% interval and verdicts (the JSON behind the table)."""
     by_label = rows_by_seed(reports)
-    default = next((seeds for label, seeds in by_label.items() if _paper_key(label) == DEFAULT_ROW), None)
+    default = next((seeds for label, seeds in by_label.items() if paper_key(label) == DEFAULT_ROW), None)
     rows = []
     for label, seeds in by_label.items():
-        key = _paper_key(label)
+        key = paper_key(label)
         ordered = sorted(seeds.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
         first = ordered[0][1]
         entry = {"row": key, "label": label, "what": _what(key, {**first, "model": label}, num_layers),
@@ -231,10 +233,10 @@ def seeded_table2(reports: Sequence[dict], num_layers: int) -> dict:
                  "kl_to_teacher": [r.get("kl_to_teacher") for _, r in ordered],
                  "ppl_gap_to_teacher": [r["ppl_gap_to_teacher"] for _, r in ordered],
                  "checkpoints": [r.get("checkpoint") for _, r in ordered]}  # fmt: skip
-        entry["ppl_stats"] = _mean_sd(entry["ppl"])
-        entry["gap_stats"] = _mean_sd(entry["ppl_gap_to_teacher"])
+        entry["ppl_stats"] = mean_sd(entry["ppl"])
+        entry["gap_stats"] = mean_sd(entry["ppl_gap_to_teacher"])
         kls = [k for k in entry["kl_to_teacher"] if k is not None]
-        entry["kl_stats"] = _mean_sd(kls) if kls else None
+        entry["kl_stats"] = mean_sd(kls) if kls else None
         entry["paper_avg11_delta"] = _paper_delta(key)
         common = [s for s, _ in ordered if default is not None and s in default]
         if default is not None and key != DEFAULT_ROW and common:
@@ -282,7 +284,7 @@ def seeded_table2_markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _proxy_curve(checkpoint: Optional[str]) -> Optional[dict[int, float]]:
+def proxy_curve(checkpoint: Optional[str]) -> Optional[dict[int, float]]:
     """``{step: held-out KL}`` of the run's evaluations in its ``metrics.jsonl`` (``.../RUN/best`` ->
     ``.../RUN``); None when the file is missing."""
     if not checkpoint:
@@ -304,7 +306,7 @@ def convergence_markdown(table: dict) -> str:
     steps every seed evaluated), and the last interval's relative change."""
     curves = []
     for e in table["rows"]:
-        per_seed = [c for c in (_proxy_curve(p) for p in e["checkpoints"]) if c]
+        per_seed = [c for c in (proxy_curve(p) for p in e["checkpoints"]) if c]
         if per_seed:
             steps = sorted(set.intersection(*(set(c) for c in per_seed)))
             curves.append((e, steps, {s: statistics.fmean(c[s] for c in per_seed) for s in steps}))
@@ -343,7 +345,7 @@ def runs_convergence_markdown(run_dirs: Sequence[str]) -> str:
     for d in run_dirs:
         m = _RUN_SEED.match(os.path.basename(os.path.normpath(d)))
         name, seed = (m.group(1), m.group(2)) if m else (os.path.basename(os.path.normpath(d)), "")
-        curve = _proxy_curve(os.path.join(d, "best")) or {}
+        curve = proxy_curve(os.path.join(d, "best")) or {}
         rows.setdefault(name, {})[seed] = curve
         done[name] = done.get(name, 0) + _finished(d)
     all_steps = sorted({s for seeds in rows.values() for c in seeds.values() for s in c})

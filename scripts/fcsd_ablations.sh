@@ -20,7 +20,9 @@
 # student, default NPROC), LAYERS (8), TEACHER (RUNS_DIR/corpus_moe<LAYERS>_cpu; an existing finished
 # checkpoint is used as it is), TEACHER_ITERS (the config's 1500), DATA (mix: pretrain | sharegpt |
 # mix), STEPS (300), L2_COEFFS ("0.1 1"), MAX_WINDOWS (300), STUDENT_FLAGS (more distill.fcsd flags
-# for every student, e.g. "--eval-interval 15"), DRY_RUN=1 (print the commands only).
+# for every student, e.g. "--eval-interval 15"), CONNECTIVITY (reference | paper-text: the FarSkip
+# wiring of every student and untrained conversion; default: the default, reference), DRY_RUN=1
+# (print the commands only).
 # Repeats: SEEDS ("1234 1235 1236") trains every row once per seed into ..._s<SEED> and scores each
 # seed's students in RUNS_DIR/fcsd_ablations_report_s<SEED>.json; the table then gives mean +- sd per
 # row and each row's paired difference from KL (FAR 100%) with its 95% interval. JOBS (1) runs that
@@ -42,6 +44,8 @@ EP=${EP:-$NPROC}
 JOBS=${JOBS:-1}
 SEEDS=${SEEDS:-}
 read -r -a extra_flags <<< "${STUDENT_FLAGS:-}"
+wiring_flags=()  # the wiring of every student and untrained conversion (partial ranges after an MoE layer)
+[[ -n ${CONNECTIVITY:-} ]] && wiring_flags=(--farskip-connectivity "$CONNECTIVITY")
 BATCH=16  # examples/fcsd_tiny_cpu.yaml: 16 sequences of 128 tokens per step, micro-batch 8
 MICRO=8
 source "$(dirname "${BASH_SOURCE[0]}")/fcsd_lib.sh"
@@ -58,6 +62,8 @@ for seed in $SEEDS; do fcsd_check_positive $PROG "a seed in SEEDS" "$seed"; done
 TEACHER_ITERS=${TEACHER_ITERS:-1500}
 fcsd_check_positive $PROG TEACHER_ITERS "$TEACHER_ITERS"
 ((LAYERS >= 2)) || { echo "$PROG: error: LAYERS must be at least 2 (first-N vs last-N), got $LAYERS" >&2; exit 2; }
+[[ -z ${CONNECTIVITY:-} || $CONNECTIVITY == reference || $CONNECTIVITY == paper-text ]] || {
+    echo "$PROG: error: CONNECTIVITY must be reference or paper-text, got '$CONNECTIVITY'" >&2; exit 2; }
 fcsd_data_flags "$DATA" || { echo "$PROG: error: unknown distillation corpus DATA='$DATA' (pretrain, sharegpt, mix)" >&2; exit 2; }
 for c in $L2_COEFFS; do
     [[ $c =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "$PROG: error: L2_COEFFS has '$c', not a non-negative number" >&2; exit 2; }
@@ -89,7 +95,7 @@ student() {  # student LABEL NAME FLAGS...: one FCSD run into RUNS/fcsd_abl_<DAT
     finished "$out" && return 0
     local cmd=("$TORCHRUN" --standalone --nproc_per_node="$NPROC" -m distill.fcsd --config examples/fcsd_tiny_cpu.yaml
                --load "$TEACHER" --save "$out" --train-iters "$STEPS" --expert-model-parallel-size "$EP"
-               "${data_flags[@]}" "${seed_flags[@]}" "$@" "${extra_flags[@]}")
+               "${data_flags[@]}" "${seed_flags[@]}" "$@" "${wiring_flags[@]}" "${extra_flags[@]}")
     launch "$out.log" "${cmd[@]}"
 }
 
@@ -130,7 +136,7 @@ if [[ -z $SEEDS ]]; then
     table2_rows
     report=$RUNS/fcsd_ablations_report.json
     [[ -f $report ]] || run "$PYTHON" -m distill.report --teacher "$TEACHER" --text "$TEXT" --out "$report" \
-        --untrained all "${students[@]}" --max-windows "$MAX_WINDOWS"
+        --untrained all "${students[@]}" --max-windows "$MAX_WINDOWS" "${wiring_flags[@]}"
     table2_reports=("$report")
 else
     declare -A seed_students
@@ -144,7 +150,7 @@ else
         eval "students=(${seed_students[$seed]})"
         report=$RUNS/fcsd_ablations_report_s$seed.json
         [[ -f $report ]] || launch "${report%.json}.log" "$PYTHON" -m distill.report --teacher "$TEACHER" \
-            --text "$TEXT" --out "$report" --untrained all "${students[@]}" --max-windows "$MAX_WINDOWS"
+            --text "$TEXT" --out "$report" --untrained all "${students[@]}" --max-windows "$MAX_WINDOWS" "${wiring_flags[@]}"
         table2_reports+=("$report")
     done
 fi
@@ -155,7 +161,7 @@ for ((n = 1; n < LAYERS; n++)); do
 done
 fig3_report=$RUNS/fcsd_fig3.json
 [[ -f $fig3_report ]] || launch "${fig3_report%.json}.log" "$PYTHON" -m distill.report --teacher "$TEACHER" \
-    --text "$TEXT" --out "$fig3_report" "${fig3[@]}" --untrained all --max-windows "$MAX_WINDOWS"
+    --text "$TEXT" --out "$fig3_report" "${fig3[@]}" --untrained all --max-windows "$MAX_WINDOWS" "${wiring_flags[@]}"
 wait_all
 
 seeded_flags=()  # with SEEDS: the statistics, the plot and the convergence of the students too

@@ -88,11 +88,22 @@ def test_finished_runs_and_reports_are_skipped(tmp_path):
     ({"SEEDS": "1 x"}, "a seed in SEEDS must be a positive integer, got 'x'"),
     ({"JOBS": "0"}, "JOBS must be a positive integer"),
     ({"EP": "-1"}, "EP must be a positive integer"),
+    ({"CONNECTIVITY": "sideways"}, "CONNECTIVITY must be reference or paper-text, got 'sideways'"),
 ])  # fmt: skip
 def test_bad_settings_fail_fast(tmp_path, env, needle):
     proc, cmds = _plan("fcsd_ablations.sh", tmp_path / "runs", **env)
     assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert cmds == [] and not (tmp_path / "runs").exists()
+
+
+def test_connectivity_sets_the_wiring_of_every_student_and_untrained_conversion(tmp_path):
+    """``CONNECTIVITY=paper-text`` reproduces the figures made with that wiring: every student and
+    both reports get the flag; without it none does (the default wiring)."""
+    _, cmds = _plan("fcsd_ablations.sh", tmp_path, CONNECTIVITY="paper-text", SEEDS="1")
+    work = [c for c in cmds if "distill.fcsd" in c or "distill.report" in c]
+    assert len(work) == 12 and all(_flag(c, "--farskip-connectivity") == "paper-text" for c in work)
+    _, cmds = _plan("fcsd_ablations.sh", tmp_path)
+    assert not [c for c in cmds if "--farskip-connectivity" in c]
 
 
 def test_demo_plans_the_same_commands_after_sharing_its_steps(tmp_path):
@@ -149,6 +160,16 @@ def test_fig3_lists_first_and_last_n_and_pending():
     assert lines[3] == "| 2 | pending | pending | pending | pending |"
     assert lines[4] == "| 3 (all) | 210.00 | 0.800 | 210.00 | 0.800 |"
     assert lines[5] == "| 0 (the teacher) | 100.00 | 0 | 100.00 | 0 |"
+
+
+def test_fig3_leaves_out_sub_block_conversions_of_the_same_layers():
+    """A report with ``--untrained last:1@mlp-only`` has a second row whose layers are ``last:1``:
+    Fig. 3 keeps the whole-layer conversion."""
+    rows = [{"model": "untrained, farskip last:1", "farskip": "last:1", "ppl": 105.0, "ppl_gap_to_teacher": 0.05,
+             "kl_to_teacher": 0.03},
+            {"model": "untrained, farskip last:1@mlp-only", "farskip": "last:1", "farskip_mode": "mlp-only", "ppl": 104.0,
+             "ppl_gap_to_teacher": 0.04, "kl_to_teacher": 0.02}]  # fmt: skip
+    assert fig3_markdown({"rows": rows}, 3).splitlines()[2] == "| 1 | pending | pending | 105.00 | 0.030 |"
 
 
 def test_generator_command_writes_markdown_and_marks_missing_reports_pending(tmp_path, capsys):
