@@ -97,6 +97,8 @@ COMMANDS = [
             "distill/report.py"),
     Command("distill_ablation_table", "python -m distill.ablation_table",
             _attr("distill.ablation_table", "build_parser"), "distill/ablation_table.py"),
+    Command("distill_wiring_table", "python -m distill.wiring_table",
+            _attr("distill.wiring_table", "build_parser"), "distill/wiring_table.py"),
     Command("netsim", "python -m netsim", _attr("netsim.cli", "build_parser"), "netsim/cli.py"),
     Command("semmoe", "python -m tools.semmoe", _attr("tools.semmoe.cli", "COMMANDS.parser"),
             "tools/semmoe/cli.py"),
