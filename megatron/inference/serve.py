@@ -491,7 +491,7 @@ def serve_rank(args) -> int:
             watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
-            if not address:  # with a front end of its own, that process says it
+            if link is None:  # with a front end of its own, that process says it
                 print("server stopped", flush=True)
     return 0
 
