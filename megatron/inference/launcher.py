@@ -122,8 +122,8 @@ def run_frontend(args, argv: list, rank_command) -> int:
     from megatron.common.files import write_json
     from megatron.inference.frontend import Frontend
     from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineBridge
-    from megatron.inference.serve import (check_layout, checkpoint_chat, engine_config, frontend_config, http_url,
-                                          served_name)
+    from megatron.inference.options import (check_layout, checkpoint_chat, engine_config, frontend_config, http_url,
+                                            served_name)
     from megatron.training.loading import load_tokenizer
 
     engine_config(args)

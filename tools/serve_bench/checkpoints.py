@@ -12,30 +12,13 @@ import time
 
 from megatron.common.files import write_json
 from tools.bench import netns
-from tools.bench.cli import model_overrides
 from tools.bench.launcher import LaunchError, start_ranks
 
-from .options import placed
+from .variant_configs import placed, train_config
 
 __all__ = ["train", "place", "tokenizer_and_context", "TRAIN_MODULE"]
 
 TRAIN_MODULE = "megatron.training.pretrain_gpt"
-
-
-def train_config(args, variant: str, save: str) -> dict:
-    from megatron.training.arguments import load_yaml
-    from moe_variants import registry
-
-    values = load_yaml(args.config) if args.config else {}
-    values.update(model_overrides(args))
-    values.setdefault("expert_model_parallel_size", args.ranks)
-    values.setdefault("transformer_impl", "local")
-    values.update(registry.preset_overrides(variant))
-    for key in ("load", "tensorboard_dir", "wandb_project"):
-        values.pop(key, None)
-    values.update(seed=args.seed, train_iters=args.train_steps, save=save, save_interval=args.train_steps,
-                  eval_interval=0, log_interval=max(1, args.train_steps // 5))
-    return values
 
 
 def finished(marker: str, key: dict) -> bool:

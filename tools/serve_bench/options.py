@@ -14,9 +14,9 @@ from tools.bench.cli import add_model_options, model_overrides
 from tools.bench.discipline import add_discipline_arguments
 
 from .loadgen import load_prompt_pairs
+from .variant_configs import placed, train_config, variant_list
 
-__all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", "placed", "PROG",
-           "DEFAULT_NUM_REQUESTS"]
+__all__ = ["build_parser", "check_args", "check_load_variants", "PROG", "DEFAULT_NUM_REQUESTS"]
 
 PROG = "bench_serve.py"
 # a p99 needs 100 samples for one to be expected beyond it (loadgen.samples_needed)
@@ -107,32 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ validation
 
 
-def placed(variants: list) -> list:
-    """The placed variants among ``variants`` (``variant_hooks.serve_placement_names``): ``--load`` with
-    its experts re-placed by a checkpoint pass, not a preset."""
-    names = variant_hooks.serve_placement_names()
-    return [v for v in variants if v in names]
-
-
-def variant_list(text: str, args=None) -> list:
-    """The names of ``--variants``; a placed variant is checked against ``args`` (what it needs)."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names:
-        raise UserError("--variants is empty")
-    if len(set(names)) != len(names):
-        raise UserError(f"--variants lists a variant twice: {text}")
-    placements = variant_hooks.serve_placement_names()
-    for v in names:
-        if v in placements:
-            if args is not None:
-                variant_hooks.serve_placement(v, args)  # what the placement needs is given
-            continue
-        if any(p in v.split("+") for p in placements):
-            raise UserError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
-        registry.preset_overrides(v)  # an unknown preset fails here
-    return names
-
-
 def check_args(args) -> None:
     """Everything that can be checked before any process starts or any file is written."""
     variants = variant_list(args.variants, args)
@@ -176,7 +150,6 @@ def check_args(args) -> None:
         raise UserError("give --num-requests or --duration, not both")
     if not args.load:  # each variant is trained on --ranks first: its batch sizes must fit them
         from megatron.training.arguments import configs_from_dict
-        from tools.serve_bench.checkpoints import train_config
 
         for v in variants:
             configs = configs_from_dict(train_config(args, v, "unused"))
