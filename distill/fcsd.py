@@ -270,7 +270,7 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
             best_dir = os.path.join(c.checkpoint.save, "best")
             from megatron.training.arguments import configs_to_dict
             from megatron.training.checkpointing import layout_of
-            from megatron.training.pretrain_gpt import tokenizer_files_of
+            from megatron.training.tokenizer import tokenizer_files_of
 
             configs = configs_to_dict(c)
             configs["tokenizer"] = {"type": c.data.tokenizer_type or "HuggingFaceTokenizer"}
@@ -293,8 +293,9 @@ def validation_windows(c, max_windows: int) -> torch.Tensor:
     """``[N, S+1]`` windows of the training data's validation split (the proxy's text when no
     ``--proxy-text``/``--heldout-text`` is given): the first ``max_windows`` samples, identical on
     every rank. Collective (the dataset indices are built rank-0-first)."""
-    from megatron.training.data import build_pretraining_datasets, ensure_embedded_dataset
-    from megatron.training.pretrain_gpt import resolve_tokenizer
+    from megatron.training.data import build_pretraining_datasets
+    from megatron.training.preprocess import ensure_embedded_dataset
+    from megatron.training.tokenizer import resolve_tokenizer
 
     cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
     data_path = c.data.data_path if c.data.data_path is not None else [ensure_embedded_dataset(cache)]

@@ -37,22 +37,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron import compat
 from megatron.training.arguments import Configs, parse_configs
 from megatron.training.parallel import destroy_parallel
-from megatron.training.training import (  # the entry points' shared helpers live there
-    Trainer,
-    TrainerHooks,
-    build_data,
-    check_data_paths,
-    config_yaml,
-    resolve_tokenizer,
-    tokenizer_files_of,
-)
+from megatron.training.training import Trainer, TrainerHooks
 from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.process import EXIT_CRASH, EXIT_PREEMPTED, record_failure
 
 logger = logging.getLogger("megatron.training")
 
-__all__ = ["main", "run_pretraining", "user_errors", "Trainer", "TrainerHooks", "resolve_tokenizer", "build_data",
-           "check_data_paths", "tokenizer_files_of", "config_yaml"]
+__all__ = ["main", "run_pretraining", "user_errors", "Trainer", "TrainerHooks"]
 
 
 def run_pretraining(

@@ -38,7 +38,7 @@ def synthetic_documents(num_documents: int, seed: int, vocab_size: int = 1000):
 @pytest.fixture(scope="session")
 def synthetic_datasets(tmp_path_factory):
     """Two indexed datasets (100 and 60 documents) in NullTokenizer(1000) ids, and their docs."""
-    from megatron.training.data import write_indexed_dataset
+    from megatron.training.preprocess import write_indexed_dataset
     from megatron.training.tokenizer import NullTokenizer
 
     tok = NullTokenizer(1000)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron.common.cli import UserError
-from megatron.training import data
+from megatron.training import data, preprocess
 from tools.spawn import run_distributed
 from megatron.training.tokenizer import DEFAULT_CORPUS
 
@@ -159,9 +159,9 @@ def test_distributed_build_two_ranks(synthetic_datasets, tmp_path):
 
 
 def test_embedded_dataset(tmp_path, tiny_tokenizer):
-    prefix = data.ensure_embedded_dataset(str(tmp_path))
+    prefix = preprocess.ensure_embedded_dataset(str(tmp_path))
     mtime = os.path.getmtime(prefix + ".bin")
-    assert data.ensure_embedded_dataset(str(tmp_path)) == prefix and os.path.getmtime(prefix + ".bin") == mtime
+    assert preprocess.ensure_embedded_dataset(str(tmp_path)) == prefix and os.path.getmtime(prefix + ".bin") == mtime
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)

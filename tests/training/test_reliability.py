@@ -406,7 +406,7 @@ def test_read_only_save_dir_refused_at_start(tmp_path, monkeypatch):
 
 
 def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, cache):
-    from megatron.training.data import write_indexed_dataset
+    from megatron.training.preprocess import write_indexed_dataset
 
     prefix = str(tmp_path / "corpus")
     docs = [[i % 300 for i in range(j, j + 200)] for j in range(0, 4000, 200)]

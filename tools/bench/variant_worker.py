@@ -122,7 +122,7 @@ def _validation_split(c, tokenizer, global_batch: int):
         import torch
         from megatron.core import parallel_state
 
-        from megatron.training.pretrain_gpt import build_data
+        from megatron.training.data import build_data
 
         data_configs = copy.deepcopy(c)
         data_configs.logging.eval_iters = max(1, math.ceil(num_samples / global_batch))
@@ -142,7 +142,8 @@ def run(spec: WorkerSpec) -> RankResult:
 
     from moe_variants.config import validate
     from megatron.training.parallel import initialize_parallel
-    from megatron.training.pretrain_gpt import build_data, resolve_tokenizer
+    from megatron.training.data import build_data
+    from megatron.training.tokenizer import resolve_tokenizer
     from megatron.training.step import setup_model_and_optimizer, train_step
 
     rank, world = rank_and_world()
