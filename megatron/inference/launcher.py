@@ -124,7 +124,7 @@ def run_frontend(args, argv: list, rank_command) -> int:
     from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineBridge
     from megatron.inference.options import (check_layout, checkpoint_chat, engine_config, frontend_config, http_url,
                                             served_name)
-    from megatron.training.loading import load_tokenizer
+    from megatron.components.loading import load_tokenizer
 
     engine_config(args)
     # refused here, before any rank starts

@@ -63,7 +63,7 @@ def check_layout(args, world: int):
     """The checkpoint's configs (with ``--variant``) at the requested layout over ``world`` ranks,
     refused in one line where they cannot be served; returns (configs, manifest, checkpoint dir,
     the ``--variant`` overrides, the ``ParallelConfig``)."""
-    from megatron.training.loading import checkpoint_configs
+    from megatron.components.loading import checkpoint_configs
     from moe_variants.config import ParallelConfig, validate
 
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size

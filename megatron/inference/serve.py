@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args) -> None:
     from megatron.inference.link import ENV_ADDRESS
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
     try:
         if find_latest_checkpoint(args.load) is None:
@@ -206,7 +206,7 @@ def _check_args(args) -> None:
 def _init_distributed(stack) -> None:
     import torch.distributed as dist
 
-    from megatron.training.parallel import init_from_env
+    from megatron.components.parallel import init_from_env
 
     if dist.is_initialized():
         return
@@ -278,8 +278,8 @@ def serve_rank(args) -> int:
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
     from megatron.inference.watchdog import StallWatchdog
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants import registry
 
     cfg = engine_config(args)
@@ -415,7 +415,7 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
 
     from megatron import compat
     from megatron.inference.link import FrontendUnreachable
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.components.checkpointing import CheckpointError
     from megatron.common.cli import run_cli
 
     compat.quiet_warnings()

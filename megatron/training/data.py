@@ -34,7 +34,7 @@ from megatron.common.cli import UserError
 from megatron.training.preprocess import ensure_embedded_dataset, indexed_dataset_exists, indexed_dataset_paths
 
 if TYPE_CHECKING:
-    from megatron.training.arguments import Configs
+    from megatron.components.arguments import Configs
 
 __all__ = [
     "ensure_dataset_helpers",
@@ -154,7 +154,7 @@ def build_pretraining_datasets(
         num_samples: minimum samples per split (``get_train_valid_test_num_samples``). A single
             prefix gives whole epochs (``len >= num_samples``); a blend gives exactly the
             per-dataset ``ceil(num * weight)`` summed.
-        tokenizer: from ``megatron.training.tokenizer.build_tokenizer`` (its ``eod``/``pad`` and
+        tokenizer: from ``megatron.components.tokenizer.build_tokenizer`` (its ``eod``/``pad`` and
             identity enter the samples and the cache key).
         cache_dir: where the sample indices are cached (``--data-cache-path``); default
             ``<directory of the first prefix>/cache``. Must be shared by all ranks of a node.

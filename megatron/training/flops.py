@@ -19,7 +19,7 @@ import torch
 from megatron.common import collectives
 
 if TYPE_CHECKING:
-    from megatron.training.arguments import Configs
+    from megatron.components.arguments import Configs
 
 __all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops", "HBM_TB_S", "hbm_bandwidth",
            "Throughput"]

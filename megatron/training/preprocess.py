@@ -166,7 +166,7 @@ def ensure_embedded_dataset(cache_dir: str) -> str:
     The prefix name carries a hash of the corpus and tokenizer files, so a changed asset is
     preprocessed afresh. Under ``torch.distributed`` rank 0 writes and the others wait.
     """
-    from megatron.training.tokenizer import DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.tokenizer import DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     digest = hashlib.sha256()
     for path in (DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL):

@@ -16,14 +16,14 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.training.arguments import Configs, config_yaml, configs_to_dict
+from megatron.components.arguments import Configs, config_yaml, configs_to_dict
 from megatron.common.cli import UserError, one_line, user_input
 from megatron.common.events import Event
 from megatron.common.process import EXIT_PREEMPTED, record_failure
 from megatron.training.data import build_data, check_data_paths, eval_iterator
 from megatron.training.flops import Throughput
 from megatron.training.metrics import step_record
-from megatron.training.tokenizer import resolve_tokenizer, tokenizer_files_of
+from megatron.components.tokenizer import resolve_tokenizer, tokenizer_files_of
 
 __all__ = ["Trainer", "TrainerHooks", "STEP_END"]
 
@@ -35,13 +35,13 @@ STEP_END = Event("training step end")
 def _on_rank0(fn, rank: int):
     """Run ``fn`` (a validation) on rank 0 only; every rank returns its result or raises its
     one-line error (``checkpointing.from_rank0``)."""
-    from megatron.training.checkpointing import from_rank0
+    from megatron.components.checkpointing import from_rank0
 
     return from_rank0(fn, user_errors=True)
 
 
 def _has_checkpoint(directory: str) -> bool:
-    from megatron.training.checkpointing import MANIFEST, checkpoint_candidates
+    from megatron.components.checkpointing import MANIFEST, checkpoint_candidates
 
     if not os.path.isdir(directory):
         return False
@@ -133,9 +133,9 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from megatron.training.checkpointing import layout_of
+        from megatron.components.checkpointing import layout_of
         from megatron.training.data import check_token_ids, parse_data_path
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.parallel import initialize_parallel
         from megatron.training.save_dir import SaveDirLock
         from megatron.training.step import lm_forward_step, setup_model_and_optimizer
         from megatron.training.watchdog import WatchdogConfig, start_watchdog
@@ -180,7 +180,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """Load ``--load`` (if it has a checkpoint) and prepare the save directory."""
-        from megatron.training.checkpointing import load_checkpoint, new_lineage
+        from megatron.components.checkpointing import load_checkpoint, new_lineage
         from megatron.training.save_dir import prepare_save_dir
         from megatron.training.step import use_fused_adam
 
@@ -332,7 +332,7 @@ class Trainer:
         return self.watchdog.paused(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def save(self, step: int) -> None:
-        from megatron.training.checkpointing import save_checkpoint
+        from megatron.components.checkpointing import save_checkpoint
 
         ck = self.c.checkpoint
         self.finish_pending_save()
@@ -352,7 +352,7 @@ class Trainer:
 
     def finish_pending_save(self) -> None:
         """An ``--async-save`` in flight becomes a checkpoint (collective)."""
-        from megatron.training.checkpointing import finalize_pending_save
+        from megatron.components.checkpointing import finalize_pending_save
 
         with self.paused("checkpoint save"):
             done = finalize_pending_save()

@@ -153,7 +153,7 @@ _WORKER = {}
 
 
 def _init_worker(tokenizer_kwargs: dict, append_eod: bool) -> None:
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
     _WORKER["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
     _WORKER["append_eod"] = append_eod
@@ -178,7 +178,7 @@ def _chunks(it, n):
 def preprocess(args) -> list:
     """Run the whole job; returns the ``IndexedDatasetStats`` per key."""
     from megatron.training.preprocess import check_outputs_free, write_indexed_dataset
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

@@ -61,8 +61,8 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
     from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.sampling import RequestSampling
     from megatron.inference.options import variant_load_overrides
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from megatron.common import collectives
     from moe_variants.config import ParallelConfig
 

@@ -34,7 +34,7 @@ def finished(marker: str, key: dict) -> bool:
 def train(args, variants, work_dir, budget, printer) -> dict:
     """One checkpoint per variant, trained with ``pretrain_gpt`` on loopback (same seed, same data);
     a checkpoint already in the work directory with the same settings is reused."""
-    from megatron.training.checkpointing import find_latest_checkpoint
+    from megatron.components.checkpointing import find_latest_checkpoint
 
     out = {}
     for variant in variants:
@@ -96,7 +96,7 @@ def place(args, variants, work_dir, printer) -> dict:
 
 
 def tokenizer_and_context(ckpt: str):
-    from megatron.training.loading import checkpoint_configs, load_tokenizer
+    from megatron.components.loading import checkpoint_configs, load_tokenizer
 
     configs, manifest, path = checkpoint_configs(ckpt)
     return load_tokenizer(manifest, path), int(configs.model.seq_length)

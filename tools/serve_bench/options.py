@@ -116,7 +116,7 @@ def check_args(args) -> None:
     if args.config and not os.path.isfile(args.config):
         raise UserError(f"--config {args.config}: no such file")
     if args.load:
-        from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+        from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
         try:
             if find_latest_checkpoint(args.load) is None:
@@ -149,7 +149,7 @@ def check_args(args) -> None:
     if args.num_requests is not None and args.duration is not None:
         raise UserError("give --num-requests or --duration, not both")
     if not args.load:  # each variant is trained on --ranks first: its batch sizes must fit them
-        from megatron.training.arguments import configs_from_dict
+        from megatron.components.arguments import configs_from_dict
 
         for v in variants:
             configs = configs_from_dict(train_config(args, v, "unused"))
@@ -186,7 +186,7 @@ def check_args(args) -> None:
         raise UserError(f"--load-threshold must be >= 0, got {args.load_threshold}")
     manifest = None
     if args.load:
-        from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+        from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
         manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
     variant_hooks.check_serve_bench(args, variants, manifest)  # the variants' own options (e.g. placements' inputs)
@@ -199,8 +199,8 @@ def check_args(args) -> None:
 
 def check_load_variants(ckpt: str, variants: list) -> None:
     """With ``--load``, every variant must keep the checkpoint's parameters (built on the meta device)."""
-    from megatron.training.arguments import configs_to_dict
-    from megatron.training.loading import checkpoint_configs
+    from megatron.components.arguments import configs_to_dict
+    from megatron.components.loading import checkpoint_configs
 
     base = configs_to_dict(checkpoint_configs(ckpt)[0])
     changing = [v for v in variants
@@ -208,8 +208,8 @@ def check_load_variants(ckpt: str, variants: list) -> None:
     if not changing:
         return
     from megatron import compat
-    from megatron.training.loading import parameter_changes
-    from megatron.training.parallel import initialize_parallel, single_process_group
+    from megatron.components.loading import parameter_changes
+    from megatron.components.parallel import initialize_parallel, single_process_group
     from moe_variants.config import ParallelConfig
 
     compat.apply()

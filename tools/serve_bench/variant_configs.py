@@ -42,7 +42,7 @@ def variant_list(text: str, args=None) -> list:
 def train_config(args, variant: str, save: str) -> dict:
     """The flat ``pretrain_gpt`` config that trains ``variant``'s checkpoint into ``save``: the model
     of ``--config`` and the model flags, the variant's preset, bench_serve's seed and steps."""
-    from megatron.training.arguments import load_yaml
+    from megatron.components.arguments import load_yaml
 
     values = load_yaml(args.config) if args.config else {}
     values.update(model_overrides(args))

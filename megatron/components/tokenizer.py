@@ -36,7 +36,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.common.cli import UserError
 
 if TYPE_CHECKING:
-    from megatron.training.arguments import Configs
+    from megatron.components.arguments import Configs
 
 __all__ = [
     "TOKENIZER_TYPES",

@@ -23,7 +23,7 @@ import yaml
 
 from megatron.common.cli import ArgumentParser, did_you_mean
 from megatron.common.fielddocs import field_docs
-from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
+from megatron.components.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 from moe_variants import registry
 from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
 
