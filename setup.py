@@ -1,7 +1,8 @@
 """Install the MoE communication stack on top of the pinned megatron-core wheel.
 
 `megatron` is a namespace package shared with megatron-core: this repository adds
-`megatron.training` and `megatron.compat` and must never ship `megatron/__init__.py`.
+`megatron.common`, `megatron.compat`, `megatron.components`, `megatron.training` and
+`megatron.inference`, and must never ship `megatron/__init__.py`.
 """
 
 from setuptools import find_namespace_packages, setup
@@ -34,10 +35,11 @@ setup(
     "(BigMac, FarSkip-Collective, Sem-MoE) and a network-topology cost model",
     python_requires=">=3.10",
     packages=find_namespace_packages(
-        include=["megatron.training*", "megatron.compat*", "megatron.common*", "megatron.inference*", "moe_variants*", "distill*", "netsim*", "tools*"]
+        include=["megatron.training*", "megatron.compat*", "megatron.common*", "megatron.components*", "megatron.inference*",
+                 "moe_variants*", "distill*", "netsim*", "tools*"]
     ),
     include_package_data=True,
-    package_data={"megatron.training": ["assets/*"]},
+    package_data={"megatron.components": ["assets/*"]},
     install_requires=[
         "megatron-core==0.16.1",  # 0.17+ needs Python 3.12
         "torch>=2.6",

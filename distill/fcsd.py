@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron import compat
 from distill.losses import student_ce
-from megatron.training.parallel import destroy_parallel
+from megatron.components.parallel import destroy_parallel
 from megatron.common.cli import UserError, run_cli, user_input
 from distill.scoring import heldout_kl, lm_eval_scores, make_lm_eval_spec
 from moe_variants.farskip.config import FarSkipConfig
@@ -140,7 +140,7 @@ def make_forward_step_factory(teacher, cfg: FCSDConfig):
     """The loop's ``forward_step_func`` for distillation (teacher forward, then student)."""
     from distill.losses import hidden_state_l2, kl_divergence, masked_token_mean
     from moe_variants.builder import causal_attention_mask
-    from megatron.training.parallel import device
+    from megatron.components.parallel import device
     from megatron.training.step import to_device
 
     def factory(timer):
@@ -190,9 +190,9 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from distill.early_stopping import EarlyStopping
-    from megatron.training.checkpointing import find_latest_checkpoint, new_lineage, read_manifest, save_checkpoint
+    from megatron.components.checkpointing import find_latest_checkpoint, new_lineage, read_manifest, save_checkpoint
     from megatron.training.data import build_heldout_windows
-    from megatron.training.loading import load_model
+    from megatron.components.loading import load_model
     from megatron.training.pretrain_gpt import run_pretraining
 
     if c.parallel.pipeline_model_parallel_size != 1:
@@ -268,9 +268,9 @@ def run_fcsd(c, fcsd: FCSDConfig, prog: str = "fcsd") -> dict:
         result.update(proxy=fcsd.proxy.value, best=stopper.best, best_step=stopper.best_step, stop=stop)
         if new_best and c.checkpoint.save:
             best_dir = os.path.join(c.checkpoint.save, "best")
-            from megatron.training.arguments import configs_to_dict
-            from megatron.training.checkpointing import layout_of
-            from megatron.training.pretrain_gpt import tokenizer_files_of
+            from megatron.components.arguments import configs_to_dict
+            from megatron.components.checkpointing import layout_of
+            from megatron.components.tokenizer import tokenizer_files_of
 
             configs = configs_to_dict(c)
             configs["tokenizer"] = {"type": c.data.tokenizer_type or "HuggingFaceTokenizer"}
@@ -293,8 +293,9 @@ def validation_windows(c, max_windows: int) -> torch.Tensor:
     """``[N, S+1]`` windows of the training data's validation split (the proxy's text when no
     ``--proxy-text``/``--heldout-text`` is given): the first ``max_windows`` samples, identical on
     every rank. Collective (the dataset indices are built rank-0-first)."""
-    from megatron.training.data import build_pretraining_datasets, ensure_embedded_dataset
-    from megatron.training.pretrain_gpt import resolve_tokenizer
+    from megatron.training.data import build_pretraining_datasets
+    from megatron.training.preprocess import ensure_embedded_dataset
+    from megatron.components.tokenizer import resolve_tokenizer
 
     cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
     data_path = c.data.data_path if c.data.data_path is not None else [ensure_embedded_dataset(cache)]
@@ -354,7 +355,7 @@ class _TeacherRef(torch.nn.Module):
 def _checkpoint_model_defaults(argv) -> dict:
     """Model-shape, tokenizer and data flags default to the checkpoint's (the student must match
     the teacher; distilling on the teacher's own training data is the no-extra-data default)."""
-    from megatron.training.loading import checkpoint_configs
+    from megatron.components.loading import checkpoint_configs
 
     load = None
     for i, arg in enumerate(argv):
@@ -382,7 +383,7 @@ def main(argv=None) -> int:
 
     compat.quiet_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     argv = list(sys.argv[1:] if argv is None else argv)
 

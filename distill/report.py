@@ -40,8 +40,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron.training.checkpointing import CheckpointError
-from megatron.training.parallel import single_process_group
+from megatron.components.checkpointing import CheckpointError
+from megatron.components.parallel import single_process_group
 from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.files import write_json
 from distill.scoring import LMEvalSpec, heldout_kl, lm_eval_scores, main_metric, make_lm_eval_spec
@@ -108,8 +108,8 @@ def score_rows(teacher_path: str, text: str, *, untrained: list[str], students: 
 
     from moe_variants.config import ParallelConfig
     from megatron.training.data import build_heldout_windows
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
 
     initialize_parallel(ParallelConfig())
     pgc = ProcessGroupCollection.use_mpu_process_groups()

@@ -23,7 +23,7 @@ def heldout_kl(student, teacher, windows: torch.Tensor, *, micro_batch_size: int
     """Mean per-token KL(teacher || student) and the student's perplexity on fixed windows
     [N, S+1]; windows are dealt to data-parallel ranks with dummy batches for lockstep."""
     from moe_variants.builder import causal_attention_mask
-    from megatron.training.parallel import device
+    from megatron.components.parallel import device
 
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
     mine = windows[dp_rank::dp_size]

@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.fcsd_args = fcsd_args
     try:
-        from megatron.training.checkpointing import CheckpointError
-        from megatron.training.loading import checkpoint_configs
+        from megatron.components.checkpointing import CheckpointError
+        from megatron.components.loading import checkpoint_configs
 
         if not os.path.exists(args.load):
             raise UserError(f"--load {args.load}: no such checkpoint")

@@ -302,7 +302,7 @@ def build_model(
     """Build the ``GPTModel`` for this rank's pipeline stage (on CPU or the current GPU).
 
     ``vocab_size`` is the tokenizer's (padded here); it overrides ``model.vocab_size``.
-    Call ``megatron.training.parallel.initialize_parallel`` first.
+    Call ``megatron.components.parallel.initialize_parallel`` first.
 
     ``upstream_moe`` builds megatron-core's own spec unchanged (its ``MoELayer``, router and token
     dispatcher; no project layer, no variant), and ``config_overrides`` sets ``TransformerConfig``

@@ -5,7 +5,7 @@ their global index, tensor-parallel shards concatenated along their partition di
 ``linear_fc1`` halves gathered separately), and ``load_global_state_dict`` slices such a dict back
 into a model built at any layout. Tests use it to compare layouts; checkpoint conversion and the
 Sem-MoE placement pass use it as their interchange format. Checkpoints for training use
-megatron-core ``dist_checkpointing`` instead (``megatron.training.checkpointing``), which reshards
+megatron-core ``dist_checkpointing`` instead (``megatron.components.checkpointing``), which reshards
 without ever holding full tensors.
 
 Grouped-GEMM experts (``moe_variants.common.experts.GroupedExperts``) appear under

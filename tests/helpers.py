@@ -48,7 +48,7 @@ def build_and_load(model_cfg: ModelConfig, parallel: ParallelConfig, state=None,
     """Initialise the layout, build the model and (optionally) load a global state dict into it."""
     from moe_variants.global_state import load_global_state_dict
     from moe_variants.builder import build_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     pgc = initialize_parallel(parallel, seed=seed)
     model = build_model(model_cfg, parallel, vocab_size=VOCAB, pg_collection=pgc)

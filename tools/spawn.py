@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron.training.parallel import destroy_parallel
+from megatron.components.parallel import destroy_parallel
 
 __all__ = ["run_distributed", "start_method", "DistributedTestError"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron.training.arguments import OneLineParser
+from megatron.components.arguments import OneLineParser
 
 __all__ = ["main", "build_parser"]
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for message in (r"`load_state_dict` is deprecated", r"Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     from distill.convert.hf_mcore import export_hf, import_hf
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.components.checkpointing import CheckpointError
     from megatron.common.cli import UserError, run_cli
 
     def body():

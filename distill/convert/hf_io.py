@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # Files copied with a model (tokenizer and generation defaults); tokenizer.json is the one
-# megatron.training.tokenizer reads, tokenizer_config.json gives it the EOS token.
+# megatron.components.tokenizer reads, tokenizer_config.json gives it the EOS token.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from megatron.common.cli import user_input
-from megatron.training.parallel import single_process_group
+from megatron.components.parallel import single_process_group
 from distill.convert import families
 from distill.convert.hf_io import TOKENIZER_FILES, check_new_output, open_weights, read_config, write_hf_dir
 from distill.convert.rules import hf_shapes
@@ -103,7 +103,7 @@ def _model_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
 def _tokenizer(hf_dir: str, vocab_size: int):
     """(tokenizer files {role: path}, tokenizer info) for the checkpoint manifest.
 
-    ``tokenizer.json`` becomes the checkpoint's tokenizer when ``megatron.training.tokenizer`` can
+    ``tokenizer.json`` becomes the checkpoint's tokenizer when ``megatron.components.tokenizer`` can
     load it; without one, or without an end-of-document token in it (a warning), the checkpoint gets a
     ``NullTokenizer`` of the model's vocabulary (ids in, ids out) and the files are still copied for
     export. A ``tokenizer.json`` that cannot be read is an error (``ValueError``), never a
@@ -112,7 +112,7 @@ def _tokenizer(hf_dir: str, vocab_size: int):
     from tokenizers import Tokenizer
 
     from megatron.common.cli import one_line
-    from megatron.training.tokenizer import HFTokenizer
+    from megatron.components.tokenizer import HFTokenizer
 
     files = {f"hf:{name}": os.path.join(hf_dir, name) for name in TOKENIZER_FILES
              if os.path.isfile(os.path.join(hf_dir, name))}
@@ -136,12 +136,12 @@ def _tokenizer(hf_dir: str, vocab_size: int):
 def import_hf(hf_dir: str, out: str, *, tensor_parallel: int = 1, expert_parallel: int = 1,
               pipeline_parallel: int = 1, allow_pickle: bool = False) -> str:
     """Convert a Hugging Face model directory to our checkpoint at ``out``. Returns ``out``."""
-    from megatron.training.arguments import configs_from_dict, configs_to_dict
-    from megatron.training.checkpointing import layout_of, save_checkpoint
+    from megatron.components.arguments import configs_from_dict, configs_to_dict
+    from megatron.components.checkpointing import layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig, validate
     from moe_variants.builder import build_model
     from moe_variants.global_state import local_weights
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     with user_input():  # the HF directory, the output path and the requested layout
         check_new_output(out)
@@ -227,8 +227,8 @@ def export_hf(load: str, out: str, *, family_name: Optional[str] = None) -> str:
     """Convert our checkpoint (``load``: a save dir or an ``iter_*`` dir) to a Hugging Face directory."""
     from moe_variants.config import ParallelConfig
     from moe_variants.global_state import gather_global_state_dict
-    from megatron.training.loading import checkpoint_configs, load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import checkpoint_configs, load_model
+    from megatron.components.parallel import initialize_parallel
 
     with user_input():  # the checkpoint, the output path and the family
         check_new_output(out)

@@ -122,9 +122,9 @@ def run_frontend(args, argv: list, rank_command) -> int:
     from megatron.common.files import write_json
     from megatron.inference.frontend import Frontend
     from megatron.inference.link import ENV_ADDRESS, ENV_AUTHKEY, EngineBridge
-    from megatron.inference.serve import (check_layout, checkpoint_chat, engine_config, frontend_config, http_url,
-                                          served_name)
-    from megatron.training.loading import load_tokenizer
+    from megatron.inference.options import (check_layout, checkpoint_chat, engine_config, frontend_config, http_url,
+                                            served_name)
+    from megatron.components.loading import load_tokenizer
 
     engine_config(args)
     # refused here, before any rank starts
@@ -161,14 +161,14 @@ def run_frontend(args, argv: list, rank_command) -> int:
                 return child.returncode or 1
             if stop["signal"] is not None:
                 return 0
-        _, _, _, limits, info = bridge.hello
+        hello = bridge.hello
         frontend = Frontend(tokenizer=tokenizer, chat_render=render, heartbeat=bridge.heartbeat,
-                            config=frontend_config(args, limits))
+                            config=frontend_config(args, hello.limits))
         port = frontend.start()
         bridge.serve(frontend)
         url = http_url(args.host, port)
         if args.ready_file:
-            write_json(args.ready_file, {"url": url, "port": port, **info, "frontend_pid": os.getpid(),
+            write_json(args.ready_file, {"url": url, "port": port, **hello.info, "frontend_pid": os.getpid(),
                                          "max_restarts": args.max_restarts})
         ranks = (f"{args.nproc_per_node} ranks" if args.nnodes == 1 else
                  f"{args.nproc_per_node} ranks on each of {args.nnodes} nodes")

@@ -9,23 +9,25 @@ message is read); its address and key reach the ranks in ``$MOE_SERVE_FRONTEND``
 too. Over several machines (``--nnodes``) the front end listens on TCP instead, reached at node
 0's rendezvous address, and only node 0's ranks are its children: the other nodes' ranks have an empty
 ``$MOE_SERVE_FRONTEND``, and rank 0, wherever the rendezvous put it, takes the address and key
-from node 0's ranks (``frontend_link``). Messages are pickled tuples, ``(kind, ...)``:
+from node 0's ranks (``frontend_link``). The messages are typed and versioned
+(``megatron.inference.link_messages``):
 
 engine (rank 0) -> front end
-    ``("hello", pid, machine id, protocol.Limits, info)`` first: the engine serves; ``info`` is
-    what the ready file holds;
-    ``("assigned", {request id: data-parallel rank})``, ``("publish", [TokenUpdate], [rank stats])``:
-    what the in-process ``Frontend`` is told by the loop;
-    ``("beat", *Pulse fields)``: the loop heartbeat's ``Pulse``, from a thread, every
-    ``beat_interval(stall_timeout)`` seconds (``/health`` reads it as it reads a local heartbeat);
-    ``("drain",)``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
-    ``("dead", reason)``: the engine failed or its watchdog fired; rank 0 exits next.
+    ``Hello`` first (pid, machine, ``protocol.Limits``, what the ready file holds): the engine
+    serves; the front end answers ``Welcome``, or ``Refused`` with why (a rank 0 of another link
+    version: ``EngineLink.hello`` raises ``FrontendUnreachable`` naming it, a one-line error);
+    ``Assigned``, ``Publish``: what the in-process ``Frontend`` is told by the loop;
+    ``Beat``: the loop heartbeat's ``Pulse``, from a thread, every ``beat_interval(stall_timeout)``
+    seconds (``/health`` reads it as it reads a local heartbeat);
+    ``Drain``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
+    ``Dead``: the engine failed or its watchdog fired; rank 0 exits next.
 front end -> engine
-    ``frontend.Commands`` (new requests, cancellations, stop), as the loop takes them.
+    ``Commands`` (new requests, cancellations, stop), as the loop takes them.
 
 The front end (``EngineBridge``) declares the engine lost when rank 0 closes the link (it exited:
-at once), sends ``dead``, or sends nothing for ``--stall-timeout`` seconds (stopped, or stuck in
-native code holding the GIL: its beat thread cannot run). It reads rank 0's messages in whatever
+at once), sends ``Dead`` or what is no link message of this version, or sends nothing for
+``--stall-timeout`` seconds (stopped, or stuck in native code holding the GIL: its beat thread
+cannot run). It reads rank 0's messages in whatever
 pieces arrive (``FrameReader``), never blocking past a deadline: a rank 0 stopped between a
 message's header and its body (``Connection.send`` writes them apart above 16 KiB) is silent like
 any other. Every in-flight request then gets a 503,
@@ -56,6 +58,7 @@ from typing import Callable, Optional
 
 from megatron.common.process import machine_id, same_machine
 from megatron.common.watchdog import Pulse
+from megatron.inference import link_messages as messages
 from megatron.inference.frontend import Commands
 
 __all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", "EngineLink", "EngineBridge",
@@ -159,7 +162,8 @@ class FrontendGone(ConnectionError):
 
 
 class FrontendUnreachable(ConnectionError):
-    """Rank 0 cannot reach the front end named by ``$MOE_SERVE_FRONTEND`` (a one-line error)."""
+    """Rank 0 cannot reach the front end named by ``$MOE_SERVE_FRONTEND``, or the front end refused
+    it (a one-line error)."""
 
 
 class EngineLink:
@@ -205,27 +209,45 @@ class EngineLink:
 
     def _send(self, message) -> None:
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send(messages.encode(message))
 
     def _receive(self) -> None:
+        """The front end's messages into the inbox; then None once it closed the link, or the
+        ``LinkMismatch`` that ended it."""
         while True:
             try:
-                self._inbox.put(self._conn.recv())
-            except (EOFError, OSError):
+                self._inbox.put(messages.decode(self._conn.recv(), "the front end"))
+            except (EOFError, OSError, messages.LinkMismatch) as err:
                 self._closed.set()
-                self._inbox.put(None)
+                self._inbox.put(err if isinstance(err, messages.LinkMismatch) else None)
                 return
 
     def _beat(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
             pulse = self._heartbeat.pulse()
             try:
-                self._send(("beat", *dataclasses.astuple(pulse)))
+                self._send(messages.Beat(pulse))
             except OSError:
                 return
 
-    def hello(self, limits, info: dict) -> None:
-        self._send(("hello", os.getpid(), machine_id(), limits, info))
+    def hello(self, limits, info: dict, timeout_s: float = 30.0) -> None:
+        """Say that the engine serves, and wait up to ``timeout_s`` for the front end to take it;
+        ``FrontendUnreachable`` (one line) when it refuses, speaks another link version or does not
+        answer."""
+        self._send(messages.Hello(os.getpid(), machine_id(), limits, info))
+        try:
+            answer = self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            answer = f"the front end did not answer rank 0's hello within {timeout_s:g} s"
+        if isinstance(answer, messages.Welcome):
+            return
+        if isinstance(answer, messages.Refused):
+            answer = f"the front end refused this rank 0: {answer.reason}"
+        elif answer is None:
+            answer = "the front end closed the link before it answered rank 0's hello"
+        elif not isinstance(answer, (str, messages.LinkMismatch)):
+            answer = f"the front end answered rank 0's hello with {answer.kind!r}"
+        raise FrontendUnreachable(str(answer))
 
     def take_commands(self, wait_s: float) -> Commands:
         """Everything the front end sent since the last call (blocks up to ``wait_s`` for the
@@ -237,6 +259,9 @@ class EngineLink:
                 if item is None:
                     raise FrontendGone("the front end closed the link to rank 0 (it declared the engine lost, "
                                        "or it exited)")
+                if not isinstance(item, messages.Commands):
+                    raise item if isinstance(item, messages.LinkMismatch) else messages.LinkMismatch(
+                        f"the front end sent {item.kind!r} while rank 0 serves")
                 cmds.submits += item.submits
                 cmds.cancels += item.cancels
                 cmds.stop = cmds.stop or item.stop
@@ -247,21 +272,21 @@ class EngineLink:
 
     def assigned(self, placed: dict) -> None:
         if placed:
-            self._send(("assigned", placed))
+            self._send(messages.Assigned(placed))
 
     def publish(self, updates: list, stats: list) -> None:
-        self._send(("publish", updates, stats))
+        self._send(messages.Publish(updates, stats))
 
     def request_stop(self) -> None:
         """The ranks were asked to stop: the front end drains and then sends ``stop``."""
         if not self.stop_requested.is_set():
             self.stop_requested.set()
-            self._send(("drain",))
+            self._send(messages.Drain())
 
     def mark_dead(self, reason: str) -> None:
         """The engine failed: the front end answers every in-flight request with a 503."""
         try:
-            self._send(("dead", reason))
+            self._send(messages.Dead(reason))
         except OSError:
             pass
 
@@ -281,9 +306,9 @@ class RemoteHeartbeat:
         self._clock = clock
         self._last: Optional[tuple] = None  # (Pulse, when it arrived)
 
-    def update(self, *fields) -> None:
-        """A beat's ``Pulse`` fields."""
-        self._last = (Pulse(*fields), self._clock())
+    def update(self, pulse: Pulse) -> None:
+        """A beat's ``Pulse``."""
+        self._last = (pulse, self._clock())
 
     def reset(self) -> None:
         self._last = None
@@ -314,7 +339,7 @@ class EngineBridge:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._conn = None  # the engine serving now
-        self._hello: Optional[tuple] = None  # its hello
+        self._hello: Optional[messages.Hello] = None  # its hello
         self._reader: Optional[FrameReader] = None  # its messages
         self._connected = threading.Condition(self._lock)
         self._closing = False
@@ -324,7 +349,7 @@ class EngineBridge:
         return self._conn is not None
 
     @property
-    def hello(self) -> Optional[tuple]:
+    def hello(self) -> Optional[messages.Hello]:
         return self._hello
 
     def start(self) -> "EngineBridge":
@@ -365,9 +390,21 @@ class EngineBridge:
             reader = FrameReader(conn)
             try:
                 hello = reader.recv(60)
+                if hello is FrameReader.NOTHING:
+                    raise EOFError("no hello")
+                hello = messages.decode(hello, "rank 0")
+                if not isinstance(hello, messages.Hello):
+                    raise messages.LinkMismatch(f"rank 0 sent {hello.kind!r} before its hello")
+                conn.send(messages.encode(messages.Welcome()))
+            except messages.LinkMismatch as err:
+                self.log(f"frontend: refused a connection: {err}")
+                try:
+                    conn.send(messages.encode(messages.Refused(str(err))))
+                except OSError:
+                    pass
+                conn.close()
+                continue
             except (EOFError, OSError, pickle.UnpicklingError):
-                hello = None
-            if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
                 conn.close()
                 continue
             with self._lock:
@@ -379,10 +416,9 @@ class EngineBridge:
             if old is not None:
                 hang_up(old)
             self.heartbeat.reset()
-            _, pid, _, limits, _ = hello
-            self.log(f"frontend: engine {self.engines} connected (rank 0 pid {pid})")
+            self.log(f"frontend: engine {self.engines} connected (rank 0 pid {hello.pid})")
             if frontend is not None:
-                frontend.engine_up(limits)
+                frontend.engine_up(hello.limits)
                 self._start_receiving(conn, reader)
 
     def _start_receiving(self, conn, reader: FrameReader) -> None:
@@ -393,7 +429,7 @@ class EngineBridge:
         """Rank 0's messages to the frontend until the link closes or falls silent (no complete
         message for ``--stall-timeout``, also when one stopped half sent)."""
         frontend = self.frontend
-        pid = self._hello[1]
+        pid = self._hello.pid
         last = time.monotonic()
         poll_s = min(0.1, self.stall_timeout_s / 10)
         while self._conn is conn:
@@ -407,22 +443,28 @@ class EngineBridge:
                                          f"(--stall-timeout {self.stall_timeout_s:g}{half}): it is stopped, or stuck "
                                          f"holding the GIL", kill=[pid])
                     continue
+                message = messages.decode(message, "rank 0")
             except (EOFError, OSError, pickle.UnpicklingError):
                 self._lose(conn, "rank 0 of the engine closed the link: it exited")
                 return
+            except messages.LinkMismatch as err:
+                self._lose(conn, str(err))
+                return
             last = time.monotonic()
-            kind = message[0]
-            if kind == "publish":
-                frontend.publish(message[1], message[2])
-            elif kind == "assigned":
-                frontend.assigned(message[1])
-            elif kind == "beat":
-                self.heartbeat.update(*message[1:])
-            elif kind == "drain":
+            if isinstance(message, messages.Publish):
+                frontend.publish(message.updates, message.stats)
+            elif isinstance(message, messages.Assigned):
+                frontend.assigned(message.placed)
+            elif isinstance(message, messages.Beat):
+                self.heartbeat.update(message.pulse)
+            elif isinstance(message, messages.Drain):
                 self.log("frontend: the engine was asked to stop: draining")
                 frontend.request_stop()
-            elif kind == "dead":
-                self._lose(conn, message[1])
+            elif isinstance(message, messages.Dead):
+                self._lose(conn, message.reason)
+            else:
+                self._lose(conn, f"rank 0 sent {message.kind!r} while it serves")
+                return
 
     def give_up(self, reason: str, kill: list) -> None:
         """Declare the engine serving now lost (``reason``) and SIGKILL the processes ``kill`` (its
@@ -437,7 +479,7 @@ class EngineBridge:
             if conn is None or self._conn is not conn:
                 return
             self._conn = None
-            machine = self._hello[2]
+            machine = self._hello.machine
         hang_up(conn)
         self.heartbeat.reset()
         frontend = self.frontend
@@ -473,7 +515,7 @@ class EngineBridge:
                 continue
             try:
                 with self._send_lock:
-                    conn.send(cmds)
+                    conn.send(messages.encode(messages.Commands(cmds.submits, cmds.cancels, cmds.stop)))
             except OSError:
                 self._lose(conn, "rank 0 of the engine closed the link: it exited")
                 continue

@@ -43,10 +43,11 @@ import traceback
 
 from megatron.common.cli import ArgumentParser, UserError
 from megatron.common.process import EXIT_CRASH, EXIT_WATCHDOG, exit_now
+from megatron.inference.options import (API_KEY_ENV, check_layout, checkpoint_chat, engine_config, frontend_config,
+                                        http_url, served_name)
 
-__all__ = ["build_parser", "main", "API_KEY_ENV", "RANK_COMMAND"]
+__all__ = ["build_parser", "main", "RANK_COMMAND"]
 
-API_KEY_ENV = "MOE_SERVE_API_KEY"
 SERVE_EXTRA = ("hypercorn", "einops", "jinja2")
 RANK_COMMAND = ("megatron.inference.serve",)  # what each torchrun rank of --nproc-per-node runs (python -m)
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args) -> None:
     from megatron.inference.link import ENV_ADDRESS
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
     try:
         if find_latest_checkpoint(args.load) is None:
@@ -205,7 +206,7 @@ def _check_args(args) -> None:
 def _init_distributed(stack) -> None:
     import torch.distributed as dist
 
-    from megatron.training.parallel import init_from_env
+    from megatron.components.parallel import init_from_env
 
     if dist.is_initialized():
         return
@@ -228,36 +229,6 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def variant_load_overrides(preset) -> dict:
-    """Config overrides of ``--variant PRESET`` (the registry's benchmark presets), or {}."""
-    if not preset:
-        return {}
-    from moe_variants import registry
-
-    try:
-        return registry.preset_overrides(preset)
-    except UserError as err:
-        raise UserError(str(err).replace("--variants:", "--variant:")) from None
-
-
-def chat_renderer(tokenizer_dir: str | None):
-    """The checkpoint tokenizer's chat template, else the simple documented one; and its name."""
-    from megatron.inference.protocol import ChatTemplate, SIMPLE_CHAT_TEMPLATE, simple_chat_prompt
-
-    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
-    if template is not None:
-        return template, "tokenizer chat template"
-    return simple_chat_prompt, f"simple template ({SIMPLE_CHAT_TEMPLATE})"
-
-
-def api_keys(args) -> tuple:
-    """``--api-key`` values, else ``$MOE_SERVE_API_KEY`` (comma-separated), else none."""
-    if args.api_key:
-        return tuple(args.api_key)
-    env = os.environ.get(API_KEY_ENV, "")
-    return tuple(k.strip() for k in env.split(",") if k.strip())
-
-
 def _engine_failed(rank: int, frontend, err: BaseException, roster) -> None:
     """The loop raised: fail every in-flight request naming the rank that failed and why
     (``failures.describe``: a peer's death is named as such, not as this rank's collective
@@ -277,65 +248,6 @@ def _engine_failed(rank: int, frontend, err: BaseException, roster) -> None:
     print("\n".join(report.log[:-1] + [f"{report.log[-1]}; exiting with status {EXIT_CRASH}"]), file=sys.stderr,
           flush=True)
     exit_now(EXIT_CRASH)
-
-
-def engine_config(args):
-    """The engine's sizes (``--max-batch-tokens`` ...), validated."""
-    from megatron.compat.paged_attention import PagedAttention
-    from megatron.inference.engine import EngineConfig
-
-    cfg = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
-                       kv_cache_gb=args.kv_cache_gb, block_size_tokens=args.block_size_tokens,
-                       max_sequence_length=args.max_sequence_length, seed=args.seed,
-                       paged_attention=PagedAttention(args.paged_attention))
-    cfg.validate()
-    return cfg
-
-
-def check_layout(args, world: int):
-    """The checkpoint's configs (with ``--variant``) at the requested layout over ``world`` ranks,
-    refused in one line where they cannot be served; returns (configs, manifest, checkpoint dir,
-    the ``--variant`` overrides, the ``ParallelConfig``)."""
-    from megatron.training.loading import checkpoint_configs
-    from moe_variants.config import ParallelConfig, validate
-
-    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
-    if args.expert_comm == "allreduce" and not (tp > 1 and tp == ep):
-        raise UserError(f"--expert-comm allreduce needs --tensor-model-parallel-size = --expert-model-parallel-size "
-                         f"> 1 (every rank of the expert group holds the same tokens); got TP {tp}, EP {ep}")
-    overrides = variant_load_overrides(args.variant)
-    configs, manifest, ckpt = checkpoint_configs(args.load, overrides)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    validate(configs.model, parallel, world)
-    if world % tp:
-        raise UserError(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks")
-    return configs, manifest, ckpt, overrides, parallel
-
-
-def served_name(args) -> str:
-    return args.served_model_name or os.path.basename(os.path.abspath(args.load).rstrip("/"))
-
-
-def checkpoint_chat(manifest: dict, ckpt: str):
-    """The chat renderer of the checkpoint's tokenizer and its name (``chat_renderer``)."""
-    tok_model = manifest.get("tokenizer_files", {}).get("tokenizer_model")
-    return chat_renderer(os.path.dirname(os.path.join(ckpt, tok_model)) if tok_model else None)
-
-
-def frontend_config(args, limits):
-    """The HTTP front end's settings from the flags."""
-    from megatron.inference.frontend import FrontendConfig
-
-    return FrontendConfig(served_model=served_name(args), limits=limits, host=args.host, port=args.port,
-                          shutdown_timeout=args.shutdown_timeout, api_keys=api_keys(args),
-                          max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
-                          stall_timeout=args.stall_timeout, max_stall_timeout=args.max_stall_timeout,
-                          max_body_bytes=args.max_body_bytes,
-                          enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
-
-
-def http_url(host: str, port: int) -> str:
-    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
 
 
 def serve(args, argv=None, rank_command=RANK_COMMAND) -> int:
@@ -366,8 +278,8 @@ def serve_rank(args) -> int:
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
     from megatron.inference.watchdog import StallWatchdog
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants import registry
 
     cfg = engine_config(args)
@@ -491,7 +403,7 @@ def serve_rank(args) -> int:
             watchdog.stop()
         if frontend is not None:
             frontend.join(timeout=args.shutdown_timeout + 10)
-            if not address:  # with a front end of its own, that process says it
+            if link is None:  # with a front end of its own, that process says it
                 print("server stopped", flush=True)
     return 0
 
@@ -503,7 +415,7 @@ def main(argv=None, *, rank_command=RANK_COMMAND) -> int:
 
     from megatron import compat
     from megatron.inference.link import FrontendUnreachable
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.components.checkpointing import CheckpointError
     from megatron.common.cli import run_cli
 
     compat.quiet_warnings()

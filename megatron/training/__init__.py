@@ -1,3 +1,4 @@
-"""The training application: Megatron-LM style flags, loop, data, checkpoints, evaluate_lm."""
+"""The training application: the Megatron-LM style loop, its step, data, metrics, evaluate_lm (its
+flags, configs and checkpoints are ``megatron.components``)."""
 
 from megatron import compat  # noqa: F401  (first: its import quiets megatron-core's import-time notices)

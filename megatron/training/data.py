@@ -1,9 +1,9 @@
-"""The data layer: indexed datasets on disk, GPT datasets over them, and batch iterators.
+"""Training-time reading of indexed datasets: GPT datasets over them and batch iterators (writing
+them is ``megatron.training.preprocess``).
 
-* Writing: ``read_text_documents`` (plain text -> documents), ``write_indexed_dataset`` (token
-  documents -> megatron-core ``.bin``/``.idx``, atomically) and ``ensure_embedded_dataset`` (the
-  shipped tiny-shakespeare corpus, preprocessed once into a cache directory).
-  ``scripts/preprocess_data.py`` is the command-line front end.
+* A run's data: ``check_data_paths`` (before any process group), ``build_data`` (the datasets and
+  the resumable train iterator from the configs, the embedded corpus without ``--data-path``),
+  ``eval_iterator``.
 * Reading: ``build_pretraining_datasets`` builds (train, valid, test) ``GPTDataset``s (or
   ``BlendedDataset``s for weighted blends) through megatron-core's
   ``BlendedMegatronDatasetBuilder`` from Megatron-LM's ``--data-path`` and ``--split``.
@@ -23,27 +23,24 @@ they import and says how to repair an install where they do not.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
 import logging
 import math
 import os
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from megatron.common import collectives
 from megatron.common.cli import UserError
+from megatron.training.preprocess import ensure_embedded_dataset, indexed_dataset_exists, indexed_dataset_paths
+
+if TYPE_CHECKING:
+    from megatron.components.arguments import Configs
 
 __all__ = [
-    "DOCUMENT_BOUNDARIES",
-    "IndexedDatasetStats",
     "ensure_dataset_helpers",
-    "read_text_documents",
-    "indexed_dataset_paths",
-    "check_outputs_free",
-    "write_indexed_dataset",
-    "ensure_embedded_dataset",
+    "check_data_paths",
+    "build_data",
+    "eval_iterator",
     "parse_data_path",
     "get_train_valid_test_num_samples",
     "build_pretraining_datasets",
@@ -52,9 +49,6 @@ __all__ = [
     "build_heldout_windows",
     "check_token_ids",
 ]
-
-DOCUMENT_BOUNDARIES = ("blank-line", "file")
-
 
 # --------------------------------------------------------------------------------------------
 # C++ helpers
@@ -74,166 +68,6 @@ def ensure_dataset_helpers() -> None:
             "pip install --force-reinstall --no-deps megatron-core==0.16.1 (binary wheels ship "
             "them; a source build compiles helpers.cpp with pybind11 and a C++ compiler)"
         ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# Writing indexed datasets
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class IndexedDatasetStats:
-    """What ``write_indexed_dataset`` wrote."""
-
-    prefix: str
-    num_documents: int
-    num_tokens: int
-    dtype: str
-
-
-def read_text_documents(path: str, boundary: str = "blank-line") -> Iterator[str]:
-    """Documents of a UTF-8 text file.
-
-    ``blank-line``: each run of non-blank lines is a document (its line breaks kept, the final
-    one dropped); blank or whitespace-only lines only separate documents. ``file``: the whole
-    file is one document, byte for byte. Streams, so the file may be larger than memory.
-    """
-    if boundary not in DOCUMENT_BOUNDARIES:
-        raise UserError(
-            f"--document-boundary: unknown value {boundary!r} (choose from {', '.join(DOCUMENT_BOUNDARIES)})"
-        )
-    if not os.path.isfile(path):
-        raise UserError(f"--input: no such file: {path}")
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            if boundary == "file":
-                text = f.read()
-                if text.strip():
-                    yield text
-                return
-            block: list[str] = []
-            for line in f:
-                if line.strip():
-                    block.append(line)
-                elif block:
-                    yield "".join(block).rstrip("\r\n")
-                    block = []
-            if block:
-                yield "".join(block).rstrip("\r\n")
-    except UnicodeDecodeError as err:
-        raise UserError(f"--input: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-
-
-def indexed_dataset_paths(prefix: str) -> tuple[str, str]:
-    """(``prefix.bin``, ``prefix.idx``)."""
-    return prefix + ".bin", prefix + ".idx"
-
-
-def check_outputs_free(prefixes: Sequence[str], overwrite: bool) -> None:
-    """Refuse (``UserError`` naming the file) when an output exists and ``overwrite`` is off."""
-    if overwrite:
-        return
-    for prefix in prefixes:
-        for path in indexed_dataset_paths(prefix):
-            if os.path.exists(path):
-                raise UserError(f"--output-prefix: {path} exists (pass --overwrite to replace it)")
-
-
-def write_indexed_dataset(
-    documents: Iterable[Sequence[int]],
-    output_prefix: str,
-    vocab_size: int,
-    overwrite: bool = False,
-) -> IndexedDatasetStats:
-    """Write token documents as a megatron-core ``IndexedDataset`` (``.bin`` + ``.idx``).
-
-    One sequence per document (Megatron-LM's layout without sentence splitting); empty documents
-    are skipped. The token dtype is ``uint16`` when ``vocab_size`` allows, else ``int32``
-    (``DType.optimal_dtype``). Both files are written under temporary names in the output
-    directory and renamed into place only when complete: ``.bin`` first, then ``.idx``, so a
-    reader (which needs both) never sees a new index over an old data file. An existing output
-    or no documents is a ``UserError`` (an existing output unless ``overwrite``: it is then
-    replaced, never modified in place).
-    """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    check_outputs_free([output_prefix], overwrite)
-    out_dir = os.path.dirname(os.path.abspath(output_prefix)) or "."
-    os.makedirs(out_dir, exist_ok=True)
-    dtype = DType.optimal_dtype(vocab_size)
-    max_id = np.iinfo(dtype).max
-    tmp_prefix = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.tmp{os.getpid()}")
-    tmp_bin, tmp_idx = indexed_dataset_paths(tmp_prefix)
-    num_documents = num_tokens = 0
-    try:
-        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
-        try:
-            for doc in documents:
-                arr = np.asarray(doc, dtype=np.int64)
-                if arr.size == 0:
-                    continue
-                if arr.min() < 0 or arr.max() > max_id:
-                    raise ValueError(
-                        f"token id {int(arr.max() if arr.max() > max_id else arr.min())} does not fit "
-                        f"{np.dtype(dtype).name} (vocab size {vocab_size})"
-                    )
-                builder.add_document(arr.astype(dtype), [arr.size])
-                num_documents += 1
-                num_tokens += arr.size
-        finally:
-            builder.data_file.close()
-        if num_documents == 0:
-            raise UserError(f"no documents to write to {output_prefix} (is the input empty?)")
-        builder.finalize(tmp_idx)
-        for path in (tmp_bin, tmp_idx):
-            _fsync(path)
-        final_bin, final_idx = indexed_dataset_paths(output_prefix)
-        if overwrite and os.path.exists(final_idx):
-            os.unlink(final_idx)  # never leave the old index next to the new data
-        os.replace(tmp_bin, final_bin)
-        os.replace(tmp_idx, final_idx)
-    finally:
-        for path in (tmp_bin, tmp_idx):
-            if os.path.exists(path):
-                os.unlink(path)
-    return IndexedDatasetStats(output_prefix, num_documents, num_tokens, np.dtype(dtype).name)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def ensure_embedded_dataset(cache_dir: str) -> str:
-    """Preprocess the shipped tiny-shakespeare corpus with the shipped BPE into ``cache_dir``
-    (once) and return the ``--data-path`` prefix.
-
-    Documents are blank-line separated blocks (speeches), each followed by ``<|endoftext|>``.
-    The prefix name carries a hash of the corpus and tokenizer files, so a changed asset is
-    preprocessed afresh. Under ``torch.distributed`` rank 0 writes and the others wait.
-    """
-    from megatron.training.tokenizer import DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL, build_tokenizer
-
-    digest = hashlib.sha256()
-    for path in (DEFAULT_CORPUS, DEFAULT_TOKENIZER_MODEL):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    prefix = os.path.join(cache_dir, f"tinyshakespeare-{digest.hexdigest()[:10]}_text_document")
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not _indexed_dataset_exists(prefix) and (not distributed or torch.distributed.get_rank() == 0):
-        tokenizer = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
-        docs = list(read_text_documents(DEFAULT_CORPUS, "blank-line"))
-        token_docs = (ids + [tokenizer.eod] for ids in tokenizer.tokenize_batch(docs))
-        # Same bytes whoever writes them, so replacing a concurrently written copy is harmless.
-        write_indexed_dataset(token_docs, prefix, tokenizer.vocab_size, overwrite=True)
-    if distributed:
-        collectives.barrier()
-    return prefix
-
-
-def _indexed_dataset_exists(prefix: str) -> bool:
-    return all(os.path.isfile(p) for p in indexed_dataset_paths(prefix))
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,7 +154,7 @@ def build_pretraining_datasets(
         num_samples: minimum samples per split (``get_train_valid_test_num_samples``). A single
             prefix gives whole epochs (``len >= num_samples``); a blend gives exactly the
             per-dataset ``ceil(num * weight)`` summed.
-        tokenizer: from ``megatron.training.tokenizer.build_tokenizer`` (its ``eod``/``pad`` and
+        tokenizer: from ``megatron.components.tokenizer.build_tokenizer`` (its ``eod``/``pad`` and
             identity enter the samples and the cache key).
         cache_dir: where the sample indices are cached (``--data-cache-path``); default
             ``<directory of the first prefix>/cache``. Must be shared by all ranks of a node.
@@ -380,7 +214,7 @@ def _check_prefix(prefix: str, split_vec: Sequence[float]) -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import normalize
 
-    if not _indexed_dataset_exists(prefix):
+    if not indexed_dataset_exists(prefix):
         raise UserError(
             f"--data-path: no indexed dataset at {prefix} (needs {prefix}.bin and {prefix}.idx; "
             "make them with scripts/preprocess_data.py)"
@@ -595,3 +429,48 @@ def build_heldout_windows(text_path: str, tokenizer, seq_length: int) -> torch.T
             f"held-out text {text_path} has {ids.numel()} tokens, fewer than one window of {seq_length + 1}"
         )
     return ids.unfold(0, seq_length + 1, seq_length)[:num_windows].contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# A run's data from its configs
+# --------------------------------------------------------------------------------------------
+def check_data_paths(c: Configs) -> None:
+    """Fail early (before any process group exists) when a ``--data-path`` prefix is missing."""
+    if c.data.data_path is None:
+        return
+    prefixes, _ = parse_data_path(c.data.data_path)
+    for prefix in prefixes:
+        for path in indexed_dataset_paths(prefix):
+            if not os.path.isfile(path):
+                raise UserError(f"--data-path {prefix}: {path} does not exist (run scripts/preprocess_data.py)")
+    for path in c.data.heldout_text or []:
+        if not os.path.isfile(path):
+            raise UserError(f"--heldout-text {path}: no such file")
+
+
+def build_data(c: Configs, tokenizer, *, dp_rank: int, dp_size: int, consumed_samples: int, global_batch: int):
+    """Train/valid/test datasets and the (resumable) train iterator."""
+    cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
+    data_path = c.data.data_path
+    if data_path is None:
+        data_path = [ensure_embedded_dataset(cache)]
+    num_samples = get_train_valid_test_num_samples(
+        c.training.train_iters, global_batch, c.logging.eval_interval, c.logging.eval_iters
+    )
+    train_ds, valid_ds, test_ds = build_pretraining_datasets(
+        data_path, c.data.split, c.model.seq_length, c.training.seed, num_samples, tokenizer, cache
+    )
+    train_iter = build_data_iterator(
+        train_ds, c.training.micro_batch_size, consumed_samples, dp_rank, dp_size,
+        num_workers=c.data.num_workers,
+    )
+    return train_ds, valid_ds, test_ds, train_iter
+
+
+def eval_iterator(dataset, c: Configs, dp_rank: int, dp_size: int):
+    """The iterator of an evaluation over ``dataset`` (None without one): from its first batch,
+    cyclic."""
+    if dataset is None:
+        return None
+    # every evaluation reads the same batches, so validation curves are comparable over time
+    return build_data_iterator(dataset, c.training.micro_batch_size, 0, dp_rank, dp_size, cyclic=True)

@@ -32,7 +32,7 @@ import time
 from typing import Optional
 
 from moe_variants import registry
-from megatron.training.checkpointing import CheckpointError
+from megatron.components.checkpointing import CheckpointError
 from megatron.common.cli import ArgumentParser, UserError, run_cli, user_input
 from megatron.common.files import refuse_existing, write_json
 from megatron.common import collectives
@@ -125,7 +125,7 @@ def check_inputs(args) -> "object":
         import lm_eval  # noqa: F401
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
     try:
         if find_latest_checkpoint(args.load) is None:
@@ -145,7 +145,7 @@ def check_inputs(args) -> "object":
         raise ValueError(f"--limit must be > 0, got {args.limit:g}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from megatron.training.checkpointing import read_manifest
+    from megatron.components.checkpointing import read_manifest
 
     # a variant's request scheduler checks its inputs before any rank loads the model: the world is
     # torchrun's (1 for a plain python -m)
@@ -192,7 +192,7 @@ def _init_distributed(stack) -> None:
     """torchrun's environment, or a world of one gloo rank for a plain ``python -m``."""
     import torch.distributed as dist
 
-    from megatron.training.parallel import destroy_parallel, init_from_env, single_process_group
+    from megatron.components.parallel import destroy_parallel, init_from_env, single_process_group
 
     if dist.is_initialized():
         return
@@ -210,7 +210,7 @@ def evaluate(args, manager) -> dict:
     import lm_eval
     import torch.distributed as dist
 
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
     from megatron.training.lm_eval_adapter import MegatronCheckpointLM
 
     with contextlib.ExitStack() as stack:

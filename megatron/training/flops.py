@@ -12,11 +12,17 @@ as built, not as a formula assumes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-__all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops", "HBM_TB_S", "hbm_bandwidth"]
+from megatron.common import collectives
+
+if TYPE_CHECKING:
+    from megatron.components.arguments import Configs
+
+__all__ = ["active_weights", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_tflops", "HBM_TB_S", "hbm_bandwidth",
+           "Throughput"]
 
 # dense bf16 peak of the accelerators MFU is usually quoted for (vendor data sheets, no sparsity)
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
@@ -83,3 +89,38 @@ def peak_tflops(bf16: bool) -> Optional[float]:
 def hbm_bandwidth() -> Optional[float]:
     """This GPU's HBM bandwidth in TB/s from ``HBM_TB_S`` (None on CPU and for unknown GPUs)."""
     return _device_entry(HBM_TB_S)
+
+
+class Throughput:
+    """TFLOP/s per GPU, MFU and peak GPU memory of a logged step (``megatron/training/flops.py``)."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak: Optional[float]):
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak
+
+    @classmethod
+    def of(cls, model, c: Configs, world_size: int) -> "Throughput":
+        from megatron.core import parallel_state
+
+        p = c.parallel
+        num_local = (c.model.num_experts or 0) // max(p.expert_model_parallel_size, 1)
+        active = torch.tensor([float(active_weights(
+            model, num_experts=c.model.num_experts, topk=c.model.moe_router_topk or 0,
+            tp_size=p.tensor_model_parallel_size, expert_tp_size=p.expert_tensor_parallel_size or 1,
+            num_local_experts=max(num_local, 1)))], dtype=torch.float64)
+        if p.pipeline_model_parallel_size > 1:  # each stage counts its own layers
+            collectives.all_reduce(active, group=parallel_state.get_pipeline_model_parallel_group())
+        per_token = flops_per_token(model.config, int(active.item()), seq_length=c.model.seq_length)
+        return cls(per_token, world_size, c.training.peak_tflops or peak_tflops(c.model.bf16))
+
+    def record(self, m) -> dict:
+        out = {}
+        if m.step_time_s > 0:
+            tflops = self.flops_per_token * m.tokens / m.step_time_s / self.world_size / 1e12
+            out["tflops_per_gpu"] = tflops
+            if self.peak:
+                out["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():
+            out["gpu_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out

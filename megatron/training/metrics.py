@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["MetricsWriter", "peak_rss_mb", "format_step_line", "format_duration"]
+__all__ = ["MetricsWriter", "peak_rss_mb", "step_record", "format_step_line", "format_duration"]
 
 
 def peak_rss_mb() -> float:
@@ -39,6 +39,33 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def step_record(step: int, m, rss_mb: float) -> dict:
+    """The JSONL record of a logged step from ``step.train_step``'s metrics ``m`` and the peak RSS."""
+    comm = m.comm
+    return {
+        "step": step,
+        "loss": m.loss,
+        "lm_loss": m.lm_loss,
+        "aux_loss": m.aux_loss,
+        "lr": m.lr,
+        "grad_norm": m.grad_norm,
+        "tokens_per_sec": m.tokens_per_sec,
+        "step_time_s": m.step_time_s,
+        "fwd_time_s": m.fwd_time_s,
+        "bwd_time_s": m.bwd_time_s,
+        "optimizer_time_s": m.optimizer_time_s,
+        "skipped": m.skipped,
+        "a2a_bytes_dispatch": comm["bytes_dispatch"],
+        "a2a_bytes_combine": comm["bytes_combine"],
+        "a2a_bytes_meta": comm["bytes_meta"],
+        "a2a_bytes_backward": comm["bytes_backward"],
+        "a2a_time_s": comm["time_fwd_s"] + comm["time_bwd_s"],
+        "exposed_comm_s": comm["exposed_fwd_s"] + comm["exposed_bwd_s"],
+        "peak_rss_mb": rss_mb,
+        **m.extra,
+    }
 
 
 def format_step_line(record: dict, train_iters: int, elapsed_s: Optional[float] = None,

@@ -204,7 +204,7 @@ class CheckpointLM:
         self.pg_collection = pg_collection
         self._tp = pg_collection.tp.size()
         self._vocab = tokenizer.vocab_size
-        from megatron.training.parallel import device
+        from megatron.components.parallel import device
 
         self._device = device()
         mode = GenerationMode(generation)
@@ -226,8 +226,8 @@ class CheckpointLM:
         it and wrap it. ``max_length``: tokens read at once (default and upper bound: the
         checkpoint's ``seq_length``). Layout errors are ``UserError``s naming the flag."""
         from moe_variants.config import ParallelConfig, validate
-        from megatron.training.loading import checkpoint_configs, load_model
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.loading import checkpoint_configs, load_model
+        from megatron.components.parallel import initialize_parallel
 
         configs, _, _ = checkpoint_configs(path)
         seq_length = configs.model.seq_length

@@ -35,24 +35,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron import compat
-from megatron.training.arguments import Configs, parse_configs
-from megatron.training.parallel import destroy_parallel
-from megatron.training.training import (  # the entry points' shared helpers live there
-    Trainer,
-    TrainerHooks,
-    build_data,
-    check_data_paths,
-    config_yaml,
-    resolve_tokenizer,
-    tokenizer_files_of,
-)
+from megatron.components.arguments import Configs, parse_configs
+from megatron.components.parallel import destroy_parallel
+from megatron.training.training import Trainer, TrainerHooks
 from megatron.common.cli import UserError, run_cli, user_input
 from megatron.common.process import EXIT_CRASH, EXIT_PREEMPTED, record_failure
 
 logger = logging.getLogger("megatron.training")
 
-__all__ = ["main", "run_pretraining", "user_errors", "Trainer", "TrainerHooks", "resolve_tokenizer", "build_data",
-           "check_data_paths", "tokenizer_files_of", "config_yaml"]
+__all__ = ["main", "run_pretraining", "user_errors", "Trainer", "TrainerHooks"]
 
 
 def run_pretraining(
@@ -100,7 +91,7 @@ def user_errors() -> tuple:
     checkpoints that cannot be read or written (``CheckpointError`` names the file and the cause,
     e.g. a full disk). Anything else, a ``ValueError`` from inside a step included, keeps its
     traceback."""
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.components.checkpointing import CheckpointError
 
     return (UserError, CheckpointError)
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 from megatron.common.process import pid_alive
 
-from megatron.training.checkpointing import (
+from megatron.components.checkpointing import (
     CheckpointError,
     config_differences,
     iteration_of,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_variants.config import ModelConfig, ParallelConfig
-from megatron.training.config import TrainingConfig
+from megatron.components.config import TrainingConfig
 from moe_variants.builder import build_model, causal_attention_mask
 from moe_variants.common.moe_layer import comm_totals, reset_comm_counters
 from megatron.common import collectives
@@ -182,7 +182,7 @@ class Timer(timing.SpanTimer):
     ``forward`` spans accumulate over micro-batches; ``forward_s`` reads them (and waits for them)."""
 
     def __init__(self, clock=None):
-        from megatron.training.parallel import device
+        from megatron.components.parallel import device
 
         super().__init__(clock if clock is not None else timing.clock_for(device()))
 
@@ -197,7 +197,7 @@ def lm_forward_step(timer: Optional[Timer] = None, loss_fn: Optional[Callable] =
     ``loss_fn(per_token_loss, batch, model) -> (loss, report_dict)`` can replace the default
     masked-mean cross entropy (FCSD uses this to add distillation terms).
     """
-    from megatron.training.parallel import device
+    from megatron.components.parallel import device
 
     def forward_step(data_iterator, model):
         if timer is not None:

@@ -1,7 +1,9 @@
 """The training loop as a small trainer with named steps (``Trainer``: validate, setup, loop,
 finalize), shared by pretraining (``pretrain_gpt``), FCSD distillation (``distill.fcsd``) and the
-time-to-quality benchmark, and the helpers its entry points share (tokenizer, data, resolved
-configuration). Behaviour, flags and exit codes: ``megatron/training/pretrain_gpt.py``.
+time-to-quality benchmark. What it uses lives by purpose: the tokenizer the flags name
+(``tokenizer``), the datasets and iterators (``data``), a step's record and throughput
+(``metrics``, ``flops``), the resolved configuration (``arguments``). Behaviour, flags and exit
+codes: ``megatron/training/pretrain_gpt.py``.
 """
 
 from __future__ import annotations
@@ -12,183 +14,34 @@ import os
 import time
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
-from megatron.training.arguments import Configs, configs_to_dict
-from megatron.common import collectives
+from megatron.components.arguments import Configs, config_yaml, configs_to_dict
 from megatron.common.cli import UserError, one_line, user_input
 from megatron.common.events import Event
 from megatron.common.process import EXIT_PREEMPTED, record_failure
+from megatron.training.data import build_data, check_data_paths, eval_iterator
+from megatron.training.flops import Throughput
+from megatron.training.metrics import step_record
+from megatron.components.tokenizer import resolve_tokenizer, tokenizer_files_of
 
-__all__ = ["Trainer", "TrainerHooks", "STEP_END", "resolve_tokenizer", "check_data_paths", "tokenizer_files_of",
-           "build_data", "config_yaml"]
+__all__ = ["Trainer", "TrainerHooks", "STEP_END"]
 
 # Emitted with the step's number (1-based) on every rank after each training step, before its
 # evaluation and save; what subscribes from outside the loop (``tools.faults.rank``) runs there.
 STEP_END = Event("training step end")
 
 
-def resolve_tokenizer(c: Configs):
-    """The tokenizer named by the data flags, or the embedded BPE when none is given."""
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
-
-    d = c.data
-    if d.tokenizer_type is None:
-        if d.data_path is not None:
-            raise UserError("--data-path needs --tokenizer-type (and its model/vocab files)")
-        return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
-    if d.data_path is None:
-        raise UserError(
-            f"--tokenizer-type {d.tokenizer_type} needs --data-path: the embedded corpus is "
-            "tokenized with the embedded tokenizer"
-        )
-    return build_tokenizer(
-        d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, vocab_size=c.model.vocab_size
-    )
-
-
-def check_data_paths(c: Configs) -> None:
-    """Fail early (before any process group exists) when a ``--data-path`` prefix is missing."""
-    from megatron.training.data import indexed_dataset_paths, parse_data_path
-
-    if c.data.data_path is None:
-        return
-    prefixes, _ = parse_data_path(c.data.data_path)
-    for prefix in prefixes:
-        for path in indexed_dataset_paths(prefix):
-            if not os.path.isfile(path):
-                raise UserError(f"--data-path {prefix}: {path} does not exist (run scripts/preprocess_data.py)")
-    for path in c.data.heldout_text or []:
-        if not os.path.isfile(path):
-            raise UserError(f"--heldout-text {path}: no such file")
-
-
-def tokenizer_files_of(c: Configs) -> dict:
-    """The files that define the tokenizer ({flag role: path}), copied into every checkpoint."""
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
-
-    d = c.data
-    if d.tokenizer_type is None:
-        return {"tokenizer_model": DEFAULT_TOKENIZER_MODEL}
-    if d.tokenizer_type == "HuggingFaceTokenizer":
-        path = d.tokenizer_model
-        if path and os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        return {"tokenizer_model": path}
-    if d.tokenizer_type == "GPT2BPETokenizer":
-        return {"vocab_file": d.vocab_file, "merge_file": d.merge_file}
-    return {}
-
-
-def build_data(c: Configs, tokenizer, *, dp_rank: int, dp_size: int, consumed_samples: int, global_batch: int):
-    """Train/valid/test datasets and the (resumable) train iterator."""
-    from megatron.training.data import (
-        build_data_iterator,
-        build_pretraining_datasets,
-        ensure_embedded_dataset,
-        get_train_valid_test_num_samples,
-    )
-
-    cache = c.data.data_cache_path or os.path.join(c.checkpoint.save or ".", "data_cache")
-    data_path = c.data.data_path
-    if data_path is None:
-        data_path = [ensure_embedded_dataset(cache)]
-    num_samples = get_train_valid_test_num_samples(
-        c.training.train_iters, global_batch, c.logging.eval_interval, c.logging.eval_iters
-    )
-    train_ds, valid_ds, test_ds = build_pretraining_datasets(
-        data_path, c.data.split, c.model.seq_length, c.training.seed, num_samples, tokenizer, cache
-    )
-    train_iter = build_data_iterator(
-        train_ds, c.training.micro_batch_size, consumed_samples, dp_rank, dp_size,
-        num_workers=c.data.num_workers,
-    )
-    return train_ds, valid_ds, test_ds, train_iter
-
-
-def _eval_iter(dataset, c: Configs, dp_rank, dp_size):
-    from megatron.training.data import build_data_iterator
-
-    if dataset is None:
-        return None
-    # every evaluation reads the same batches, so validation curves are comparable over time
-    return build_data_iterator(dataset, c.training.micro_batch_size, 0, dp_rank, dp_size, cyclic=True)
-
-
-def _step_record(step: int, m, rss_mb: float) -> dict:
-    comm = m.comm
-    return {
-        "step": step,
-        "loss": m.loss,
-        "lm_loss": m.lm_loss,
-        "aux_loss": m.aux_loss,
-        "lr": m.lr,
-        "grad_norm": m.grad_norm,
-        "tokens_per_sec": m.tokens_per_sec,
-        "step_time_s": m.step_time_s,
-        "fwd_time_s": m.fwd_time_s,
-        "bwd_time_s": m.bwd_time_s,
-        "optimizer_time_s": m.optimizer_time_s,
-        "skipped": m.skipped,
-        "a2a_bytes_dispatch": comm["bytes_dispatch"],
-        "a2a_bytes_combine": comm["bytes_combine"],
-        "a2a_bytes_meta": comm["bytes_meta"],
-        "a2a_bytes_backward": comm["bytes_backward"],
-        "a2a_time_s": comm["time_fwd_s"] + comm["time_bwd_s"],
-        "exposed_comm_s": comm["exposed_fwd_s"] + comm["exposed_bwd_s"],
-        "peak_rss_mb": rss_mb,
-        **m.extra,
-    }
-
-
-class Throughput:
-    """TFLOP/s per GPU, MFU and peak GPU memory of a logged step (``megatron/training/flops.py``)."""
-
-    def __init__(self, flops_per_token: float, world_size: int, peak: Optional[float]):
-        self.flops_per_token = flops_per_token
-        self.world_size = world_size
-        self.peak = peak
-
-    @classmethod
-    def of(cls, model, c: Configs, world_size: int) -> "Throughput":
-        from megatron.core import parallel_state
-
-        from megatron.training.flops import active_weights, flops_per_token, peak_tflops
-
-        p = c.parallel
-        num_local = (c.model.num_experts or 0) // max(p.expert_model_parallel_size, 1)
-        active = torch.tensor([float(active_weights(
-            model, num_experts=c.model.num_experts, topk=c.model.moe_router_topk or 0,
-            tp_size=p.tensor_model_parallel_size, expert_tp_size=p.expert_tensor_parallel_size or 1,
-            num_local_experts=max(num_local, 1)))], dtype=torch.float64)
-        if p.pipeline_model_parallel_size > 1:  # each stage counts its own layers
-            collectives.all_reduce(active, group=parallel_state.get_pipeline_model_parallel_group())
-        per_token = flops_per_token(model.config, int(active.item()), seq_length=c.model.seq_length)
-        return cls(per_token, world_size, c.training.peak_tflops or peak_tflops(c.model.bf16))
-
-    def record(self, m) -> dict:
-        out = {}
-        if m.step_time_s > 0:
-            tflops = self.flops_per_token * m.tokens / m.step_time_s / self.world_size / 1e12
-            out["tflops_per_gpu"] = tflops
-            if self.peak:
-                out["mfu"] = tflops / self.peak
-        if torch.cuda.is_available():
-            out["gpu_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
-
-
 def _on_rank0(fn, rank: int):
     """Run ``fn`` (a validation) on rank 0 only; every rank returns its result or raises its
     one-line error (``checkpointing.from_rank0``)."""
-    from megatron.training.checkpointing import from_rank0
+    from megatron.components.checkpointing import from_rank0
 
     return from_rank0(fn, user_errors=True)
 
 
 def _has_checkpoint(directory: str) -> bool:
-    from megatron.training.checkpointing import MANIFEST, checkpoint_candidates
+    from megatron.components.checkpointing import MANIFEST, checkpoint_candidates
 
     if not os.path.isdir(directory):
         return False
@@ -197,18 +50,6 @@ def _has_checkpoint(directory: str) -> bool:
 
 def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-
-
-def config_yaml(config_dict: dict, prog: str) -> str:
-    """The resolved configuration as flat YAML, loadable again with ``--config``."""
-    import yaml
-
-    lines = [f"# The resolved configuration of this {prog} run; `--config` accepts this file as is."]
-    for section, fields in config_dict.items():
-        if section == "tokenizer" or not fields:
-            continue
-        lines += ["", f"# {section}", yaml.safe_dump(fields, sort_keys=False).rstrip()]
-    return "\n".join(lines) + "\n"
 
 
 def _duration(seconds: float) -> str:
@@ -292,9 +133,9 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from megatron.training.checkpointing import layout_of
+        from megatron.components.checkpointing import layout_of
         from megatron.training.data import check_token_ids, parse_data_path
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.parallel import initialize_parallel
         from megatron.training.save_dir import SaveDirLock
         from megatron.training.step import lm_forward_step, setup_model_and_optimizer
         from megatron.training.watchdog import WatchdogConfig, start_watchdog
@@ -339,7 +180,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """Load ``--load`` (if it has a checkpoint) and prepare the save directory."""
-        from megatron.training.checkpointing import load_checkpoint, new_lineage
+        from megatron.components.checkpointing import load_checkpoint, new_lineage
         from megatron.training.save_dir import prepare_save_dir
         from megatron.training.step import use_fused_adam
 
@@ -472,7 +313,7 @@ class Trainer:
             return
         m.fwd_time_s = timer.forward_s
         m.bwd_time_s = max(m.step_time_s - m.optimizer_time_s - timer.forward_s, 0.0)
-        record = _step_record(self.iteration, m, peak_rss_mb())
+        record = step_record(self.iteration, m, peak_rss_mb())
         record.update(self.throughput.record(m))
         elapsed = time.monotonic() - self.loop_start
         record["elapsed_s"] = elapsed
@@ -491,7 +332,7 @@ class Trainer:
         return self.watchdog.paused(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def save(self, step: int) -> None:
-        from megatron.training.checkpointing import save_checkpoint
+        from megatron.components.checkpointing import save_checkpoint
 
         ck = self.c.checkpoint
         self.finish_pending_save()
@@ -511,7 +352,7 @@ class Trainer:
 
     def finish_pending_save(self) -> None:
         """An ``--async-save`` in flight becomes a checkpoint (collective)."""
-        from megatron.training.checkpointing import finalize_pending_save
+        from megatron.components.checkpointing import finalize_pending_save
 
         with self.paused("checkpoint save"):
             done = finalize_pending_save()
@@ -528,7 +369,7 @@ class Trainer:
         with self.paused("evaluation"):
             if dataset is not None and c.logging.eval_iters > 0:
                 result = evaluate(
-                    self.chunks, _eval_iter(dataset, c, self.dp_rank, self.dp_size), model_cfg=c.model,
+                    self.chunks, eval_iterator(dataset, c, self.dp_rank, self.dp_size), model_cfg=c.model,
                     train_cfg=c.training, eval_iters=c.logging.eval_iters,
                     num_microbatches=self.num_micro, pg_collection=self.pgc,
                 )

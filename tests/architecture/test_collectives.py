@@ -18,8 +18,8 @@ import torch
 from tools.spawn import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ["megatron/common", "moe_variants", "megatron/training", "megatron/inference", "megatron/compat", "distill", "tools",
-            "netsim", "scripts"]
+PACKAGES = ["megatron/common", "moe_variants", "megatron/components", "megatron/training", "megatron/inference",
+            "megatron/compat", "distill", "tools", "netsim", "scripts"]
 HELPER = ROOT / "megatron" / "common" / "collectives.py"
 
 COLLECTIVES = {

@@ -65,7 +65,7 @@ def _offline_reference(site: str, ckpt: str) -> list:
 def test_an_installed_package_adds_a_variant_that_trains_saves_loads_and_serves(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
     from tests.serving.conftest import Server, post
 
     before = _git_status()

@@ -2,7 +2,8 @@
 those inside functions):
 
     megatron.common (layer 0)  <-  megatron.compat  <-  moe_variants (model library)  <-
-    megatron.training, megatron.inference (applications)  <-  tools, distill, scripts (tools);
+    megatron.components (what the applications share), megatron.training, megatron.inference
+    (applications, which never import each other)  <-  tools, distill, scripts (tools);
     netsim is standalone and torch-free, on layer 0 only.
 
 A rule broken here is a dependency the next maintainer cannot see from the folder names. Entry-point
@@ -19,20 +20,23 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("megatron/common", "megatron/compat", "megatron/training", "megatron/inference", "moe_variants", "tools", "distill",
+PACKAGES = ("megatron/common", "megatron/compat", "megatron/components", "megatron/training", "megatron/inference",
+            "moe_variants", "tools", "distill",
             "netsim", "scripts")
 # layer of a project module, by prefix (longest first); a module may import its own layer or lower
 LAYERS = [
     ("megatron.common", 0),
     ("megatron.compat", 1),
     ("moe_variants", 2),
+    ("megatron.components", 3),
     ("megatron.training", 3),
     ("megatron.inference", 3),
     ("tools", 4),
     ("distill", 4),
     ("scripts", 4),
 ]
-PROJECT_ROOTS = ("megatron.common", "megatron.compat", "megatron.training", "megatron.inference", "moe_variants", "tools", "distill",
+PROJECT_ROOTS = ("megatron.common", "megatron.compat", "megatron.components", "megatron.training", "megatron.inference",
+                 "moe_variants", "tools", "distill",
                  "netsim", "scripts")
 
 
@@ -116,8 +120,8 @@ def test_dependencies_flow_one_way():
 
 def test_model_library_imports_nothing_from_the_applications():
     def rule(module, target, names):
-        if module.startswith("moe_variants") and target.startswith(("megatron.training", "megatron.inference",
-                                                                     "tools", "distill")):
+        if module.startswith("moe_variants") and target.startswith(("megatron.components", "megatron.training",
+                                                                     "megatron.inference", "tools", "distill")):
             return f"the model library imports {target}"
         return None
 
@@ -128,14 +132,45 @@ def test_training_imports_no_variant_module():
     variants = _variant_packages()
 
     def rule(module, target, names):
-        if not module.startswith("megatron.training"):
+        if not module.startswith(("megatron.training", "megatron.components")):
             return None
         for v in variants:
             if target == v or target.startswith(v + "."):
-                return f"the training application imports the variant module {target} (go through moe_variants.registry)"
+                return f"{module} imports the variant module {target} (go through moe_variants.registry)"
         return None
 
     assert _violations(rule) == []
+
+
+APPLICATIONS = ("megatron.training", "megatron.inference")
+
+
+def _application_problem(module: str, target: str) -> str | None:
+    """Why ``module`` may not import ``target``: the applications import each other never, and
+    what both use (``megatron.components``) imports neither."""
+    def package(name, packages):
+        return next((p for p in packages if name == p or name.startswith(p + ".")), None)
+
+    own = package(module, APPLICATIONS + ("megatron.components",))
+    other = package(target, APPLICATIONS)
+    if own is None or other is None or own == other:
+        return None
+    if own == "megatron.components":
+        return f"{module} imports the application {target}: megatron.components imports neither application"
+    return f"{module} imports {target} of the other application: what both use goes to megatron.components"
+
+
+def test_the_application_rule_on_examples():
+    assert _application_problem("megatron.inference.serve", "megatron.training.loading") is not None
+    assert _application_problem("megatron.training.evaluate_lm", "megatron.inference.protocol") is not None
+    assert _application_problem("megatron.components.loading", "megatron.training.step") is not None
+    assert _application_problem("megatron.inference.serve", "megatron.components.loading") is None
+    assert _application_problem("megatron.training.step", "megatron.training.data") is None
+    assert _application_problem("tools.bench.cli", "megatron.training.pretrain_gpt") is None
+
+
+def test_the_applications_share_only_the_components():
+    assert _violations(lambda module, target, names: _application_problem(module, target)) == []
 
 
 def _imports_a_variant_module(variants: set, target: str, names=()):
@@ -244,7 +279,8 @@ def test_the_library_import_rule_on_examples():
 
 def test_applications_tools_and_netsim_use_only_the_model_library_api():
     def rule(module, target, names):
-        if module.startswith(("megatron.training", "megatron.inference", "tools", "distill", "scripts", "netsim")):
+        if module.startswith(("megatron.components", "megatron.training", "megatron.inference", "tools", "distill",
+                              "scripts", "netsim")):
             return _library_import_problem(module, target, names)
         return None
 

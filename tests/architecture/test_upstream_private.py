@@ -33,7 +33,7 @@ from functools import lru_cache
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ["megatron/training", "megatron/inference", "moe_variants", "tools", "distill", "scripts"]
+PACKAGES = ["megatron/components", "megatron/training", "megatron/inference", "moe_variants", "tools", "distill", "scripts"]
 
 
 def _private(name: str) -> bool:

@@ -17,8 +17,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ["megatron/common", "megatron/training", "megatron/inference", "megatron/compat", "moe_variants", "distill",
-            "tools", "netsim", "scripts"]
+PACKAGES = ["megatron/common", "megatron/components", "megatron/training", "megatron/inference", "megatron/compat",
+            "moe_variants", "distill", "tools", "netsim", "scripts"]
 BROAD = {"ValueError", "Exception", "BaseException"}
 
 

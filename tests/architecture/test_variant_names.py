@@ -135,7 +135,7 @@ def test_the_tools_name_no_variant():
 
 
 # the applications (training, evaluate_lm, the server) and the layers below them: generic code
-APPLICATIONS = ("megatron/common", "megatron/compat", "megatron/training", "megatron/inference")
+APPLICATIONS = ("megatron/common", "megatron/compat", "megatron/components", "megatron/training", "megatron/inference")
 
 
 def test_the_applications_name_no_variant():

@@ -28,8 +28,8 @@ SEQ = 64
 def _train(rank, world, backend: str, mla: bool):
     from megatron.core.utils import unwrap_model
 
-    from megatron.training.config import TrainingConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.config import TrainingConfig
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer, train_step
     from moe_variants.attention import describe
     from moe_variants.config import ParallelConfig

@@ -37,7 +37,7 @@ def _modules(backend: str, *, mla: bool = False, mask_type: str = "causal", core
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.attention import sdpa_attention_class
     from moe_variants.builder import transformer_config
     from moe_variants.config import AttentionBackend, ParallelConfig

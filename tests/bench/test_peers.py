@@ -155,7 +155,7 @@ def test_observer_sees_the_projects_and_third_party_all_to_alls():
 def _build_upstream(rank, world):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import build_model
     from moe_variants.common.moe_layer import ProjectMoELayer
     from moe_variants.config import ParallelConfig

@@ -111,7 +111,7 @@ def _ours_vs_upstream(rank, world):
     from megatron.core.transformer.moe import moe_layer as upstream
 
     from moe_variants.builder import transformer_config
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.bigmac.layer import BigMacMoELayer
     from moe_variants.common.moe_layer import ProjectRouter
 
@@ -169,7 +169,7 @@ def _latent_vs_sequential(rank, world, bias):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from moe_variants.builder import transformer_config
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.bigmac.layer import LatentSequentialMLP
 
     cfg = tiny_model_config(moe_variant="bigmac", bigmac_ratio=0.25)

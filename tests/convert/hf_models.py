@@ -111,9 +111,9 @@ def hf_reference(directory: str, family: str, **load_kwargs):
 def our_greedy_rank(rank, world_size, ckpt: str, tp: int, ep: int):
     """Run on each rank (run_distributed): load the checkpoint at TP x EP and decode greedily."""
     from moe_variants.config import ParallelConfig
-    from megatron.training.loading import load_model
+    from megatron.components.loading import load_model
     from moe_variants.builder import causal_attention_mask
-    from megatron.training.parallel import device, initialize_parallel
+    from megatron.components.parallel import device, initialize_parallel
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     pgc = initialize_parallel(parallel, seed=0)
@@ -166,8 +166,8 @@ def stage_state_rank(rank, world_size, ckpt: str, pp: int):
     from megatron.core import parallel_state
     from moe_variants.config import ParallelConfig
     from moe_variants.global_state import gather_global_state_dict
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
 
     parallel = ParallelConfig(pipeline_model_parallel_size=pp)
     pgc = initialize_parallel(parallel, seed=0)
@@ -179,10 +179,10 @@ def stage_state_rank(rank, world_size, ckpt: str, pp: int):
 
 def native_checkpoint_rank(rank, world_size, ckpt: str, values: dict):
     """Save a randomly initialised model of ours (never imported from HF) and return its logits."""
-    from megatron.training.arguments import configs_from_dict
-    from megatron.training.loading import save_model
+    from megatron.components.arguments import configs_from_dict
+    from megatron.components.loading import save_model
     from moe_variants.builder import build_model, causal_attention_mask
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     configs = configs_from_dict(values)
     pgc = initialize_parallel(configs.parallel, seed=123)

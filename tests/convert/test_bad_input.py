@@ -121,7 +121,7 @@ def test_bad_input_gives_one_line_and_writes_nothing(bad_dirs, tmp_path):
 def test_sharded_and_pickle_inputs_convert_like_a_single_file(bad_dirs, tmp_path):
     """Sharded safetensors and (with --allow-pickle) pytorch_model.bin give the same tensors; without
     a tokenizer.json the checkpoint gets a NullTokenizer of the model's vocabulary."""
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
     outs = {name: str(tmp_path / name) for name in ("sharded", "pickle", "no_tokenizer")}
     flags = {"pickle": ["--allow-pickle"], "sharded": ["--expert-model-parallel-size", "2",
@@ -147,7 +147,7 @@ def test_sharded_and_pickle_inputs_convert_like_a_single_file(bad_dirs, tmp_path
 
 def test_export_refuses_what_the_family_cannot_express():
     """FarSkip/BigMac checkpoints and settings a family has no key for are refused by name."""
-    from megatron.training.arguments import configs_from_dict
+    from megatron.components.arguments import configs_from_dict
     from distill.convert import families
 
     hf = json.loads(json.dumps(H.FAMILIES["mixtral"][2]))

@@ -45,7 +45,7 @@ def test_exported_directory_loads_in_transformers(converted):
 
 
 def test_checkpoint_records_source_and_layout_free_tokenizer(converted):
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
     c = converted("mixtral")
     manifest = read_manifest(find_latest_checkpoint(c.ckpt))

@@ -71,7 +71,7 @@ def _hf(family, **overrides):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v2"])
 def test_config_round_trip(family):
     """HF config -> ModelConfig -> HF config reproduces every key the family maps."""
-    from megatron.training.arguments import configs_from_dict
+    from megatron.components.arguments import configs_from_dict
 
     fam = families.by_name(family)
     hf = _hf(family)
@@ -82,7 +82,7 @@ def test_config_round_trip(family):
 
 
 def test_deepseek_yarn_config_round_trip():
-    from megatron.training.arguments import configs_from_dict
+    from megatron.components.arguments import configs_from_dict
     from tests.convert.hf_models import DEEPSEEK_LITE_YARN
 
     fam = families.by_name("deepseek_v2")

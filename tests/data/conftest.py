@@ -20,7 +20,7 @@ requires_shared_data = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
 
@@ -38,8 +38,8 @@ def synthetic_documents(num_documents: int, seed: int, vocab_size: int = 1000):
 @pytest.fixture(scope="session")
 def synthetic_datasets(tmp_path_factory):
     """Two indexed datasets (100 and 60 documents) in NullTokenizer(1000) ids, and their docs."""
-    from megatron.training.data import write_indexed_dataset
-    from megatron.training.tokenizer import NullTokenizer
+    from megatron.training.preprocess import write_indexed_dataset
+    from megatron.components.tokenizer import NullTokenizer
 
     tok = NullTokenizer(1000)
     root = tmp_path_factory.mktemp("synthetic")

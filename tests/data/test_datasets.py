@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron.common.cli import UserError
-from megatron.training import data
+from megatron.training import data, preprocess
 from tools.spawn import run_distributed
-from megatron.training.tokenizer import DEFAULT_CORPUS
+from megatron.components.tokenizer import DEFAULT_CORPUS
 
 from .conftest import SHARED_DATA, requires_shared_data
 
@@ -128,7 +128,7 @@ def test_train_valid_test_num_samples():
 
 
 def _build_on_rank(rank, world_size, prefix_a, prefix_b, cache):
-    from megatron.training.tokenizer import NullTokenizer
+    from megatron.components.tokenizer import NullTokenizer
 
     tok = NullTokenizer(1000)
     single = data.build_pretraining_datasets(prefix_a, "80,15,5", SEQ, 7, (40, 10, 5), tok, cache)
@@ -159,9 +159,9 @@ def test_distributed_build_two_ranks(synthetic_datasets, tmp_path):
 
 
 def test_embedded_dataset(tmp_path, tiny_tokenizer):
-    prefix = data.ensure_embedded_dataset(str(tmp_path))
+    prefix = preprocess.ensure_embedded_dataset(str(tmp_path))
     mtime = os.path.getmtime(prefix + ".bin")
-    assert data.ensure_embedded_dataset(str(tmp_path)) == prefix and os.path.getmtime(prefix + ".bin") == mtime
+    assert preprocess.ensure_embedded_dataset(str(tmp_path)) == prefix and os.path.getmtime(prefix + ".bin") == mtime
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
@@ -193,7 +193,7 @@ def test_heldout_windows(tmp_path, tiny_tokenizer):
 
 @requires_shared_data
 def test_heldout_windows_wikitext2_test():
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
     gpt2 = SHARED_DATA / "tokenizers" / "gpt2"
     tok = build_tokenizer("HuggingFaceTokenizer", str(gpt2 / "tokenizer.json"))

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL
 from tools.data import preprocess_data
 
 from .conftest import REPO, SHARED_DATA, requires_shared_data
@@ -125,7 +125,7 @@ def test_gpt2_preprocess_on_shared_data(tmp_path):
     """TinyStories sample with GPT-2 files: its own <|endoftext|> markers are EOD tokens, and
     the 50257-id vocabulary fits uint16."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
     gpt2 = SHARED_DATA / "tokenizers" / "gpt2"
     src = SHARED_DATA / "pretrain/tinystories/tinystories_sample.txt"

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron.training.tokenizer import (
+from megatron.components.tokenizer import (
     DEFAULT_CORPUS,
     DEFAULT_TOKENIZER_MODEL,
     EOD_TOKEN,
@@ -57,7 +57,7 @@ def test_embedded_tokenizer_is_what_train_tokenizer_makes():
 
 def test_embedded_corpus_matches_attribution():
     """The README's sha256 is the shipped corpus's, so the attribution names this exact file."""
-    readme = (REPO / "megatron/training/assets/README.md").read_text()
+    readme = (REPO / "megatron/components/assets/README.md").read_text()
     with open(DEFAULT_CORPUS, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     assert digest in readme

@@ -37,7 +37,7 @@ def _tp_kl(rank, world):
     from megatron.core import parallel_state
 
     from moe_variants.config import ParallelConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=2), seed=1)
     s, t = _logits(0), _logits(1)
@@ -133,8 +133,8 @@ def _scores_keep_rng(rank, world, data_dir, include_path):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from moe_variants.config import ParallelConfig
     from moe_variants.builder import build_model
-    from megatron.training.parallel import initialize_parallel
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.parallel import initialize_parallel
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
     from tests.helpers import tiny_model_config
 
     initialize_parallel(ParallelConfig(), seed=3)
@@ -240,8 +240,8 @@ def test_teacher_forward_has_no_trainable_parameters(teacher_ckpt):
 
     def fn(rank, world, path):
         from moe_variants.config import ParallelConfig
-        from megatron.training.loading import load_model
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.loading import load_model
+        from megatron.components.parallel import initialize_parallel
 
         initialize_parallel(ParallelConfig(expert_model_parallel_size=2), seed=1)
         teacher, configs, _, _ = load_model(path, overrides={"farskip": "none"})
@@ -352,8 +352,8 @@ def test_freeze_embeddings_freezes_the_embedding_and_output_layer_only():
 
 
 def _weights(rank, world, teacher, student):
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     initialize_parallel(ParallelConfig(), seed=1)
@@ -370,7 +370,7 @@ def test_kl_l2_with_frozen_embeddings_trains_the_rest(teacher_ckpt):
     reported every step beside the KL, the embedding and output layer come out bit-identical to the
     teacher's (exact: frozen parameters are not in the optimizer), and the decoder does change."""
     from tools.spawn import run_distributed
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
     from tests.helpers import read_jsonl, torchrun
 
     out = teacher_ckpt / "student_kll2_frozen"

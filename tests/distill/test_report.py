@@ -36,7 +36,7 @@ def test_unigram_perplexity_by_hand():
 def test_report_rows(teacher_ckpt, tmp_path):
     """Teacher: KL 0 to itself; the same checkpoint as a 'student' reproduces the teacher row
     exactly; the untrained FarSkip conversion changes the function (KL > 0)."""
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
 
     out = tmp_path / "report.json"
     proc = _report("--teacher", teacher_ckpt / "teacher", "--text", DEFAULT_CORPUS, "--out", out,
@@ -60,7 +60,7 @@ def test_untrained_sub_block_conversions(teacher_ckpt, tmp_path, capsys):
     rounding). A bad
     mode or layer spec is a one-line error before any model is loaded."""
     from distill.report import main as report_main
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
 
     rows = {}
     for connectivity in ("reference", "paper-text"):
@@ -116,7 +116,7 @@ def test_report_lm_eval_columns(teacher_ckpt, tmp_path):
     """``--lm-eval-tasks``: every row gets the task's scores through the adapter; the same weights
     score the same, and the table shows the main metric as a column."""
     pytest.importorskip("lm_eval")
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
     from tests.helpers import write_arc_easy
 
     out = tmp_path / "report.json"

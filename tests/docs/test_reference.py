@@ -108,7 +108,7 @@ def test_config_table_of_a_dataclass():
 def test_training_flags_link_their_config_sections(pages):
     """Every config field is a flag of pretrain_gpt; its page links each section's page, which lists
     each field."""
-    from megatron.training.arguments import SECTIONS
+    from megatron.components.arguments import SECTIONS
 
     for name, cls in SECTIONS.items():
         assert f"[{name}](../config/{name}.md)" in pages["cli/pretrain_gpt.md"]

@@ -28,11 +28,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def save_tiny(path: str, overrides: dict) -> None:
     """Build a 2-layer, 4-expert model with the embedded BPE tokenizer and save it (EP=1).
     Needs an initialised torch.distributed world."""
-    from megatron.training.arguments import configs_from_dict
-    from megatron.training.loading import save_model
+    from megatron.components.arguments import configs_from_dict
+    from megatron.components.loading import save_model
     from moe_variants.builder import build_model
-    from megatron.training.parallel import initialize_parallel
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.parallel import initialize_parallel
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ_LENGTH,
                   num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,

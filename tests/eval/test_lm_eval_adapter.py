@@ -21,7 +21,7 @@ import torch  # noqa: E402
 # imported here, in the pytest process, so that the forked ranks inherit the modules instead of
 # each importing megatron-core's model code again (most of a rank's start-up time)
 import megatron.training.lm_eval_adapter  # noqa: E402,F401
-import megatron.training.loading  # noqa: E402,F401
+import megatron.components.loading  # noqa: E402,F401
 import moe_variants.builder  # noqa: E402,F401
 import moe_variants.bigmac.layer  # noqa: E402,F401
 import moe_variants.farskip  # noqa: E402,F401

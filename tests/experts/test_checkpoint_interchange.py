@@ -32,9 +32,9 @@ LAYOUTS = {
 
 
 def _setup(grouped: bool, distributed_optimizer: bool, layout: str = "ep2"):
-    from megatron.training.checkpointing import layout_of
-    from megatron.training.config import TrainingConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.checkpointing import layout_of
+    from megatron.components.config import TrainingConfig
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer
     from moe_variants.config import ParallelConfig
     from tests.helpers import VOCAB, tiny_model_config
@@ -78,7 +78,7 @@ def _logits_and_weights(run, rank):
 
 
 def _rank(rank, world, save_dir, saver_grouped, distributed_optimizer, layout="ep2"):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     from moe_variants.common.experts import GroupedExperts
 
@@ -136,7 +136,7 @@ def test_checkpoint_loads_in_the_other_expert_path_at_expert_tensor_parallel_2(t
 
 
 def _save_with_distributed_optimizer(rank, world, save_dir, grouped):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     run = _setup(grouped, True)
     _step(run, rank)

@@ -44,7 +44,7 @@ def _experts(model):
 def test_default_is_grouped_and_the_flag_selects_the_loop():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
     from moe_variants.common.experts import GroupedExperts, describe
 
     assert parse_configs([]).model.moe_grouped_gemm is True

@@ -125,8 +125,8 @@ def _train_with_overlap(rank, world, overlap_grad_reduce):
     import itertools
     import logging
 
-    from megatron.training.config import TrainingConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.config import TrainingConfig
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer, train_step
     from tests.helpers import VOCAB
 

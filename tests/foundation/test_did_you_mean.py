@@ -16,7 +16,7 @@ def test_did_you_mean_names_the_nearest_known_name_or_nothing():
 
 
 def test_a_yaml_typo_suggests_the_option(tmp_path):
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     config = tmp_path / "c.yaml"
     config.write_text("num_layer: 2\nhidden_size: 64\n")
@@ -26,7 +26,7 @@ def test_a_yaml_typo_suggests_the_option(tmp_path):
 
 
 def test_a_flag_typo_suggests_the_flag(capsys):
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     with pytest.raises(SystemExit) as exit_:
         parse_configs(["--num-layer", "2"])

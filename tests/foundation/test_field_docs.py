@@ -41,7 +41,7 @@ def test_a_class_defined_in_a_function():
 
 def _config_classes() -> dict:
     from distill.fcsd import FCSDConfig
-    from megatron.training.arguments import SECTIONS
+    from megatron.components.arguments import SECTIONS
     from moe_variants import registry
 
     return {**SECTIONS, **registry.config_sections(), "fcsd": FCSDConfig}
@@ -50,7 +50,7 @@ def _config_classes() -> dict:
 def test_every_flag_is_documented_once_by_its_docstring():
     """Every config field that is a flag has a docstring, and none keeps a second help text in its
     metadata."""
-    from megatron.training.arguments import cli_fields
+    from megatron.components.arguments import cli_fields
 
     for name, cls in _config_classes().items():
         docs = field_docs(cls)
@@ -60,7 +60,7 @@ def test_every_flag_is_documented_once_by_its_docstring():
 
 
 def test_the_parser_shows_the_docstring():
-    from megatron.training.arguments import build_parser
+    from megatron.components.arguments import build_parser
 
     actions = {a.dest: a for a in build_parser("pretrain_gpt")._actions}
     assert actions["lr"].help == "peak learning rate (default: 0.0003)"

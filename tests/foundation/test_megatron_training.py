@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from moe_variants.config import ParallelConfig
-from megatron.training.config import TrainingConfig
+from megatron.components.config import TrainingConfig
 from tools.spawn import run_distributed
 from tests.helpers import VOCAB, batch, tiny_model_config
 
 
 def _train(rank, world_size, distributed_optimizer, steps):
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer, train_step
 
     parallel = ParallelConfig(expert_model_parallel_size=2)

@@ -161,7 +161,7 @@ def test_launch_orders_streams_on_the_device_clock():
     """``_launch`` on a device clock: the communication stream waits for the compute stream, the
     start and done events are recorded on the communication stream around the collective, and the
     compute stream's wait comes at ``wait()``. Runs a real gloo all-to-all of one rank."""
-    from megatron.training.parallel import single_process_group
+    from megatron.components.parallel import single_process_group
 
     dev = FakeDevice([0.0, 1.0, 2.0, 6.0, 7.0])
     clock = _clock(dev)

@@ -69,7 +69,7 @@ def _tracker_names(checkpoint: pathlib.Path) -> list:
     """The CUDA RNG tracker streams in the checkpoint's RNG state (rank 0's)."""
     import torch
 
-    from megatron.training.checkpointing.safety import read_metadata
+    from megatron.components.checkpointing.safety import read_metadata
 
     for index, info in read_metadata(str(checkpoint)).storage_data.items():
         if index.fqn.startswith("rng_state"):

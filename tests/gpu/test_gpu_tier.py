@@ -174,7 +174,7 @@ VOCAB_XL = 1024  # small: the comparison is of the layers, not the output GEMM
 
 
 def _bigmac_rank(rank, world, repeats):
-    from megatron.training.parallel import device, initialize_parallel
+    from megatron.components.parallel import device, initialize_parallel
     from moe_variants.bigmac.accounting import model_accounting
     from moe_variants.builder import build_model, causal_attention_mask, padded_vocab_size
     from moe_variants.common import timing
@@ -273,7 +273,7 @@ def _grad_mismatches(ref: dict, got: dict) -> tuple[list, float]:
 def _farskip_ep1_rank(rank, world):
     import torch.distributed as dist
 
-    from megatron.training.parallel import device, initialize_parallel
+    from megatron.components.parallel import device, initialize_parallel
     from moe_variants.builder import build_model, causal_attention_mask
     from moe_variants.common import comm, wgrad
     from moe_variants.common.moe_layer import comm_totals
@@ -395,7 +395,7 @@ FARSKIP_EP2_BATCH = 2
 
 
 def _farskip_ep2_rank(rank, world):
-    from megatron.training.parallel import device
+    from megatron.components.parallel import device
     from moe_variants.builder import causal_attention_mask
     from moe_variants.common import wgrad
     from moe_variants.common.moe_layer import comm_counters, comm_totals, moe_layers
@@ -543,7 +543,7 @@ def _offline_greedy_on_gpu(ckpt: str, prompts, max_new: int, generation: str = "
 
 
 def _vocab_size(ckpt: str) -> int:
-    from megatron.training.loading import checkpoint_configs, load_tokenizer
+    from megatron.components.loading import checkpoint_configs, load_tokenizer
 
     _, manifest, path = checkpoint_configs(ckpt)
     return load_tokenizer(manifest, path).vocab_size

@@ -34,11 +34,11 @@ class ModelFixture:
 
 
 def _save_tiny(rank, world, out):
-    from megatron.training.arguments import configs_from_dict
-    from megatron.training.loading import save_model
+    from megatron.components.arguments import configs_from_dict
+    from megatron.components.loading import save_model
     from moe_variants.builder import build_model
-    from megatron.training.parallel import initialize_parallel
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.parallel import initialize_parallel
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     configs = configs_from_dict(dict(MODEL))
     tokenizer = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
@@ -78,9 +78,9 @@ def _build_profile_apply(rank, world, root):
 def tiny_model(tmp_path_factory) -> ModelFixture:
     # megatron-core takes seconds to import: once here, inherited by every forked rank after
     import megatron.core.models.gpt  # noqa: F401
-    import megatron.training.loading  # noqa: F401
+    import megatron.components.loading  # noqa: F401
     import moe_variants.builder  # noqa: F401
-    import megatron.training.parallel  # noqa: F401
+    import megatron.components.parallel  # noqa: F401
 
     root = tmp_path_factory.mktemp("semmoe_model")
     write_prompts(root / "prompts.jsonl", 24, seed=0)

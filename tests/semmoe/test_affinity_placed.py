@@ -29,8 +29,8 @@ def _apply(rank, world, ckpt, tables, out):
 
 
 def _logits(rank, world, original, placed, physical_to_logical, tokens):
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import causal_attention_mask
     from moe_variants.common.moe_layer import moe_layers
     from moe_variants.config import ParallelConfig
@@ -87,7 +87,7 @@ def _serve_args(tables_dir, load, tp=1, ranks=2):
 
 
 def test_bench_serve_serves_it_as_a_placed_baseline(tiny_model, tmp_path):
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
     assert "affinity-eplb" in variant_hooks.serve_placement_names()
     manifest = read_manifest(find_latest_checkpoint(tiny_model.ckpt), verify=False)

@@ -63,7 +63,7 @@ def test_algorithm_2_assigns_requests_and_keeps_scores(tiny_model):
 
 
 def test_tables_must_fit_the_layout_and_the_checkpoint(tiny_model):
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
     from moe_variants import registry
 
     def args(ep=2, tp=1, load=tiny_model.placed2):

@@ -71,8 +71,8 @@ def test_profile_is_layout_independent_and_extends_by_embedding(tiny_model):
 def _embedding(ckpt):
     def fn(rank, world, path):
         from moe_variants.config import ParallelConfig
-        from megatron.training.loading import load_model
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.loading import load_model
+        from megatron.components.parallel import initialize_parallel
 
         pgc = initialize_parallel(ParallelConfig())
         model, *_ = load_model(path, parallel=ParallelConfig(), pg_collection=pgc)
@@ -93,10 +93,10 @@ def _apply(rank, world, ckpt, tables, out):
 def _logits_and_ownership(rank, world, original, placed, physical_to_logical, tokens):
     from moe_variants.config import ParallelConfig
     from moe_variants.global_state import gather_global_state_dict, local_weights
-    from megatron.training.loading import load_model
+    from megatron.components.loading import load_model
     from moe_variants.builder import causal_attention_mask
     from moe_variants.common.moe_layer import moe_layers
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     seq = tokens.shape[1]
     pos = torch.arange(seq)[None].expand_as(tokens)
@@ -210,8 +210,8 @@ def _attention_tp_logits(rank, world, ckpt, tables_path, tokens, num_real):
     from megatron.core import parallel_state
 
     from megatron.inference.engine import replicate_activations
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import causal_attention_mask
     from moe_variants.config import ParallelConfig
     from moe_variants.semmoe.attention_tp import install

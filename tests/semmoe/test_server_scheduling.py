@@ -37,7 +37,7 @@ def _served_lar(ckpt, tmp_path, prompts, extra) -> tuple:
 
 
 def _prompt_ids(tiny_model) -> list:
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     tok = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
     with open(tiny_model.prompts) as f:
@@ -166,7 +166,7 @@ def test_algorithm_3_in_the_server_keeps_tokens_and_reaches_the_predicted_lar(ti
     assert info3["token_scheduler"] == "semmoe-algorithm-3" and info["token_scheduler"] is None
     assert alg3 == plain == base
 
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     tok = build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
     with open(tiny_model.prompts) as f:
@@ -200,7 +200,7 @@ def test_unscheduled_tables_serve_algorithm_3_layout_on_contiguous_slices(tiny_m
     assert abs(served - predicted) <= 0.05 and abs(served - 0.5) <= 0.1, (served, predicted)
     import argparse
 
-    from megatron.training.loading import find_checkpoint
+    from megatron.components.loading import find_checkpoint
     from moe_variants.semmoe.variant import SemMoE
 
     _, manifest = find_checkpoint(tiny_model.ckpt)

@@ -44,8 +44,8 @@ def step_syncs_rank(rank, world_size, root: str, model: str) -> dict:
     from megatron.core import parallel_state
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
     from tests.eval.conftest import save_tiny
     from tools.bench.host_syncs import HostSyncCounter

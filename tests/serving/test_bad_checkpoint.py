@@ -45,7 +45,7 @@ def test_a_value_error_while_the_model_loads_keeps_its_traceback(serve_ckpts, tm
 
     argv = ["--load", serve_ckpts["standard"], "--port", "0", "--ready-file", str(tmp_path / "ready.json")]
     code = ("import sys\n"
-            "import megatron.training.loading as loading\n"
+            "import megatron.components.loading as loading\n"
             "def load_model(*args, **kwargs):\n"
             "    raise ValueError('shape mismatch deep inside the model')\n"
             "loading.load_model = load_model\n"

@@ -46,7 +46,7 @@ def _in_world(fn):
     from tools.spawn import run_distributed
 
     def rank_fn(rank, world_size):
-        from megatron.training.parallel import initialize_parallel
+        from megatron.components.parallel import initialize_parallel
         from moe_variants.config import ParallelConfig
 
         initialize_parallel(ParallelConfig(), seed=0)

@@ -44,8 +44,8 @@ def _run(engine, jobs: dict) -> dict:
 
 def seeds_rank(rank, world_size, ckpt):
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     pgc = initialize_parallel(ParallelConfig(), seed=0)
@@ -82,8 +82,8 @@ def test_seeds_change_and_reproduce_samples(serve_ckpts):
 
 def logprobs_rank(rank, world_size, ckpt):
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import causal_attention_mask
     from moe_variants.config import ParallelConfig
 

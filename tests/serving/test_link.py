@@ -11,8 +11,10 @@ does. No model, no torch.distributed.
   a 503 naming it, ``/health`` 503 ``lost`` with the reason, a new request a 503 with
   ``Retry-After``, the silent process is SIGKILLed; an engine that connects again serves;
   ``/metrics`` counts the lost request and the restart.
-- A closed link (rank 0 exited) fails what is in flight at once; a ``dead`` message fails it with
-  the engine's reason.
+- A closed link (rank 0 exited) fails what is in flight at once; a ``Dead`` message fails it with
+  the engine's reason, and a message that is no link message of this version with one line naming it.
+- A rank 0 of other code (another link version, untyped tuples) is refused in one line, and a
+  rank 0 answered by a front end of other code stops with one line.
 - Rank 0 drains on its signal through the front end, which then tells it to stop; rank 0 sees a
   front end that closed the link as ``FrontendGone``.
 - Over TCP (several nodes) the link works the same; ``frontend_link`` hands node 0's address and key
@@ -38,11 +40,13 @@ from multiprocessing.connection import Client, Listener
 import pytest
 
 from megatron.common.process import machine_id
-from megatron.common.watchdog import Heartbeat
+from megatron.common.watchdog import Heartbeat, Pulse
 from megatron.inference import protocol as P
 from megatron.inference.engine import TokenUpdate
 from megatron.inference.frontend import Frontend, FrontendConfig
 from megatron.inference.link import EngineBridge, EngineLink, FrontendGone
+from megatron.inference import link_messages as M
+from megatron.inference.link_messages import Beat, Hello, Publish, encode
 from tests.serving.test_frontend import CharTokenizer, _request
 
 STALL_S = 0.5
@@ -107,7 +111,7 @@ class Setup:
     def serve(self) -> Frontend:
         self.frontend = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt,
                                  heartbeat=self.bridge.heartbeat,
-                                 config=FrontendConfig(served_model="m", limits=self.bridge.hello[3], port=0,
+                                 config=FrontendConfig(served_model="m", limits=self.bridge.hello.limits, port=0,
                                                        stall_timeout=STALL_S))
         self.frontend.start()
         self.frontend.url = f"http://127.0.0.1:{self.frontend.port}"
@@ -159,8 +163,8 @@ def test_a_silent_rank0_is_lost_killed_and_a_new_engine_serves(linked):
     sleeper = subprocess.Popen(["sleep", "600"])  # plays the stopped rank 0's process
     try:
         conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
-        conn.send(("hello", sleeper.pid, machine_id(), LIMITS, {"model": "m"}))
-        conn.send(("beat", 0.0, 0.0, 1))
+        conn.send(encode(Hello(sleeper.pid, machine_id(), LIMITS, {"model": "m"})))
+        conn.send(encode(Beat(Pulse(0.0, 0.0, 1))))
         assert linked.bridge.wait_engine(10)
         f = linked.serve()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -200,12 +204,12 @@ def test_a_rank0_stopped_in_the_middle_of_a_message_is_lost_like_a_silent_one(li
     sleeper = subprocess.Popen(["sleep", "600"])  # plays the stopped rank 0's process
     try:
         conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
-        conn.send(("hello", sleeper.pid, machine_id(), LIMITS, {"model": "m"}))
-        conn.send(("beat", 0.0, 0.0, 1))
+        conn.send(encode(Hello(sleeper.pid, machine_id(), LIMITS, {"model": "m"})))
+        conn.send(encode(Beat(Pulse(0.0, 0.0, 1))))
         assert linked.bridge.wait_engine(10)
         f = linked.serve()
         _until(lambda: _health(f.url)[0] == 200)
-        big = pickle.dumps(("publish", [], [{"pad": "x" * 100_000}]))
+        big = pickle.dumps(encode(Publish([], [{"pad": "x" * 100_000}])))
         os.write(conn.fileno(), struct.pack("!i", len(big)) + big[:1000])  # the header and a part
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
@@ -218,6 +222,93 @@ def test_a_rank0_stopped_in_the_middle_of_a_message_is_lost_like_a_silent_one(li
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _answer(conn, timeout=10):
+    assert conn.poll(timeout), "no answer"
+    return conn.recv()
+
+
+@pytest.mark.parametrize("hello,refusal", [
+    ((M.VERSION + 1, "hello", pickle.dumps({})), f"rank 0 speaks link version {M.VERSION + 1}, not {M.VERSION}"),
+    (("hello", os.getpid(), machine_id(), LIMITS, {"model": "m"}), "rank 0 sent ('hello', "),  # untyped, positional
+    (encode(Beat(Pulse(0.0, 0.0, 1))), "rank 0 sent 'beat' before its hello"),
+])
+def test_a_rank0_of_other_code_is_refused_in_one_line(linked, hello, refusal):
+    """A rank 0 whose first message is no hello of this link version: the front end logs one line
+    naming what it sent, answers ``Refused`` with it and closes the link; no engine is connected,
+    and a rank 0 of this version is still taken afterwards."""
+    conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
+    conn.send(hello)
+    answer = M.decode(_answer(conn), "the front end")
+    assert isinstance(answer, M.Refused) and answer.reason.startswith(refusal) and "\n" not in answer.reason
+    with pytest.raises(EOFError):
+        _answer(conn)
+    conn.close()
+    assert not linked.bridge.wait_engine(0.2)
+    assert [line for line in linked.logs if "refused" in line] == [f"frontend: refused a connection: {answer.reason}"]
+    linked.engine()
+    assert linked.bridge.engines == 1
+
+
+def test_an_unknown_message_from_rank0_loses_the_engine_in_one_line(linked):
+    """Rank 0 sends a kind the front end does not know: the engine is declared lost at once with
+    one line naming it (not read as something else, not left until the stall timeout)."""
+    conn = Client(linked.address, family="AF_UNIX", authkey=linked.authkey)
+    conn.send(encode(Hello(os.getpid(), machine_id(), LIMITS, {"model": "m"})))
+    assert linked.bridge.wait_engine(10)
+    assert isinstance(M.decode(_answer(conn), "the front end"), M.Welcome)
+    f = linked.serve()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+        command = M.decode(_answer(conn), "the front end")  # the request reached rank 0
+        assert isinstance(command, M.Commands) and len(command.submits) == 1
+        conn.send((M.VERSION, "frobnicate", pickle.dumps({})))
+        status, body, _ = in_flight.result(timeout=30)
+    reason = f"rank 0 sent an unknown link message 'frobnicate' (link version {M.VERSION})"
+    assert status == 503 and body["error"]["message"] == f"the engine stopped serving: {reason}"
+    status, health = _health(f.url)
+    assert status == 503 and health["reason"] == reason
+    conn.close()
+
+
+class _OtherFrontEnd:
+    """A front end that answers the first message with ``answer`` (an envelope), as one of other
+    code would."""
+
+    def __init__(self, address: str, authkey: bytes, answer):
+        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self.thread = threading.Thread(target=self._run, args=(answer,), daemon=True)
+        self.thread.start()
+
+    def _run(self, answer):
+        conn = self.listener.accept()
+        conn.recv()
+        conn.send(answer)
+        self.conn = conn
+
+
+@pytest.mark.parametrize("answer,message", [
+    ((M.VERSION + 1, "welcome", pickle.dumps({})),
+     f"the front end speaks link version {M.VERSION + 1}, not {M.VERSION}: the two run different code"),
+    (encode(M.Refused("rank 0 speaks link version 7, not 1: the two run different code")),
+     "the front end refused this rank 0: rank 0 speaks link version 7, not 1: the two run different code"),
+    (encode(M.Commands([], [], True)), "the front end answered rank 0's hello with 'commands'"),
+])
+def test_a_front_end_of_other_code_stops_rank0_in_one_line(tmp_path, answer, message):
+    """Rank 0's hello answered by anything but ``Welcome`` of its version: ``FrontendUnreachable``
+    (``serve``'s one-line error) naming it, before rank 0 serves."""
+    from megatron.inference.link import FrontendUnreachable
+
+    address, authkey = str(tmp_path / "engine.sock"), os.urandom(32)
+    front_end = _OtherFrontEnd(address, authkey, answer)
+    link = EngineLink.connect(address, authkey, Heartbeat(), beat_interval_s=10, timeout_s=10)
+    with pytest.raises(FrontendUnreachable) as err:
+        link.hello(LIMITS, {"model": "m"}, timeout_s=10)
+    assert str(err.value) == message
+    link.join(1)
+    front_end.thread.join(5)
+    front_end.listener.close()
 
 
 def test_frames_are_read_in_any_pieces():

@@ -111,7 +111,7 @@ def _arguments(sample) -> list:
 
 
 def test_local_completions_through_the_server_equals_evaluate_lm_item_by_item(tmp_path):
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL, build_tokenizer
 
     ckpt = tmp_path / "ckpt"
     proc = torchrun("megatron.training.pretrain_gpt", PRETRAIN + ["--save", ckpt, "--data-cache-path",

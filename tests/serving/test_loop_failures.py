@@ -24,7 +24,7 @@ from megatron.inference.engine import STAT_FIELDS, TokenUpdate
 from megatron.inference.frontend import Commands, Submit
 from megatron.inference.loop import serve_loop
 from megatron.inference.sampling import RequestSampling
-from megatron.training.parallel import single_process_group
+from megatron.components.parallel import single_process_group
 
 
 class Rounds:
@@ -129,8 +129,8 @@ POISON_SEED = 666  # rank 1's sampling fails for a request with this seed
 
 def _tp2_engine(ckpt):
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig(tensor_model_parallel_size=2)

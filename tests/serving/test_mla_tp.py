@@ -31,7 +31,7 @@ MAX_NEW = 12
 
 
 def _prompts(tokenizer_ckpt):
-    from megatron.training.loading import checkpoint_configs, load_tokenizer
+    from megatron.components.loading import checkpoint_configs, load_tokenizer
 
     configs, manifest, path = checkpoint_configs(tokenizer_ckpt)
     tok = load_tokenizer(manifest, path)
@@ -134,8 +134,8 @@ def test_bench_serve_runs_an_mla_checkpoint_at_tp2(mla_ckpt, tmp_path):
 def recompute_greedy_rank(rank, world_size, ckpt, prompts, max_new, overrides):
     """Greedy tokens by the plain forward over the whole sequence at every step (no cache), of the
     checkpoint loaded with ``overrides`` (a connectivity-only preset)."""
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import causal_attention_mask
     from moe_variants.config import ParallelConfig
 

@@ -91,7 +91,7 @@ def test_a_tp_group_adds_its_collectives_and_close_puts_torch_distributed_back()
     start, end); calls on other groups and between steps are not counted."""
     import torch.distributed as dist
 
-    from megatron.training.parallel import single_process_group
+    from megatron.components.parallel import single_process_group
 
     with single_process_group():
         group = dist.new_group([0])
@@ -131,8 +131,8 @@ class _Log(StepObserver):
 def _observed_rank(rank, world, ckpt):
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig(expert_model_parallel_size=world)

@@ -42,7 +42,7 @@ def _save_rank(rank, world_size, root: str) -> dict:
 
 
 def _prompts(ckpt: str) -> list:
-    from megatron.training.loading import checkpoint_configs, load_tokenizer
+    from megatron.components.loading import checkpoint_configs, load_tokenizer
 
     configs, manifest, path = checkpoint_configs(ckpt)
     tok = load_tokenizer(manifest, path)
@@ -63,8 +63,8 @@ def _paths_rank(rank, world_size, ckpt: str, prompts) -> dict:
     from megatron.compat.paged_attention import PagedAttention
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig()

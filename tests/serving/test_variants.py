@@ -27,8 +27,8 @@ def engine_greedy_rank(rank, world_size, ckpt: str, prompts, max_new: int, cance
     EngineConfig fields (default: a 0.01 GB KV cache)."""
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.sampling import RequestSampling
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     parallel = ParallelConfig()

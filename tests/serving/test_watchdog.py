@@ -17,7 +17,7 @@ from megatron.inference.frontend import Commands, Frontend, FrontendConfig, Subm
 from megatron.inference.loop import serve_loop
 from megatron.inference.sampling import RequestSampling
 from megatron.inference.watchdog import StallWatchdog
-from megatron.training.parallel import single_process_group
+from megatron.components.parallel import single_process_group
 
 
 class Clock:

@@ -20,7 +20,7 @@ TOKENIZER_BYTES = b'{"model": "a tokenizer file the loader never reads"}\n' * 20
 
 
 def _rank_model(world):
-    from megatron.training.checkpointing import layout_of
+    from megatron.components.checkpointing import layout_of
     from moe_variants.config import ParallelConfig
     from tests.helpers import build_and_load, tiny_model_config
 
@@ -44,8 +44,8 @@ def _damage(path: str, how: str) -> None:
 def _verify_rank(rank, world, save_dir, mode, target, how):
     """Save with ``mode``, rank 0 damages ``target``, load with ``mode``; returns the files this rank
     hashed at save and at load, the manifest and the load's outcome."""
-    import megatron.training.checkpointing as ck
-    import megatron.training.checkpointing.hashing as hashing
+    import megatron.components.checkpointing as ck
+    import megatron.components.checkpointing.hashing as hashing
     from megatron.common import collectives
 
     model, layout = _rank_model(world)
@@ -87,7 +87,7 @@ def _tmp_dir_of(path):
 
 
 def test_hash_shares_are_disjoint_cover_every_file_and_keep_each_ranks_shards():
-    from megatron.training.checkpointing import hash_shares
+    from megatron.components.checkpointing import hash_shares
 
     sizes = {"__0_0.distcp": 100, "__1_0.distcp": 90, "__1_1.distcp": 5, ".metadata": 30, "common.pt": 20,
              "metadata.json": 1, "tokenizer/t.json": 50}
@@ -154,8 +154,8 @@ def test_off_records_and_checks_nothing(tmp_path):
 
 
 def test_verify_checkpoint_flag_is_an_enum_with_a_stated_default():
-    from megatron.training.arguments import parse_configs
-    from megatron.training.config import VerifyCheckpoint
+    from megatron.components.arguments import parse_configs
+    from megatron.components.config import VerifyCheckpoint
 
     c = parse_configs([])
     assert c.checkpoint.verify_checkpoint is VerifyCheckpoint.full and c.checkpoint.async_save is False
@@ -173,9 +173,9 @@ def _train_setup(world):
 
     import torch
 
-    from megatron.training.checkpointing import layout_of
-    from megatron.training.config import TrainingConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.checkpointing import layout_of
+    from megatron.components.config import TrainingConfig
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer, train_step
     from moe_variants.config import ParallelConfig
     from tests.helpers import VOCAB, batch, tiny_model_config
@@ -203,7 +203,7 @@ def _gate_writer():
     """Hold every asynchronous writer until the returned event is set."""
     import threading
 
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     gate = threading.Event()
     real = ck.PendingSave._write
@@ -217,7 +217,7 @@ def _gate_writer():
 
 
 def _async_vs_sync_rank(rank, world, root):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     chunks, optimizer, scheduler, layout, step = _train_setup(world)
     for _ in range(2):
@@ -235,7 +235,7 @@ def _async_vs_sync_rank(rank, world, root):
 
 
 def test_async_save_writes_the_sync_saves_bytes_while_training_goes_on(tmp_path):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     results = run_distributed(_async_vs_sync_rank, 2, str(tmp_path), timeout_s=300)
     sync, final, done, in_flight, cleared, losses = results[0]
@@ -255,7 +255,7 @@ def _failing_writer_rank(rank, world, save_dir):
     import errno
 
     import megatron.compat.dist_ckpt as dist_ckpt
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     chunks, optimizer, scheduler, layout, step = _train_setup(world)
     step()
@@ -282,7 +282,7 @@ def _failing_metadata_rank(rank, world, save_dir, async_save):
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     model, layout = _rank_model(world)
     kw = dict(layout=layout, configs={"model": {}})
@@ -325,7 +325,7 @@ def test_a_failed_metadata_write_on_rank0_is_one_line_on_every_rank(tmp_path, as
 def _abandoned_rank(rank, world, save_dir):
     """An asynchronous save whose writers never finish: the ranks exit (their daemon writer threads
     die with them) before ``finalize_pending_save``."""
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     chunks, optimizer, scheduler, layout, step = _train_setup(world)
     step()
@@ -337,7 +337,7 @@ def _abandoned_rank(rank, world, save_dir):
 
 def _finished_writes_rank(rank, world, save_dir):
     """Every rank's shards written, but the run ends without finalizing: no manifest, no rename."""
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     chunks, optimizer, scheduler, layout, step = _train_setup(world)
     ck.save_checkpoint(save_dir, 1, chunks, optimizer, scheduler, layout=layout, configs={"model": {}},
@@ -347,7 +347,7 @@ def _finished_writes_rank(rank, world, save_dir):
 
 
 def test_a_failed_async_writer_is_one_line_on_every_rank_and_leaves_nothing(tmp_path):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
 
     save_dir = str(tmp_path / "c")
     messages = run_distributed(_failing_writer_rank, 2, save_dir, timeout_s=300)
@@ -359,7 +359,7 @@ def test_a_failed_async_writer_is_one_line_on_every_rank_and_leaves_nothing(tmp_
 
 @pytest.mark.parametrize("rank_fn", [_abandoned_rank, _finished_writes_rank])
 def test_an_unfinalized_async_save_never_loads_as_complete(tmp_path, rank_fn):
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
     from megatron.training.save_dir import prepare_save_dir
 
     save_dir = str(tmp_path / "c")
@@ -384,7 +384,7 @@ def _rng_items(path):
     """``{fqn: object}`` of the checkpoint's ``rng_state`` items, read from the shards."""
     import torch
 
-    from megatron.training.checkpointing.safety import read_metadata
+    from megatron.components.checkpointing.safety import read_metadata
 
     metadata = read_metadata(path)
     out = {}
@@ -401,7 +401,7 @@ def _tracker_rank(rank, world, save_dir):
     import torch
     from megatron.core.tensor_parallel import random as tp_random
 
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
     from megatron.common import collectives
 
     model, layout = _rank_model(world)
@@ -465,7 +465,7 @@ def _relayout_rank(rank, world, save_dir):
     import torch
     from megatron.core.tensor_parallel import random as tp_random
 
-    import megatron.training.checkpointing as ck
+    import megatron.components.checkpointing as ck
     from moe_variants.config import ParallelConfig
     from tests.helpers import build_and_load, tiny_model_config
 

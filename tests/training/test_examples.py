@@ -22,7 +22,7 @@ PUBLISHED = {"deepseek_v2_lite.yaml": (15.7e9, 102400), "qwen3_30b_a3b.yaml": (3
 
 
 def _configs(path):
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     extra = {}
     if os.path.basename(path).startswith("fcsd_"):
@@ -64,7 +64,7 @@ def _build_all(rank, world):
 
     import torch
 
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.builder import build_model
     from moe_variants.config import ParallelConfig, TransformerImpl
 

@@ -21,8 +21,8 @@ TOLERANCE = 1e-6
 def _train(rank, world, fused: bool):
     from megatron.core.utils import unwrap_model
 
-    from megatron.training.config import TrainingConfig
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.config import TrainingConfig
+    from megatron.components.parallel import initialize_parallel
     from megatron.training.step import setup_model_and_optimizer, torch_optimizers, train_step, use_fused_adam
     from moe_variants.config import ParallelConfig
     from tests.helpers import VOCAB, batch, tiny_model_config

@@ -44,7 +44,7 @@ def _value_error(*args, **kwargs):
 def test_a_value_error_inside_the_checkpoint_load_keeps_its_traceback(tmp_path, cache, monkeypatch):
     save = tmp_path / "a"
     assert run_main(SHORT + ["--train-iters", 1, "--save", save, "--data-cache-path", cache])[0] == 0
-    import megatron.training.checkpointing.load as load
+    import megatron.components.checkpointing.load as load
 
     monkeypatch.setattr(load, "load_model_state", _value_error)  # inherited by the forked rank
     from tools.spawn import DistributedTestError
@@ -79,7 +79,7 @@ def test_a_failed_prune_after_a_save_warns_and_training_goes_on(tmp_path, cache,
     """Pruning (--keep-last-checkpoints) runs after the checkpoint is published: its failure
     (injected: the directory refuses the rename) is a warning naming the saved checkpoint, the run
     goes on and saves again, and nothing is deleted."""
-    import megatron.training.checkpointing.writer as writer
+    import megatron.components.checkpointing.writer as writer
 
     monkeypatch.setattr(writer, "prune", _denied)  # inherited by the forked rank
     save = tmp_path / "run"

@@ -23,8 +23,8 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _logits(rank, world):
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants import registry
     from moe_variants.builder import causal_attention_mask
     from moe_variants.config import ParallelConfig

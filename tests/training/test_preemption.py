@@ -61,7 +61,7 @@ def _reap(procs):
 
 
 def test_sigkill_of_a_rank_leaves_no_orphan_and_no_half_checkpoint(tmp_path):
-    from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
     save = tmp_path / "run"
     launcher = _launch(tmp_path, save)

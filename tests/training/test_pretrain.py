@@ -51,7 +51,7 @@ def test_loss_falls_and_metrics_written(run_a):
     assert valid and valid[-1]["ppl"] > 1
     # the resolved configuration goes to SAVE/config.yaml (loadable with --config), not the console
     assert "resolved configuration" not in proc.stdout
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     again = parse_configs(["--config", str(save / "config.yaml")])
     assert again.model.num_layers == 2 and again.training.train_iters == 6 and again.checkpoint.save == str(save)
@@ -116,7 +116,7 @@ def test_corrupt_checkpoint_is_reported_and_left_alone(run_a):
 def test_incomplete_newest_checkpoint_is_reported(run_a, caplog):
     """An interrupted save's temp dir is never loaded (and is reported); an incomplete newest
     iter_N is an error naming it, not silently skipped; --load-fallback passes over it."""
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
     root, save, _ = run_a
     d = root / "partial"
@@ -203,8 +203,8 @@ def _load_and_score(rank, world, path, ep):
     import torch
 
     from moe_variants.config import ParallelConfig
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from tests.helpers import forward_loss
 
     parallel = ParallelConfig(expert_model_parallel_size=ep)

@@ -224,7 +224,7 @@ def _save_and_list_children(rank, world, path):
 
     import psutil
 
-    from megatron.training.checkpointing import layout_of, save_checkpoint
+    from megatron.components.checkpointing import layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig
     from tests.helpers import build_and_load, tiny_model_config
 
@@ -335,7 +335,7 @@ def test_weights_only_reader_refuses_a_crafted_common_pt(tmp_path):
     torch's default off."""
     import torch
 
-    from megatron.training.checkpointing.safety import UnsafeCheckpoint, _weights_only_load
+    from megatron.components.checkpointing.safety import UnsafeCheckpoint, _weights_only_load
 
     marker = tmp_path / "PWNED"
     torch.save({"x": _Payload(marker)}, tmp_path / "common.pt")
@@ -356,7 +356,7 @@ def test_weights_only_reader_refuses_a_crafted_common_pt(tmp_path):
 def _save_with_failing_io(rank, world, path, errno_code, where):
     import os as os_mod
 
-    from megatron.training.checkpointing import CheckpointError, layout_of, save_checkpoint
+    from megatron.components.checkpointing import CheckpointError, layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig
     from tests.helpers import build_and_load, tiny_model_config
 
@@ -406,7 +406,7 @@ def test_read_only_save_dir_refused_at_start(tmp_path, monkeypatch):
 
 
 def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, cache):
-    from megatron.training.data import write_indexed_dataset
+    from megatron.training.preprocess import write_indexed_dataset
 
     prefix = str(tmp_path / "corpus")
     docs = [[i % 300 for i in range(j, j + 200)] for j in range(0, 4000, 200)]
@@ -441,7 +441,7 @@ def test_bad_values_are_one_line(tmp_path, capsys, monkeypatch, yaml_text, argv,
 
 def test_yaml_numbers_in_exponent_form_are_floats(tmp_path):
     """PyYAML (YAML 1.1) reads ``3e-3`` as a string; the config layer accepts it as the float it is."""
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 3e-3\nmin_lr: 1e-5\nmoe_aux_loss_coeff: 1e-2\nnum_layers: 2\n")
@@ -452,7 +452,7 @@ def test_yaml_numbers_in_exponent_form_are_floats(tmp_path):
 
 def test_distributed_timeout_reaches_the_process_group(monkeypatch, capsys):
     """--distributed-timeout-minutes (Megatron-LM's flag) is the timeout the process groups get."""
-    import megatron.training.parallel as parallel
+    import megatron.components.parallel as parallel
     from megatron.training.pretrain_gpt import main
 
     seen = {}
@@ -491,7 +491,7 @@ def test_help_lists_help_defaults_and_choices(capsys):
     assert "MOEVARIANT" not in text and "--no-no-load-optim" not in text
     assert "--no-load-optim load weights" in flat and "--no-no-load-rng" not in text
     assert "Exit codes: 0 finished, 75 stopped by a signal" in flat
-    from megatron.training.arguments import parse_configs
+    from megatron.components.arguments import parse_configs
 
     assert parse_configs(["--no-load-optim"]).checkpoint.no_load_optim is True
 

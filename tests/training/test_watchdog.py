@@ -403,7 +403,7 @@ def test_a_save_stuck_on_io_ends_the_job_and_keeps_the_checkpoints_before(tmp_pa
     the save and the flag, instead of hanging it; the checkpoint of step 2 stays the newest
     complete one (the latest pointer names it, its manifest verifies) and step 4's is never
     published."""
-    from megatron.training.checkpointing import find_latest_checkpoint, verify_checkpoint
+    from megatron.components.checkpointing import find_latest_checkpoint, verify_checkpoint
 
     result = _train(tmp_path, "stuck-io", extra=["--save-interval", 2, "--save-timeout", 5])
     out = result.stdout + result.stderr

@@ -204,7 +204,7 @@ def _train_isolated(shape, overrides: dict, train_args: dict) -> dict:
     exit returns the memory. On the CPU (toy models) it runs in this process."""
     import torch
 
-    from megatron.training.parallel import default_backend
+    from megatron.components.parallel import default_backend
     from tools.bench.gpu_measure import measure_training, train_in_child
     from tools.spawn import run_distributed
 
@@ -254,7 +254,7 @@ def run(preset_name: str, *, sections=DEFAULT_SECTIONS, time_budget_s: float = 5
     """Measure ``sections`` of preset ``preset_name`` (``iters`` timed repetitions instead of the
     preset's); the result as a JSON-ready dict."""
     from megatron.training.flops import peak_tflops as device_peak
-    from megatron.training.parallel import default_backend, initialize_parallel, single_process_group
+    from megatron.components.parallel import default_backend, initialize_parallel, single_process_group
     from moe_variants import registry
     from moe_variants.config import ParallelConfig
     from tools.bench.gpu_attention import measure_attention

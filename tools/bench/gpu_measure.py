@@ -281,8 +281,8 @@ class _TrainingRun:
     def __init__(self, shape: TrainShape, overrides: dict, pg_collection, *, seed: int = 1234, train_iters: int = 1000):
         from megatron.core.utils import unwrap_model
 
-        from megatron.training.config import TrainingConfig
-        from megatron.training.parallel import set_seed
+        from megatron.components.config import TrainingConfig
+        from megatron.components.parallel import set_seed
         from megatron.training.step import setup_model_and_optimizer
         from moe_variants.config import ModelConfig, ParallelConfig
 
@@ -347,7 +347,7 @@ def measure_training(shape: TrainShape, overrides: dict, *, warmup: int, iters: 
     """Training steps of one model (``_TrainingRun``): the first step, ``warmup`` more untimed,
     ``iters`` timed; with ``breakdown_steps``, that many more under the profiler
     (``tools/bench/breakdown.py``: where the step's time goes)."""
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
     from tools.bench.breakdown import profile_steps
 
@@ -370,7 +370,7 @@ def measure_training_interleaved(shape: TrainShape, variants: dict, *, warmup: i
     Per model: its record over all rounds' steps; per pair against the first model: the ratio of
     their per-round median step times, as a median with its interval over the rounds. With
     ``breakdown_arm``, that model then runs ``breakdown_steps`` more under the profiler."""
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
     from tools.bench.discipline import median_ci
 

@@ -128,7 +128,7 @@ def _fit_layers(served: ServedModel, pgc) -> int:
     of the device memory (the rest: KV cache, activations)."""
     import torch
 
-    from megatron.training.arguments import configs_from_dict
+    from megatron.components.arguments import configs_from_dict
     from moe_variants.builder import build_model
 
     if not (served.fit_layers and torch.cuda.is_available()):
@@ -154,8 +154,8 @@ class _Served:
 
         from megatron.compat.paged_attention import PagedAttention
         from megatron.inference.engine import EngineConfig, RankEngine, build_engine
-        from megatron.training.arguments import configs_from_dict
-        from megatron.training.tokenizer import build_tokenizer
+        from megatron.components.arguments import configs_from_dict
+        from megatron.components.tokenizer import build_tokenizer
         from moe_variants.builder import build_model
         from moe_variants.common.moe_layer import moe_layers
 
@@ -356,7 +356,7 @@ def measure(preset_name: str, *, pg_collection=None, iters: Optional[int] = None
     from megatron.compat.inference import apply_inference
     from megatron.compat.paged_attention import PagedAttention
     from megatron.training.flops import hbm_bandwidth, peak_tflops as device_peak
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
 
     preset = PRESETS[preset_name]
@@ -407,7 +407,7 @@ def measure(preset_name: str, *, pg_collection=None, iters: Optional[int] = None
 
 def run(preset_name: str, **kwargs) -> dict:
     """``measure`` in a world of one process of its own (or the caller's)."""
-    from megatron.training.parallel import default_backend, single_process_group
+    from megatron.components.parallel import default_backend, single_process_group
 
     with single_process_group(only="python -m tools.bench.gpu_serving", backend=default_backend()):
         return measure(preset_name, **kwargs)
@@ -452,7 +452,7 @@ def decode_ratio(*, batch: int = 32, context: int = 128, repeats: int = 10, warm
     and the median of the per-pair ratios loop / batched with its min and max."""
     from megatron.compat.inference import apply_inference
     from megatron.compat.paged_attention import PagedAttention
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.config import ParallelConfig
     from tools.bench.discipline import median_ci
 
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
 
         from megatron import compat
         from megatron.common.files import refuse_existing, write_json
-        from megatron.training.parallel import single_process_group
+        from megatron.components.parallel import single_process_group
 
         args = _parser().parse_args(argv)
         preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu-smoke")

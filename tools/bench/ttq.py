@@ -282,7 +282,7 @@ def run_dir(out_dir: str, run: int, variant: str) -> str:
 
 def _schedule(args) -> tuple[int, int, int]:
     """(steps, eval_interval, eval_iters): the flags, else the config's."""
-    from megatron.training.arguments import load_yaml
+    from megatron.components.arguments import load_yaml
     from tools.bench.cli import set_overrides
 
     values = load_yaml(args.config) if args.config else {}

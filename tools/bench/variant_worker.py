@@ -57,7 +57,7 @@ def worker_configs(spec: WorkerSpec, world: int, fixed: Optional[dict] = None):
     """The configs a worker runs: ``--config``, the overrides, EP = ``world`` and the local
     implementation unless set, the variant's preset, the seed, then ``fixed`` (flat fields; default
     ``train_iters`` = warm-up + measured steps)."""
-    from megatron.training.arguments import configs_from_dict, load_yaml
+    from megatron.components.arguments import configs_from_dict, load_yaml
 
     values = load_yaml(spec.config_path) if spec.config_path else {}
     values.update(spec.overrides)
@@ -122,7 +122,7 @@ def _validation_split(c, tokenizer, global_batch: int):
         import torch
         from megatron.core import parallel_state
 
-        from megatron.training.pretrain_gpt import build_data
+        from megatron.training.data import build_data
 
         data_configs = copy.deepcopy(c)
         data_configs.logging.eval_iters = max(1, math.ceil(num_samples / global_batch))
@@ -141,8 +141,9 @@ def run(spec: WorkerSpec) -> RankResult:
     from megatron.core import parallel_state
 
     from moe_variants.config import validate
-    from megatron.training.parallel import initialize_parallel
-    from megatron.training.pretrain_gpt import build_data, resolve_tokenizer
+    from megatron.components.parallel import initialize_parallel
+    from megatron.training.data import build_data
+    from megatron.components.tokenizer import resolve_tokenizer
     from megatron.training.step import setup_model_and_optimizer, train_step
 
     rank, world = rank_and_world()

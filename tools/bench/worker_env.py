@@ -40,7 +40,7 @@ def init_from_env(num_threads: int, device: str = "cpu", timeout_s: float = 300.
     import torch
     import torch.distributed as dist
 
-    from megatron.training.parallel import init_from_env as init_process_group
+    from megatron.components.parallel import init_from_env as init_process_group
 
     torch.set_num_threads(num_threads)
     rank_and_world()  # a clear exit when not started by the launcher

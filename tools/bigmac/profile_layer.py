@@ -29,7 +29,7 @@ _MATMUL = {"aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm", "aten::matmu
 
 
 def _model_config(config_path: str, variant: str):
-    from megatron.training.arguments import configs_from_dict, load_yaml
+    from megatron.components.arguments import configs_from_dict, load_yaml
 
     values = load_yaml(config_path)
     # the profile of docs/design/bigmac.md runs the SequentialMLP loop's per-expert products
@@ -64,7 +64,7 @@ def _measure(rank, world, config_path: str, repeats: int, seed: int, with_upstre
     from torch.profiler import profile
 
     from moe_variants.builder import build_model, causal_attention_mask
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.parallel import initialize_parallel
 
     torch.set_num_threads(1)
     models, shapes = {}, {}
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     print(f"{'total':<28}" + "".join(f"{sum(r['backward_ops_ms'].values()):>24.2f}" for r in res.values()))
     gemms = None
     if args.gemm_rows > 0:
-        from megatron.training.arguments import configs_from_dict, load_yaml
+        from megatron.components.arguments import configs_from_dict, load_yaml
         from moe_variants.bigmac.config import BigMacConfig
 
         values = load_yaml(args.config)

@@ -93,7 +93,7 @@ def _input_kind(args) -> str:
 def iter_records(args, kind: str) -> Iterator[tuple[str, ...]]:
     """One tuple of document texts (one per key) per record, in input order."""
     if kind == "text":
-        from megatron.training.data import read_text_documents
+        from megatron.training.preprocess import read_text_documents
 
         for path in args.input:
             for doc in read_text_documents(path, args.document_boundary):
@@ -153,7 +153,7 @@ _WORKER = {}
 
 
 def _init_worker(tokenizer_kwargs: dict, append_eod: bool) -> None:
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
     _WORKER["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
     _WORKER["append_eod"] = append_eod
@@ -177,8 +177,8 @@ def _chunks(it, n):
 
 def preprocess(args) -> list:
     """Run the whole job; returns the ``IndexedDatasetStats`` per key."""
-    from megatron.training.data import check_outputs_free, write_indexed_dataset
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.preprocess import check_outputs_free, write_indexed_dataset
+    from megatron.components.tokenizer import build_tokenizer
 
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

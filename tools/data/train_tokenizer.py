@@ -19,7 +19,7 @@ from megatron.common.cli import UserError, run_cli
 from megatron.common.files import write_text
 
 PROG = "train_tokenizer.py"
-EOD_TOKEN = "<|endoftext|>"  # same as megatron.training.tokenizer.EOD_TOKEN (kept import-free)
+EOD_TOKEN = "<|endoftext|>"  # same as megatron.components.tokenizer.EOD_TOKEN (kept import-free)
 
 
 def train_bpe(files: list[str], vocab_size: int, min_frequency: int = 2):

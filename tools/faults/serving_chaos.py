@@ -351,7 +351,7 @@ def _run(cfg: ChaosConfig, name: str, requests_for, *, with_faults: bool) -> dic
 
 def serving_chaos(cfg: ChaosConfig) -> int:
     """The run ``cfg`` describes (module docstring); 0 when it passed."""
-    from megatron.training.loading import find_checkpoint, load_tokenizer
+    from megatron.components.loading import find_checkpoint, load_tokenizer
 
     os.makedirs(cfg.out, exist_ok=True)
     ckpt, manifest = find_checkpoint(cfg.load)

@@ -96,7 +96,7 @@ def state(save: str) -> tuple:
     """(last trained step, newest complete checkpoint's iteration or -1)."""
     import logging
 
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
 
     steps = [r["step"] for r in _metrics(save) if "event" not in r]
     logging.disable(logging.WARNING)

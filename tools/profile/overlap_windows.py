@@ -26,9 +26,9 @@ def _rank(rank, world, ckpt, variant, prompt_len, per_rank, repeats, seed):
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.observability import AllToAllCounters
     from megatron.inference.sampling import RequestSampling
-    from megatron.inference.serve import variant_load_overrides
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.inference.options import variant_load_overrides
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from moe_variants.common.comm import TimelineRecorder
     from moe_variants.config import ParallelConfig
     from tools.bench.overlap import collectives, events_from_timeline

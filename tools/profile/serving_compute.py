@@ -60,9 +60,9 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
     from megatron.inference.engine import EngineConfig, RankEngine, build_engine
     from megatron.inference.observability import AllToAllCounters, SpanRecorder
     from megatron.inference.sampling import RequestSampling
-    from megatron.inference.serve import variant_load_overrides
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.inference.options import variant_load_overrides
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
     from megatron.common import collectives
     from moe_variants.config import ParallelConfig
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.common.cli import UserError, user_input
-from megatron.training.loading import find_checkpoint
+from megatron.components.loading import find_checkpoint
 from moe_variants.semmoe.placement import (
     PLACEMENT_SECTION,
     checkpoint_placement,
@@ -107,14 +107,14 @@ def apply_placement(load: str, tables_path: str, out: str, seed: int = 1234) -> 
     Runs in this process as one gloo rank (or inside a caller's single-rank group)."""
     import torch.distributed as dist
 
-    from megatron.training.arguments import configs_from_dict, configs_to_dict
-    from megatron.training.checkpointing import layout_of, save_checkpoint
+    from megatron.components.arguments import configs_from_dict, configs_to_dict
+    from megatron.components.checkpointing import layout_of, save_checkpoint
     from moe_variants.config import ParallelConfig
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
 
     from moe_variants.semmoe.placement import compose_maps, permute_model_experts
-    from megatron.training.parallel import single_process_group
+    from megatron.components.parallel import single_process_group
 
     ckpt, manifest, tables = validate_apply(load, tables_path, out)
     p2l = tables.physical_to_logical()

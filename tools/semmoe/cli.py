@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.training.checkpointing import CheckpointError
+from megatron.components.checkpointing import CheckpointError
 from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import write_json
 

@@ -80,7 +80,7 @@ def _check_run_inputs(args: argparse.Namespace, nproc: int):
     """Prompts readable, checkpoint present, layout valid for ``nproc`` ranks; returns the manifest."""
     from moe_variants.config import ModelConfig, validate
 
-    from megatron.training.loading import find_checkpoint
+    from megatron.components.loading import find_checkpoint
     from .model_run import read_prompts
 
     read_prompts(args.data, args.limit)
@@ -118,7 +118,7 @@ def _profile(args: argparse.Namespace) -> int:
     _quiet()
     from .model_run import profile_rank
     from moe_variants.semmoe.profile import save_profile
-    from megatron.training.parallel import single_process_group
+    from megatron.components.parallel import single_process_group
 
     from .runtime import in_torchrun, run_under_torchrun
 
@@ -201,7 +201,7 @@ def _lar(args: argparse.Namespace) -> int:
     _quiet()
     from moe_variants.semmoe.placement import check_tables_match_checkpoint
     from .model_run import lar_rank
-    from megatron.training.parallel import single_process_group
+    from megatron.components.parallel import single_process_group
 
     from .runtime import in_torchrun, run_under_torchrun
     from moe_variants.semmoe.tables import load_tables

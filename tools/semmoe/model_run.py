@@ -181,8 +181,8 @@ class RunOptions:
 
 
 def _load(opts: RunOptions):
-    from megatron.training.loading import load_model
-    from megatron.training.parallel import initialize_parallel
+    from megatron.components.loading import load_model
+    from megatron.components.parallel import initialize_parallel
 
     parallel = opts.parallel()
     pgc = initialize_parallel(parallel, seed=opts.seed)

@@ -12,30 +12,13 @@ import time
 
 from megatron.common.files import write_json
 from tools.bench import netns
-from tools.bench.cli import model_overrides
 from tools.bench.launcher import LaunchError, start_ranks
 
-from .options import placed
+from .variant_configs import placed, train_config
 
 __all__ = ["train", "place", "tokenizer_and_context", "TRAIN_MODULE"]
 
 TRAIN_MODULE = "megatron.training.pretrain_gpt"
-
-
-def train_config(args, variant: str, save: str) -> dict:
-    from megatron.training.arguments import load_yaml
-    from moe_variants import registry
-
-    values = load_yaml(args.config) if args.config else {}
-    values.update(model_overrides(args))
-    values.setdefault("expert_model_parallel_size", args.ranks)
-    values.setdefault("transformer_impl", "local")
-    values.update(registry.preset_overrides(variant))
-    for key in ("load", "tensorboard_dir", "wandb_project"):
-        values.pop(key, None)
-    values.update(seed=args.seed, train_iters=args.train_steps, save=save, save_interval=args.train_steps,
-                  eval_interval=0, log_interval=max(1, args.train_steps // 5))
-    return values
 
 
 def finished(marker: str, key: dict) -> bool:
@@ -51,7 +34,7 @@ def finished(marker: str, key: dict) -> bool:
 def train(args, variants, work_dir, budget, printer) -> dict:
     """One checkpoint per variant, trained with ``pretrain_gpt`` on loopback (same seed, same data);
     a checkpoint already in the work directory with the same settings is reused."""
-    from megatron.training.checkpointing import find_latest_checkpoint
+    from megatron.components.checkpointing import find_latest_checkpoint
 
     out = {}
     for variant in variants:
@@ -113,7 +96,7 @@ def place(args, variants, work_dir, printer) -> dict:
 
 
 def tokenizer_and_context(ckpt: str):
-    from megatron.training.loading import checkpoint_configs, load_tokenizer
+    from megatron.components.loading import checkpoint_configs, load_tokenizer
 
     configs, manifest, path = checkpoint_configs(ckpt)
     return load_tokenizer(manifest, path), int(configs.model.seq_length)

@@ -61,7 +61,8 @@ from tools.bench.discipline import LoadGate, rotations
 from . import analysis
 from .checkpoints import place, tokenizer_and_context, train
 from .loadgen import report
-from .options import DEFAULT_NUM_REQUESTS, PROG, build_parser, check_args, placed, variant_list
+from .options import DEFAULT_NUM_REQUESTS, PROG, build_parser, check_args
+from .variant_configs import placed, variant_list
 from .phases import phase_requests_for
 from .report import Printer, plot_target, prefill_table, serve_table
 from .server import Server, tune

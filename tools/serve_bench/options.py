@@ -14,9 +14,9 @@ from tools.bench.cli import add_model_options, model_overrides
 from tools.bench.discipline import add_discipline_arguments
 
 from .loadgen import load_prompt_pairs
+from .variant_configs import placed, train_config, variant_list
 
-__all__ = ["build_parser", "check_args", "check_load_variants", "variant_list", "placed", "PROG",
-           "DEFAULT_NUM_REQUESTS"]
+__all__ = ["build_parser", "check_args", "check_load_variants", "PROG", "DEFAULT_NUM_REQUESTS"]
 
 PROG = "bench_serve.py"
 # a p99 needs 100 samples for one to be expected beyond it (loadgen.samples_needed)
@@ -107,32 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ validation
 
 
-def placed(variants: list) -> list:
-    """The placed variants among ``variants`` (``variant_hooks.serve_placement_names``): ``--load`` with
-    its experts re-placed by a checkpoint pass, not a preset."""
-    names = variant_hooks.serve_placement_names()
-    return [v for v in variants if v in names]
-
-
-def variant_list(text: str, args=None) -> list:
-    """The names of ``--variants``; a placed variant is checked against ``args`` (what it needs)."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names:
-        raise UserError("--variants is empty")
-    if len(set(names)) != len(names):
-        raise UserError(f"--variants lists a variant twice: {text}")
-    placements = variant_hooks.serve_placement_names()
-    for v in names:
-        if v in placements:
-            if args is not None:
-                variant_hooks.serve_placement(v, args)  # what the placement needs is given
-            continue
-        if any(p in v.split("+") for p in placements):
-            raise UserError(f"--variants {v}: placed variants ({', '.join(placements)}) do not combine with others")
-        registry.preset_overrides(v)  # an unknown preset fails here
-    return names
-
-
 def check_args(args) -> None:
     """Everything that can be checked before any process starts or any file is written."""
     variants = variant_list(args.variants, args)
@@ -142,7 +116,7 @@ def check_args(args) -> None:
     if args.config and not os.path.isfile(args.config):
         raise UserError(f"--config {args.config}: no such file")
     if args.load:
-        from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint
+        from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint
 
         try:
             if find_latest_checkpoint(args.load) is None:
@@ -175,8 +149,7 @@ def check_args(args) -> None:
     if args.num_requests is not None and args.duration is not None:
         raise UserError("give --num-requests or --duration, not both")
     if not args.load:  # each variant is trained on --ranks first: its batch sizes must fit them
-        from megatron.training.arguments import configs_from_dict
-        from tools.serve_bench.checkpoints import train_config
+        from megatron.components.arguments import configs_from_dict
 
         for v in variants:
             configs = configs_from_dict(train_config(args, v, "unused"))
@@ -213,7 +186,7 @@ def check_args(args) -> None:
         raise UserError(f"--load-threshold must be >= 0, got {args.load_threshold}")
     manifest = None
     if args.load:
-        from megatron.training.checkpointing import find_latest_checkpoint, read_manifest
+        from megatron.components.checkpointing import find_latest_checkpoint, read_manifest
 
         manifest = read_manifest(find_latest_checkpoint(args.load), verify=False)
     variant_hooks.check_serve_bench(args, variants, manifest)  # the variants' own options (e.g. placements' inputs)
@@ -226,8 +199,8 @@ def check_args(args) -> None:
 
 def check_load_variants(ckpt: str, variants: list) -> None:
     """With ``--load``, every variant must keep the checkpoint's parameters (built on the meta device)."""
-    from megatron.training.arguments import configs_to_dict
-    from megatron.training.loading import checkpoint_configs
+    from megatron.components.arguments import configs_to_dict
+    from megatron.components.loading import checkpoint_configs
 
     base = configs_to_dict(checkpoint_configs(ckpt)[0])
     changing = [v for v in variants
@@ -235,8 +208,8 @@ def check_load_variants(ckpt: str, variants: list) -> None:
     if not changing:
         return
     from megatron import compat
-    from megatron.training.loading import parameter_changes
-    from megatron.training.parallel import initialize_parallel, single_process_group
+    from megatron.components.loading import parameter_changes
+    from megatron.components.parallel import initialize_parallel, single_process_group
     from moe_variants.config import ParallelConfig
 
     compat.apply()

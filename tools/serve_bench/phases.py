@@ -53,7 +53,7 @@ def phase_requests_for(args, tokenizer, context: int) -> dict:
 
 
 def base_requests(args, tokenize, context, num, *, output_len, info):
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
 
     if args.prompts:
         reqs, stats = workload.from_prompts(load_prompt_pairs(args.prompts), tokenize, num=num, context=context,

@@ -84,7 +84,7 @@ def schedule_plan_forward_step(timer=None):
     ``(model.build_schedule_plan(...), loss_func)``."""
     import time
 
-    from megatron.training.parallel import device
+    from megatron.components.parallel import device
     from megatron.training.step import masked_mean, to_device
     from moe_variants.builder import causal_attention_mask
 

@@ -9,9 +9,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
-from megatron.training.checkpointing.errors import one_line_error
-from megatron.training.checkpointing.manifest import MANIFEST, METADATA_FILE
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.errors import one_line_error
+from megatron.components.checkpointing.manifest import MANIFEST, METADATA_FILE
+from megatron.components.config import VerifyCheckpoint
 
 __all__ = ["verify_mode", "hashed", "hash_shares", "list_files", "hash_files", "file_problem", "first_problem"]
 

@@ -10,13 +10,13 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from megatron.training.checkpointing.errors import CheckpointError, broadcast_object, one_line_error
-from megatron.training.checkpointing.hashing import verify_mode
-from megatron.training.checkpointing.manifest import MANIFEST, iter_name, new_lineage
-from megatron.training.checkpointing.retention import move_aside
-from megatron.training.checkpointing.state import sharded_state
-from megatron.training.checkpointing.writer import finalize_pending_save, start_pending_save, write_save
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.errors import CheckpointError, broadcast_object, one_line_error
+from megatron.components.checkpointing.hashing import verify_mode
+from megatron.components.checkpointing.manifest import MANIFEST, iter_name, new_lineage
+from megatron.components.checkpointing.retention import move_aside
+from megatron.components.checkpointing.state import sharded_state
+from megatron.components.checkpointing.writer import finalize_pending_save, start_pending_save, write_save
+from megatron.components.config import VerifyCheckpoint
 
 __all__ = ["save_checkpoint"]
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from megatron.common import collectives
 from megatron.common.files import write_json
-from megatron.training.checkpointing.errors import CheckpointError, agreed_on_rank0, from_rank0, one_line_error
-from megatron.training.checkpointing.hashing import hash_files, hash_shares, hashed, list_files
-from megatron.training.checkpointing.manifest import MANIFEST, build_manifest, write_latest
-from megatron.training.checkpointing.retention import prune
+from megatron.components.checkpointing.errors import CheckpointError, agreed_on_rank0, from_rank0, one_line_error
+from megatron.components.checkpointing.hashing import hash_files, hash_shares, hashed, list_files
+from megatron.components.checkpointing.manifest import MANIFEST, build_manifest, write_latest
+from megatron.components.checkpointing.retention import prune
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import time
 from typing import Optional
 
 from megatron.common.files import write_text
-from megatron.training.checkpointing.errors import CheckpointError
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.errors import CheckpointError
+from megatron.components.config import VerifyCheckpoint
 
 __all__ = [
     "FORMAT_VERSION", "LATEST_FILE", "MANIFEST", "TMP_PREFIX", "METADATA_FILE", "iter_name", "iteration_of",

@@ -13,14 +13,14 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from megatron.common import collectives
-from megatron.training.checkpointing.errors import CheckpointError, from_rank0, one_line_error
-from megatron.training.checkpointing.hashing import first_problem, hash_shares, verify_mode
-from megatron.training.checkpointing.manifest import (
+from megatron.components.checkpointing.errors import CheckpointError, from_rank0, one_line_error
+from megatron.components.checkpointing.hashing import first_problem, hash_shares, verify_mode
+from megatron.components.checkpointing.manifest import (
     MANIFEST, checkpoint_candidates, is_checkpoint_dir, iteration_of, parse_manifest,
 )
-from megatron.training.checkpointing.retention import leftover_temporaries
-from megatron.training.checkpointing.safety import UnsafeCheckpoint, check_checkpoint_files, tensor_shapes
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.retention import leftover_temporaries
+from megatron.components.checkpointing.safety import UnsafeCheckpoint, check_checkpoint_files, tensor_shapes
+from megatron.components.config import VerifyCheckpoint
 
 logger = logging.getLogger(__name__)
 

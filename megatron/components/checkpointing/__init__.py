@@ -67,11 +67,11 @@ depends on the layout. At a different layout the weights, iteration and data pos
 optimizer restarts, with a warning.
 """
 
-from megatron.training.checkpointing.errors import CheckpointError, broadcast_object, from_rank0, one_line_error
-from megatron.training.checkpointing.hashing import hash_shares
-from megatron.training.checkpointing.layout import layout_of
-from megatron.training.checkpointing.load import LoadedCheckpoint, load_checkpoint
-from megatron.training.checkpointing.manifest import (
+from megatron.components.checkpointing.errors import CheckpointError, broadcast_object, from_rank0, one_line_error
+from megatron.components.checkpointing.hashing import hash_shares
+from megatron.components.checkpointing.layout import layout_of
+from megatron.components.checkpointing.load import LoadedCheckpoint, load_checkpoint
+from megatron.components.checkpointing.manifest import (
     FORMAT_VERSION,
     LATEST_FILE,
     MANIFEST,
@@ -85,11 +85,11 @@ from megatron.training.checkpointing.manifest import (
     read_manifest_quietly,
     write_latest,
 )
-from megatron.training.checkpointing.retention import leftover_temporaries, move_aside, prune
-from megatron.training.checkpointing.save import save_checkpoint
-from megatron.training.checkpointing.verify import find_latest_checkpoint, read_manifest, verify_checkpoint
-from megatron.training.checkpointing.writer import PendingSave, finalize_pending_save, pending_save
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.retention import leftover_temporaries, move_aside, prune
+from megatron.components.checkpointing.save import save_checkpoint
+from megatron.components.checkpointing.verify import find_latest_checkpoint, read_manifest, verify_checkpoint
+from megatron.components.checkpointing.writer import PendingSave, finalize_pending_save, pending_save
+from megatron.components.config import VerifyCheckpoint
 
 __all__ = [
     "CheckpointError",

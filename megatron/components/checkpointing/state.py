@@ -4,7 +4,7 @@ scheduler's, its RNG state) and how the loaded model state goes back into the ch
 from __future__ import annotations
 
 from megatron import compat
-from megatron.training.checkpointing.rng import rng_state
+from megatron.components.checkpointing.rng import rng_state
 
 __all__ = ["sharded_state", "load_model_state"]
 

@@ -1,4 +1,4 @@
-"""Dataclass configs of the training application: optimisation, data, checkpoints, logging.
+"""Dataclass configs of a run beside the model's: optimisation, data, checkpoints, logging.
 
 Field names are Megatron-LM's flag names with ``-`` -> ``_``. The model's own configs
 (``ModelConfig``, ``ParallelConfig`` and the variants' sections) live in the model library,

@@ -18,7 +18,9 @@ reads from ``config.tokenizer``: ``vocab_size`` (a property), ``eod``, ``pad`` a
 byte-level tokenizers (special tokens are kept, not skipped).
 
 ``DEFAULT_TOKENIZER_MODEL`` is the embedded byte-level BPE (2048 ids, trained on tiny-shakespeare
-by ``scripts/train_tokenizer.py``); ``DEFAULT_CORPUS`` is that corpus.
+by ``scripts/train_tokenizer.py``); ``DEFAULT_CORPUS`` is that corpus. ``resolve_tokenizer`` is the
+tokenizer a run's data flags name (the embedded one without them), ``tokenizer_files_of`` the
+files every checkpoint of the run copies.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
+
+from megatron.common.cli import UserError
+
+if TYPE_CHECKING:
+    from megatron.components.arguments import Configs
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -37,6 +44,8 @@ __all__ = [
     "DEFAULT_CORPUS",
     "EOD_TOKEN",
     "build_tokenizer",
+    "resolve_tokenizer",
+    "tokenizer_files_of",
     "HFTokenizer",
     "NullTokenizer",
 ]
@@ -84,6 +93,38 @@ def build_tokenizer(
         f"--tokenizer-type: unknown tokenizer type {tokenizer_type!r} "
         f"(choose from {', '.join(TOKENIZER_TYPES)})"
     )
+
+
+def resolve_tokenizer(c: Configs):
+    """The tokenizer named by the data flags, or the embedded BPE when none is given."""
+    d = c.data
+    if d.tokenizer_type is None:
+        if d.data_path is not None:
+            raise UserError("--data-path needs --tokenizer-type (and its model/vocab files)")
+        return build_tokenizer("HuggingFaceTokenizer", DEFAULT_TOKENIZER_MODEL)
+    if d.data_path is None:
+        raise UserError(
+            f"--tokenizer-type {d.tokenizer_type} needs --data-path: the embedded corpus is "
+            "tokenized with the embedded tokenizer"
+        )
+    return build_tokenizer(
+        d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, vocab_size=c.model.vocab_size
+    )
+
+
+def tokenizer_files_of(c: Configs) -> dict:
+    """The files that define the tokenizer ({flag role: path}), copied into every checkpoint."""
+    d = c.data
+    if d.tokenizer_type is None:
+        return {"tokenizer_model": DEFAULT_TOKENIZER_MODEL}
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        path = d.tokenizer_model
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        return {"tokenizer_model": path}
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return {"vocab_file": d.vocab_file, "merge_file": d.merge_file}
+    return {}
 
 
 def _existing_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from megatron.training.checkpointing.manifest import config_differences
+from megatron.components.checkpointing.manifest import config_differences
 
 __all__ = ["layout_of", "same_parallel_layout", "model_tensor_shapes", "architecture_problem"]
 

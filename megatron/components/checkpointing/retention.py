@@ -10,7 +10,7 @@ import shutil
 import time
 from typing import Optional
 
-from megatron.training.checkpointing.manifest import TMP_PREFIX, iteration_of, read_manifest_quietly
+from megatron.components.checkpointing.manifest import TMP_PREFIX, iteration_of, read_manifest_quietly
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ import yaml
 
 from megatron.common.cli import ArgumentParser, did_you_mean
 from megatron.common.fielddocs import field_docs
-from megatron.training.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
+from megatron.components.config import CheckpointConfig, DataConfig, LoggingConfig, TrainingConfig
 from moe_variants import registry
 from moe_variants.config import ModelConfig, ParallelConfig, plain, plain_fields
 
 __all__ = ["Configs", "parse_configs", "build_parser", "SECTIONS", "configs_to_dict", "configs_from_dict", "option_names",
-           "cli_fields", "default_of"]
+           "cli_fields", "default_of", "config_yaml"]
 
 SECTIONS = {
     "model": ModelConfig,
@@ -312,3 +312,13 @@ def configs_to_dict(configs: Configs) -> dict:
     for name, obj in configs.extra.items():
         out[name] = plain_fields(obj)
     return out
+
+
+def config_yaml(config_dict: dict, prog: str) -> str:
+    """The resolved configuration as flat YAML, loadable again with ``--config``."""
+    lines = [f"# The resolved configuration of this {prog} run; `--config` accepts this file as is."]
+    for section, fields in config_dict.items():
+        if section == "tokenizer" or not fields:
+            continue
+        lines += ["", f"# {section}", yaml.safe_dump(fields, sort_keys=False).rstrip()]
+    return "\n".join(lines) + "\n"

@@ -11,12 +11,12 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from megatron.common import collectives
-from megatron.training.checkpointing.errors import CheckpointError, broadcast_object, one_line_error
-from megatron.training.checkpointing.layout import architecture_problem, model_tensor_shapes, same_parallel_layout
-from megatron.training.checkpointing.rng import set_rng_state
-from megatron.training.checkpointing.state import load_model_state, sharded_state
-from megatron.training.checkpointing.verify import pick_and_verify
-from megatron.training.config import VerifyCheckpoint
+from megatron.components.checkpointing.errors import CheckpointError, broadcast_object, one_line_error
+from megatron.components.checkpointing.layout import architecture_problem, model_tensor_shapes, same_parallel_layout
+from megatron.components.checkpointing.rng import set_rng_state
+from megatron.components.checkpointing.state import load_model_state, sharded_state
+from megatron.components.checkpointing.verify import pick_and_verify
+from megatron.components.config import VerifyCheckpoint
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Models from checkpoints, for the tools that run after training (evaluation, distillation,
-placement, conversion): rebuild the model from the configs stored in the checkpoint, at any
-TP/EP/PP layout, and load its weights; write weights-only checkpoints.
+"""Models from checkpoints, for the server and the tools that run after training (evaluation,
+distillation, placement, conversion): rebuild the model from the configs stored in the checkpoint,
+at any TP/EP/PP layout, and load its weights; write weights-only checkpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ __all__ = ["find_checkpoint", "checkpoint_configs", "load_tokenizer", "load_mode
 def find_checkpoint(path: str):
     """(checkpoint dir, manifest) of the newest complete checkpoint under ``path`` (a save dir or
     one ``iter_`` dir); ``CheckpointError`` naming ``--load`` when there is none."""
-    from megatron.training.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
+    from megatron.components.checkpointing import CheckpointError, find_latest_checkpoint, read_manifest
 
     ckpt = find_latest_checkpoint(path)
     if ckpt is None:
@@ -30,7 +30,7 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
     they existed get the values it was written with (``registry.stored_defaults``).
     """
     from megatron.common.cli import user_input
-    from megatron.training.arguments import configs_from_dict, option_names
+    from megatron.components.arguments import configs_from_dict, option_names
     from moe_variants import registry
 
     ckpt, manifest = find_checkpoint(path)
@@ -48,9 +48,9 @@ def checkpoint_configs(path: str, overrides: Optional[dict] = None):
 
 def load_tokenizer(manifest: dict, ckpt: str):
     """The tokenizer stored with a checkpoint (its files are copied into the checkpoint)."""
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.components.tokenizer import build_tokenizer
 
-    from megatron.training.tokenizer import DEFAULT_TOKENIZER_MODEL
+    from megatron.components.tokenizer import DEFAULT_TOKENIZER_MODEL
 
     info = manifest["configs"].get("tokenizer", {})
     files = {role: os.path.join(ckpt, rel) for role, rel in manifest.get("tokenizer_files", {}).items()}
@@ -69,11 +69,11 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
                verify: bool = True):
     """Build this rank's model from a checkpoint's configs and load its weights.
 
-    Call ``megatron.training.parallel.initialize_parallel(parallel)`` first; ``parallel`` defaults
+    Call ``megatron.components.parallel.initialize_parallel(parallel)`` first; ``parallel`` defaults
     to the checkpoint's. Returns ``(model, configs, tokenizer, manifest)``; the model is in eval mode.
     """
 
-    from megatron.training.checkpointing import load_checkpoint
+    from megatron.components.checkpointing import load_checkpoint
     from moe_variants.builder import build_model
 
     configs, manifest, ckpt = checkpoint_configs(path, overrides)
@@ -82,7 +82,7 @@ def load_model(path: str, *, parallel=None, overrides: Optional[dict] = None, pg
     tokenizer = load_tokenizer(manifest, ckpt)
     vocab = manifest["configs"].get("tokenizer", {}).get("vocab_size", tokenizer.vocab_size)
     model = build_model(configs.model, configs.parallel, vocab_size=vocab, pg_collection=pg_collection)
-    from megatron.training.arguments import configs_to_dict
+    from megatron.components.arguments import configs_to_dict
 
     load_checkpoint(ckpt, [model], None, None, layout=None, load_optimizer=False, load_rng=False,
                     verify=verify, expected_configs=configs_to_dict(configs))
@@ -126,8 +126,8 @@ def save_model(save_dir: str, model, configs, *, iteration: int = 0, tokenizer_f
     """A weights-only checkpoint (no optimizer) of ``model`` with ``configs``; collective."""
     import torch.distributed as dist
 
-    from megatron.training.arguments import configs_to_dict
-    from megatron.training.checkpointing import layout_of, save_checkpoint
+    from megatron.components.arguments import configs_to_dict
+    from megatron.components.checkpointing import layout_of, save_checkpoint
 
     config_dict = configs_to_dict(configs)
     if tokenizer_info:
