@@ -38,9 +38,10 @@ event. Without a restart left every in-flight request gets a 503 and new ones a 
 ``Retry-After``. A silent rank 0 is SIGKILLed (a stopped process ignores the SIGTERM torchrun
 would send, and its peers wait for it in a collective), so that torchrun's ``--max-restarts``
 starts the ranks again at once (``give_up`` does the same for another stopped rank, which
-``launcher`` finds while the loop stalls). The restarted rank 0 connects to the same socket and the same front end serves again on the same port. Rank 0
-(``EngineLink``) sees the front end close the link (it declared rank 0 lost, or it died) at its
-next loop iteration and fails as an engine failure (exit 1).
+``launcher`` finds while the loop stalls). The restarted rank 0 connects to the same socket and the
+same front end serves again on the same port. Rank 0 (``EngineLink``) sees the front end close the
+link (it declared rank 0 lost, or it died) at its next loop iteration and fails as an engine failure
+(exit 1).
 """
 
 from __future__ import annotations
@@ -467,7 +468,7 @@ class EngineBridge:
             except queue.Empty:
                 break
         self.losses += 1
-        restart = self.losses <= self.max_restarts
+        restart = self.losses <= self.max_restarts and not frontend.stop_requested.is_set()  # draining: no
         frontend.engine_lost(reason, will_restart=restart)
         killed = []
         for pid in kill if same_machine(machine) else ():
@@ -479,6 +480,7 @@ class EngineBridge:
                 pass
         note = f"; SIGKILLed pid {', '.join(killed)} so that torchrun restarts the engine" if killed else ""
         then = ("waiting for it to come back, holding the requests that have not started answering" if restart else
+                "stopping: failing the requests in flight" if frontend.stop_requested.is_set() else
                 f"--max-restarts {self.max_restarts} spent: failing the requests in flight")
         self.log(f"frontend: engine lost: {reason}{note}; {then}")
 

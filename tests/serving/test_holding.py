@@ -184,3 +184,22 @@ def test_the_first_beat_goes_out_when_the_loop_starts():
         link.join(1)
     finally:
         setup.close()
+
+
+def test_an_engine_lost_while_the_server_drains_is_not_waited_for():
+    """SIGTERM, then the engine lost with a request in flight: nothing will restart it for the
+    stopping server, so the request gets its 503 at once instead of being held."""
+    setup = Setup(max_restarts=2)
+    try:
+        engine = setup.engine(answer=False)
+        f = setup.serve()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_request, f.url, "/v1/completions", {"prompt": "a"})
+            _until(lambda: engine.submits)
+            f.request_stop()
+            engine.close()
+            status, body, _ = pending.result(30)
+        assert status == 503 and "closed the link: it exited" in body["error"]["message"]
+        assert any("stopping: failing the requests in flight" in line for line in setup.logs)
+    finally:
+        setup.close()
