@@ -153,8 +153,8 @@ class RequestBook:
         other request in flight with a 503 naming ``reason``."""
         self.holding = hold
         for stream in {id(s): s for s in self._live.values()}.values():
-            if not stream.unfinished:
-                continue  # answered already, or about to be
+            if stream.held or not stream.unfinished:
+                continue  # held already; answered already, or about to be
             if hold and not stream.started and stream.losses < MAX_LOSSES:
                 stream.losses += 1
                 self._hold(stream)

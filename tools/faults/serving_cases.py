@@ -252,6 +252,16 @@ def _answers(srv: _Server, expected: str) -> list:
     return [client.answer for client in clients]
 
 
+def _wait(predicate, timeout_s: float) -> Optional[float]:
+    """Seconds until ``predicate()`` held (polled every 0.2 s), None past ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    return None
+
+
 def _fault(srv: _Server, fault_dir: str, kind: str, rank: int) -> Optional[int]:
     """Cause ``kind`` on ``rank`` now; the pid signalled (None for an in-rank fault)."""
     if kind in SIGNALS:
