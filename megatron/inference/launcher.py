@@ -146,7 +146,8 @@ def run_frontend(args, argv: list, rank_command) -> int:
     else:  # rank 0 may be on another node: TCP, reached at node 0's rendezvous address
         listener = Listener(("", 0), family="AF_INET", authkey=authkey)
         address = f"{args.rdzv_endpoint.rpartition(':')[0]}:{listener.address[1]}"
-    bridge = EngineBridge(listener, stall_timeout_s=args.stall_timeout, log=lambda line: print(line, flush=True))
+    bridge = EngineBridge(listener, stall_timeout_s=args.stall_timeout, max_restarts=args.max_restarts,
+                          log=lambda line: print(line, flush=True))
     child = subprocess.Popen(torchrun_command(args.nproc_per_node, args.max_restarts, rank_command, argv, args.nnodes,
                                               args.rdzv_endpoint),
                              env=_torchrun_env(args, **{ENV_ADDRESS: address, ENV_AUTHKEY: authkey.hex()}),

@@ -18,7 +18,8 @@ engine (rank 0) -> front end
     version: ``EngineLink.hello`` raises ``FrontendUnreachable`` naming it, a one-line error);
     ``Assigned``, ``Publish``: what the in-process ``Frontend`` is told by the loop;
     ``Beat``: the loop heartbeat's ``Pulse``, from a thread, every ``beat_interval(stall_timeout)``
-    seconds (``/health`` reads it as it reads a local heartbeat);
+    seconds, and at once when the loop first runs (``/health`` reads it as it reads a local
+    heartbeat: it turns 200 with that first beat);
     ``Drain``: a rank was asked to stop (SIGTERM): stop accepting, finish what is in flight;
     ``Dead``: the engine failed or its watchdog fired; rank 0 exits next.
 front end -> engine
@@ -30,14 +31,19 @@ at once), sends ``Dead`` or what is no link message of this version, or sends no
 cannot run). It reads rank 0's messages in whatever
 pieces arrive (``FrameReader``), never blocking past a deadline: a rank 0 stopped between a
 message's header and its body (``Connection.send`` writes them apart above 16 KiB) is silent like
-any other. Every in-flight request then gets a 503,
-new ones get a 503 with ``Retry-After``, ``/health`` says ``lost`` and why; a silent rank 0 is
-SIGKILLed (a stopped process ignores the SIGTERM torchrun would send, and its peers wait for it in
-a collective), so that torchrun's ``--max-restarts`` starts the ranks again at once (``give_up``
-does the same for another stopped rank, which ``launcher`` finds while the loop stalls). The restarted
-rank 0 connects to the same socket and the same front end serves again on the same port. Rank 0
-(``EngineLink``) sees the front end close the link (it declared rank 0 lost, or it died) at its
-next loop iteration and fails as an engine failure (exit 1).
+any other. ``/health`` then says ``lost`` and why. While torchrun has a restart left (at most
+``--max-restarts`` engines lost so far; a restart spent on ranks that never said hello shows only
+when torchrun exits, and the launcher then fails what is held), the front end holds every request
+that has sent its client nothing yet, and new ones, and sends them to the restarted engine
+(``Frontend.engine_lost``, ``admission``); a streamed request already answering gets its error
+event. Without a restart left every in-flight request gets a 503 and new ones a 503 with
+``Retry-After``. A silent rank 0 is SIGKILLed (a stopped process ignores the SIGTERM torchrun
+would send, and its peers wait for it in a collective), so that torchrun's ``--max-restarts``
+starts the ranks again at once (``give_up`` does the same for another stopped rank, which
+``launcher`` finds while the loop stalls). The restarted rank 0 connects to the same socket and the
+same front end serves again on the same port. Rank 0 (``EngineLink``) sees the front end close the
+link (it declared rank 0 lost, or it died) at its next loop iteration and fails as an engine failure
+(exit 1).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ __all__ = ["ENV_ADDRESS", "ENV_AUTHKEY", "FrontendGone", "FrontendUnreachable", 
 
 ENV_ADDRESS = "MOE_SERVE_FRONTEND"  # the front end's Unix socket or HOST:PORT; empty on its other nodes
 ENV_AUTHKEY = "MOE_SERVE_FRONTEND_KEY"  # its authentication key, hex
+FIRST_BEAT_POLL_S = 0.01  # how often rank 0 looks whether its loop has started, to beat at once
 
 
 def hang_up(conn) -> None:
@@ -223,8 +230,14 @@ class EngineLink:
                 return
 
     def _beat(self, interval_s: float) -> None:
-        while not self._closed.wait(interval_s):
+        """A beat every ``interval_s``; until the loop has run, its state is looked at every
+        ``FIRST_BEAT_POLL_S`` so that the first beat of a running loop goes out at once."""
+        started, last = False, time.monotonic()
+        while not self._closed.wait(interval_s if started else min(interval_s, FIRST_BEAT_POLL_S)):
             pulse = self._heartbeat.pulse()
+            if not (started or pulse.started) and time.monotonic() - last < interval_s:
+                continue
+            started, last = pulse.started, time.monotonic()
             try:
                 self._send(messages.Beat(pulse))
             except OSError:
@@ -326,11 +339,15 @@ class EngineBridge:
     """The front end's side of the link (module docstring). ``start`` accepts rank 0's
     connections from then on (one at a time: a new one replaces a lost one); ``wait_engine``
     blocks until the first engine said hello; ``serve(frontend)`` then forwards the frontend's
-    commands and hands it what rank 0 sends."""
+    commands and hands it what rank 0 sends. ``max_restarts``: torchrun's ``--max-restarts``
+    (while fewer engines were lost, a lost one will restart)."""
 
-    def __init__(self, listener, *, stall_timeout_s: float, log: Callable[[str], None] = print):
+    def __init__(self, listener, *, stall_timeout_s: float, max_restarts: int = 0,
+                 log: Callable[[str], None] = print):
         self.listener = listener
         self.stall_timeout_s = stall_timeout_s
+        self.max_restarts = max_restarts
+        self.losses = 0  # engines lost so far
         self.log = log
         self.heartbeat = RemoteHeartbeat()
         self.frontend = None
@@ -472,9 +489,9 @@ class EngineBridge:
         self._lose(self._conn, reason, kill=kill)
 
     def _lose(self, conn, reason: str, *, kill: list = ()) -> None:
-        """The engine on ``conn`` is gone: fail what is in flight, refuse new requests until an
-        engine connects again; SIGKILL the pids ``kill`` (a silent rank 0, stopped ranks) if they
-        are on this machine."""
+        """The engine on ``conn`` is gone: hold what is in flight and new requests until an engine
+        connects again when it will restart, fail them otherwise; SIGKILL the pids ``kill`` (a
+        silent rank 0, stopped ranks) if they are on this machine."""
         with self._lock:
             if conn is None or self._conn is not conn:
                 return
@@ -487,12 +504,14 @@ class EngineBridge:
             self.engine_stopped = True
             self.log("frontend: the engine stopped")
             return
-        while True:  # what was queued for the lost engine: its requests are failed below
+        while True:  # what was queued for the lost engine: its requests are held or failed below
             try:
                 frontend.commands.get_nowait()
             except queue.Empty:
                 break
-        frontend.mark_dead(reason, status="lost")
+        self.losses += 1
+        restart = self.losses <= self.max_restarts and not frontend.stop_requested.is_set()  # draining: no
+        frontend.engine_lost(reason, will_restart=restart)
         killed = []
         for pid in kill if same_machine(machine) else ():
             try:
@@ -502,7 +521,10 @@ class EngineBridge:
             except OSError:
                 pass
         note = f"; SIGKILLed pid {', '.join(killed)} so that torchrun restarts the engine" if killed else ""
-        self.log(f"frontend: engine lost: {reason}{note}; waiting for it to come back")
+        then = ("waiting for it to come back, holding the requests that have not started answering" if restart else
+                "stopping: failing the requests in flight" if frontend.stop_requested.is_set() else
+                f"--max-restarts {self.max_restarts} spent: failing the requests in flight")
+        self.log(f"frontend: engine lost: {reason}{note}; {then}")
 
     def _forward(self) -> None:
         """The frontend's commands to the engine serving now (nothing while none is)."""

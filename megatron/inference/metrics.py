@@ -63,6 +63,8 @@ class ServingMetrics:
         # lost: in flight when the engine failed or was lost (answered 503)
         self.requests = {"completed": 0, "aborted": 0, "failed": 0, "timeout": 0, "rejected": 0, "lost": 0}
         self.engine_restarts = 0  # engines that connected again after a loss (front end in its own process)
+        self.resubmitted = 0  # engine requests in flight at a loss, held and sent to the restarted engine
+        self.held = 0  # engine requests held now, waiting for the engine to come back
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
@@ -108,6 +110,12 @@ class ServingMetrics:
         metric("moe_serve_engine_restarts_total", "counter",
                "Times a restarted engine served again after a failure (torchrun --max-restarts).",
                [f"moe_serve_engine_restarts_total {self.engine_restarts}"])
+        metric("moe_serve_requests_resubmitted_total", "counter",
+               "Engine requests in flight when the engine was lost, held and sent again to the restarted engine.",
+               [f"moe_serve_requests_resubmitted_total {self.resubmitted}"])
+        metric("moe_serve_requests_held", "gauge",
+               "Engine requests held while the engine restarts (in flight at the loss, or arrived since).",
+               [f"moe_serve_requests_held {self.held}"])
         metric("moe_serve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                [f"moe_serve_prompt_tokens_total {self.prompt_tokens}"])
         metric("moe_serve_generation_tokens_total", "counter", "Tokens returned to clients.",

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs inside rank 0 (a world of one, or your own torchrun)")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: torchrun restarts the engine's ranks up to this many times after a "
-                        "failure; the front end keeps its port and the restarted rank 0 reconnects")
+                        "failure; the front end keeps its port, and the requests that have received nothing yet wait "
+                        "for the restarted ranks")
     g.add_argument("--nnodes", type=int, default=1,
                    help="with --nproc-per-node: the engine's ranks span this many machines, N on each (torchrun's "
                         "c10d rendezvous at --rdzv-endpoint); run the same command on every machine with its "

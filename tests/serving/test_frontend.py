@@ -366,7 +366,7 @@ def test_an_error_answer_is_sent_while_its_request_still_counts_in_flight():
         task = asyncio.ensure_future(f.app(scope, receive, send))
         while not f.in_flight:
             await asyncio.sleep(0.001)
-        f._fail_all("rank 1 died")  # what mark_dead runs on the event loop
+        f.book.fail_all("rank 1 died")  # what mark_dead runs on the event loop
         await task
 
     asyncio.run(main())

@@ -53,16 +53,22 @@ STALL_S = 0.5
 LIMITS = P.Limits(context=64, vocab_size=300, max_request_tokens=48)
 
 
+def _ok(submit):
+    return [TokenUpdate(submit.request_id, [ord("o"), ord("k")], finished=True)]
+
+
 class ScriptedRank0:
     """Rank 0 behind an ``EngineLink``: a loop thread that answers every request with "ok" (or
-    nothing, ``answer=False``) and records the commands it got."""
+    nothing, ``answer=False``; or ``script(submit) -> [TokenUpdate]``) and records the commands and
+    the submits it got."""
 
-    def __init__(self, address: str, authkey: bytes, *, answer: bool = True):
+    def __init__(self, address: str, authkey: bytes, *, answer: bool = True, script=None):
         self.heartbeat = Heartbeat()
         self.link = EngineLink.connect(address, authkey, self.heartbeat, beat_interval_s=0.05, timeout_s=10)
         self.link.hello(LIMITS, {"model": "m"})
-        self.answer = answer
+        self.script = script or (_ok if answer else (lambda submit: []))
         self.commands = []
+        self.submits = []
         self.error = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -78,9 +84,12 @@ class ScriptedRank0:
             self.heartbeat.tick()
             if cmds.submits or cmds.cancels or cmds.stop:
                 self.commands.append(cmds)
-            for submit in cmds.submits if self.answer else ():
-                self.link.assigned({submit.request_id: 1})
-                self.link.publish([TokenUpdate(submit.request_id, [ord("o"), ord("k")], finished=True)], [])
+            self.submits += cmds.submits
+            for submit in cmds.submits:
+                updates = self.script(submit)
+                if updates:
+                    self.link.assigned({submit.request_id: 1})
+                    self.link.publish(updates, [])
 
     def close(self):
         self._stop.set()
@@ -89,7 +98,7 @@ class ScriptedRank0:
 
 
 class Setup:
-    def __init__(self, tcp: bool = False):
+    def __init__(self, tcp: bool = False, max_restarts: int = 0):
         self.dir = tempfile.mkdtemp(prefix="link-", dir="/tmp")  # a Unix socket path has at most 107 bytes
         self.authkey = os.urandom(32)
         if tcp:  # as over several nodes: HOST:PORT
@@ -99,7 +108,8 @@ class Setup:
             self.address = os.path.join(self.dir, "engine.sock")
             listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
         self.logs = []
-        self.bridge = EngineBridge(listener, stall_timeout_s=STALL_S, log=self.logs.append).start()
+        self.bridge = EngineBridge(listener, stall_timeout_s=STALL_S, max_restarts=max_restarts,
+                                   log=self.logs.append).start()
         self.engines = []
         self.frontend = None
 
@@ -108,11 +118,11 @@ class Setup:
         assert self.bridge.wait_engine(10)
         return self.engines[-1]
 
-    def serve(self) -> Frontend:
+    def serve(self, **config) -> Frontend:
         self.frontend = Frontend(tokenizer=CharTokenizer(), chat_render=P.simple_chat_prompt,
                                  heartbeat=self.bridge.heartbeat,
                                  config=FrontendConfig(served_model="m", limits=self.bridge.hello.limits, port=0,
-                                                       stall_timeout=STALL_S))
+                                                       stall_timeout=STALL_S, **config))
         self.frontend.start()
         self.frontend.url = f"http://127.0.0.1:{self.frontend.port}"
         self.bridge.serve(self.frontend)

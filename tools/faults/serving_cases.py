@@ -15,13 +15,19 @@ of the five factors (launch, port, layout, fault, rank: ``missing_pairs``), not 
 
 What each case asserts is what a user expects (``EXPECTED``):
 
-- every fault: ``/health`` stops answering 200 and the request in flight gets a clean 503 (its
-  JSON error; a stopped rank named) within ``answer_s``;
-- ``back``: then the same URL answers again within ``BACK_S`` with the greedy tokens it gave
+- every fault: ``/health`` stops answering 200 within ``answer_s``;
+- ``held`` (the front end with a restart left, a non-streamed request in flight: a greedy one and
+  one sampled with a seed): the requests are held and answered 200 by the restarted engine with the
+  tokens they gave before the first fault (exact), each sent to it again (``/metrics``); then as
+  ``back``;
+- ``back`` (the front end with a restart left, a streamed request in flight, the fault once its
+  stream has started): the stream ends with an error event (a stopped rank named) within
+  ``answer_s``; then the same URL answers again within ``BACK_S`` with the greedy tokens it gave
   before the first fault (exact);
-- ``error``: then the launcher exits non-zero within ``EXIT_S`` (plus torchrun's fixed 30 s for a
+- ``error``: the request in flight gets a clean 503 (its JSON error; a stopped rank named) within
+  ``answer_s``, then the launcher exits non-zero within ``EXIT_S`` (plus torchrun's fixed 30 s for a
   stopped rank);
-- ``no restart left``: then the front end exits non-zero saying so;
+- ``no restart left``: the 503, then the front end exits non-zero saying so;
 - ``started``: the server comes up within ``--startup-timeout`` + ``BACK_S``, its log naming the
   rank that did not start;
 - ``drained`` (SIGTERM, the end of a run with restarts left): the request in flight completes (200)
@@ -47,7 +53,7 @@ from tools.bench.launcher import free_port
 from tools.faults import inject
 from tools.faults.launch import REPO, rank_pid, read
 from tools.faults.serving import health_status
-from tools.faults.serving_chaos import complete
+from tools.faults.serving_chaos import complete, resubmitted
 
 __all__ = ["Run", "TABLE", "FACTORS", "EXPECTED", "missing_pairs", "run_table", "render_markdown"]
 
@@ -62,7 +68,9 @@ SIGNALS = {"kill9": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 IN_RANK = {"segfault": "segfault", "error": "error"}  # inject kinds
 FACTORS = {"launch": ("front end", "torchrun"), "port": ("fixed", "0"), "layout": ("EP 2", "TP 2", "MLA EP 2"),
            "fault": ("kill9", "sigstop", "segfault", "error"), "rank": (0, 1)}
-EXPECTED = {"back": "503, then the same URL answers with the same greedy tokens",
+EXPECTED = {"held": "the request in flight held, then answered with its fault-free tokens; the same URL "
+                    "answers with the same greedy tokens",
+            "back": "an error event in the started stream, then the same URL answers with the same greedy tokens",
             "error": "503, then the launcher exits non-zero",
             "no restart left": "503, then the front end exits non-zero: no restart left",
             "started": "up after --startup-timeout and a restart",
@@ -71,6 +79,7 @@ LAYOUTS = {"EP 2": ("load", ["--expert-model-parallel-size", "2"]),
            "TP 2": ("load", ["--tensor-model-parallel-size", "2"]),
            "MLA EP 2": ("mla_load", ["--expert-model-parallel-size", "2"])}
 PROMPT = "First Citizen:"
+SEEDED = {"temperature": 1.5, "seed": 7}  # the sampled request held across a restart
 # what the 503 of a stopped rank names, by who notices it: the front end (rank 0's link silent, or a
 # stopped process found below torchrun) or rank 0's watchdog; other faults: any message
 STOPPED = {("front end", 0): ("rank 0 of the engine (pid {pid}) sent nothing for",
@@ -82,7 +91,8 @@ STOPPED = {("front end", 0): ("rank 0 of the engine (pid {pid}) sent nothing for
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One server: its flags (``launch``, ``port``, ``layout``) and its faults, ``(kind, rank)`` in
-    order; ``hang_at_start``: a rank that spins before it loads anything (front end runs only)."""
+    order; ``hang_at_start``: a rank that spins before it loads anything (front end runs only);
+    ``held``: the faults (indices) at which non-streamed requests are in flight, to be held."""
 
     name: str
     launch: str
@@ -91,6 +101,7 @@ class Run:
     faults: tuple
     hang_at_start: Optional[int] = None
     end: Optional[str] = "drain"  # front end runs: SIGTERM, "no restart left" after the last fault, or None
+    held: tuple = ()
 
     @property
     def max_restarts(self) -> int:
@@ -101,7 +112,9 @@ class Run:
         """What the ``k``-th fault should lead to."""
         if self.launch == "torchrun":
             return "error"
-        return "no restart left" if self.end == "no restart left" and k == len(self.faults) - 1 else "back"
+        if self.end == "no restart left" and k == len(self.faults) - 1:
+            return "no restart left"
+        return "held" if k in self.held else "back"
 
     @property
     def num_cases(self) -> int:
@@ -111,7 +124,8 @@ class Run:
 
 # every pair of factor values at least once (missing_pairs): 14 faults in 7 servers
 TABLE = (
-    Run("readme-fixed-port", "front end", "fixed", "EP 2", (("kill9", 1), ("sigstop", 0), ("sigstop", 1))),
+    Run("readme-fixed-port", "front end", "fixed", "EP 2", (("kill9", 1), ("sigstop", 0), ("sigstop", 1)),
+        held=(0,)),
     Run("tp-port0", "front end", "0", "TP 2", (("segfault", 0), ("error", 1), ("sigstop", 1), ("kill9", 0)),
         hang_at_start=1, end=None),
     Run("mla-fixed-port", "front end", "fixed", "MLA EP 2", (("error", 0), ("segfault", 1), ("sigstop", 1)),
@@ -192,20 +206,50 @@ def _greedy(url: str) -> Optional[list]:
     return out["tokens"] if out["outcome"] == "ok" else None
 
 
-def _in_flight(srv: _Server, prompts: int = 64, max_tokens: Optional[int] = None) -> tuple:
-    """A request sent now (default long: 64 prompts filling their context); (thread, its answer)."""
+def _requests(srv: _Server, expected: str, prompts: int = 64, max_tokens: Optional[int] = None) -> list:
+    """What is in flight at a fault expected to end as ``expected``: long requests (default 64
+    prompts filling their context); for ``held`` a greedy and a seeded sampled one (non-streamed);
+    for ``back`` a stream."""
     budget = max_tokens or min(srv.info["context_length"], srv.info["max_request_tokens"]) - 8
-    answer: dict = {}
+    if expected == "held":
+        return [{"i": 0, "prompt": PROMPT, "max_tokens": budget, "stream": False},
+                {"i": 1, "prompt": PROMPT, "max_tokens": budget, "stream": False, "sampling": SEEDED}]
+    if expected == "back":
+        return [{"i": 0, "prompt": ["Hello"] * 4, "max_tokens": budget, "stream": True}]
+    return [{"i": 0, "prompt": ["Hello"] * prompts, "max_tokens": budget, "stream": False}]
 
-    def client():
-        answer.update(complete(srv.url, {"i": 0, "prompt": ["Hello"] * prompts, "max_tokens": budget,
-                                         "stream": False}, 120))
-        answer["at"] = time.monotonic()
 
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    time.sleep(0.5)  # in the engine
-    return thread, answer
+class _Client(threading.Thread):
+    """One request sent now; ``answer`` is ``complete``'s, with ``at`` (monotonic) when it ended."""
+
+    def __init__(self, url: str, req: dict):
+        super().__init__(daemon=True)
+        self.url, self.req = url, req
+        self.answer: dict = {}
+        self.started = threading.Event()  # a stream's first event arrived
+        self.start()
+
+    def run(self):
+        self.answer.update(complete(self.url, self.req, 120, self.started))
+        self.answer["at"] = time.monotonic()
+
+
+def _in_flight(srv: _Server, expected: str, **kw) -> list:
+    """The requests ``_requests`` gives, in the engine: a stream once it has started, the others
+    after 0.5 s."""
+    clients = [_Client(srv.url, req) for req in _requests(srv, expected, **kw)]
+    if expected == "back":
+        clients[0].started.wait(60)
+    else:
+        time.sleep(0.5)
+    return clients
+
+
+def _answers(srv: _Server, expected: str) -> list:
+    clients = [_Client(srv.url, req) for req in _requests(srv, expected)]
+    for client in clients:
+        client.join(120)
+    return [client.answer for client in clients]
 
 
 def _wait(predicate, timeout_s: float) -> Optional[float]:
@@ -228,48 +272,77 @@ def _fault(srv: _Server, fault_dir: str, kind: str, rank: int) -> Optional[int]:
     return None
 
 
-def _answer_bound(run: Run, kind: str) -> float:
+def _answer_bound(run: Run, kind: str, expected: str) -> float:
+    if expected == "held":
+        return BACK_S + SLACK_S  # answered by the restarted engine
     if kind != "sigstop":
         return SLACK_S
     return (STALL_S if run.launch == "front end" else WATCHDOG_S) + SLACK_S
 
 
-def _one_fault(run: Run, srv: _Server, fault_dir: str, k: int, reference) -> dict:
+def _watch_health(url: str, out: dict, back: bool) -> None:
+    """``out["down"]``, then (``back``) ``out["up"]``: when ``/health`` stopped answering 200, and
+    answered 200 again (monotonic)."""
+    if _wait(lambda: health_status(url) != 200, 120) is None:
+        return
+    out["down"] = time.monotonic()
+    if back and _wait(lambda: health_status(url) == 200, BACK_S) is not None:
+        out["up"] = time.monotonic()
+
+
+def _one_fault(run: Run, srv: _Server, fault_dir: str, k: int, reference: dict) -> dict:
     kind, rank = run.faults[k]
     expected = run.expected(k)
+    back = expected in ("held", "back")
     case = {"run": run.name, "launch": run.launch, "port": run.port, "layout": run.layout, "fault": kind,
-            "rank": rank, "expected": expected, "answer_within_s": _answer_bound(run, kind)}
-    thread, answer = _in_flight(srv)
+            "rank": rank, "expected": expected, "answer_within_s": _answer_bound(run, kind, expected)}
+    before = resubmitted(srv.url) if expected == "held" else None
+    clients = _in_flight(srv, expected)
     t0 = time.monotonic()
     pid = _fault(srv, fault_dir, kind, rank)
     health: dict = {}
-    poller = threading.Thread(target=lambda: health.update(s=_wait(lambda: health_status(srv.url) != 200, 120)),
-                              daemon=True)
+    poller = threading.Thread(target=_watch_health, args=(srv.url, health, back), daemon=True)
     poller.start()
-    thread.join(120)
-    poller.join(120)
-    case["health_not_ok_s"] = None if health.get("s") is None else round(health["s"], 2)
-    case["answered_s"] = round(answer["at"] - t0, 2) if "at" in answer else None
-    case["status"], case["message"] = answer.get("status"), answer.get("message", "")[:300]
+    for client in clients:
+        client.join(BACK_S + 120)
+    poller.join(BACK_S + 120)
+    answers = [client.answer for client in clients]
+    case["health_not_ok_s"] = round(health["down"] - t0, 2) if "down" in health else None
+    case["answered_s"] = round(max(a["at"] for a in answers) - t0, 2) if all("at" in a for a in answers) else None
+    case["status"], case["message"] = answers[0].get("status"), answers[0].get("message", "")[:300]
+    got = ", ".join(f"{a.get('status')} {a.get('outcome')}" for a in answers)
     problems = []
-    if case["status"] != 503 or not case["message"]:
-        problems.append(f"the request in flight got {case['status']} {answer.get('outcome')}, not a clean 503")
-    elif case["answered_s"] > case["answer_within_s"]:
+    if expected == "held":
+        case["in_flight_same_tokens"] = [a.get("tokens") == r for a, r in zip(answers, reference["held"])]
+        case["resubmitted"] = (resubmitted(srv.url) or 0) - (before or 0)
+        if any(a.get("outcome") != "ok" for a in answers):
+            problems.append(f"the requests in flight got {got}, not 200")
+        elif not all(case["in_flight_same_tokens"]):
+            problems.append("the requests in flight were answered with other tokens than before the fault")
+        if case["resubmitted"] < len(answers):
+            problems.append(f"{case['resubmitted']} engine requests resubmitted, not {len(answers)}")
+    elif expected == "back" and not (case["status"] == 200 and answers[0].get("outcome") == "error"
+                                     and case["message"]):
+        problems.append(f"the started stream got {got}, not an error event")
+    elif expected != "back" and (case["status"] != 503 or not case["message"]):
+        problems.append(f"the request in flight got {got}, not a clean 503")
+    if not problems and case["answered_s"] > case["answer_within_s"]:
         problems.append(f"answered after {case['answered_s']} s > {case['answer_within_s']} s")
-    elif kind == "sigstop" and not any(m.format(pid=pid) in case["message"] for m in STOPPED[run.launch, rank]):
-        problems.append(f"the 503 does not name the stopped rank: {case['message']!r}")
-    if case["health_not_ok_s"] is None or case["health_not_ok_s"] > case["answer_within_s"]:
+    # a stopped rank is named in the error the client got, or, for a held request, in the front end's log
+    said = srv.log() if expected == "held" else case["message"]
+    if not problems and kind == "sigstop" and not any(m.format(pid=pid) in said for m in STOPPED[run.launch, rank]):
+        problems.append(f"the stopped rank is not named: {said[-300:]!r}")
+    if case["health_not_ok_s"] is None or case["health_not_ok_s"] > _answer_bound(run, kind, "error"):
         problems.append(f"/health still 200 {case['health_not_ok_s']} s after the fault")
-    if expected == "back":
+    if back:
         case["back_within_s"] = BACK_S
-        back = _wait(lambda: health_status(srv.url) == 200, BACK_S)
-        case["back_s"] = None if back is None else round(time.monotonic() - t0, 2)
-        tokens = _greedy(srv.url) if back is not None else None
-        case["same_tokens"] = tokens == reference
-        if back is None:
+        case["back_s"] = round(health["up"] - t0, 2) if "up" in health else None
+        tokens = _greedy(srv.url) if case["back_s"] is not None else None
+        case["same_tokens"] = tokens == reference["greedy"]
+        if case["back_s"] is None:
             problems.append(f"not answering again within {BACK_S:g} s")
         elif not case["same_tokens"]:
-            problems.append(f"greedy tokens {tokens} differ from {reference}")
+            problems.append(f"greedy tokens {tokens} differ from {reference['greedy']}")
     else:
         grace = TORCHRUN_GRACE_S if kind == "sigstop" and run.launch == "torchrun" else 0.0
         case["exit_within_s"] = EXIT_S + grace
@@ -293,10 +366,11 @@ def _drain(run: Run, srv: _Server) -> dict:
     """SIGTERM the front end while a request is in flight."""
     case = {"run": run.name, "launch": run.launch, "port": run.port, "layout": run.layout, "fault": "SIGTERM",
             "rank": None, "expected": "drained", "exit_within_s": EXIT_S}
-    thread, answer = _in_flight(srv, prompts=4, max_tokens=16)  # done well within --shutdown-timeout
+    client, = _in_flight(srv, "drained", prompts=4, max_tokens=16)  # done well within --shutdown-timeout
+    answer = client.answer
     t0 = time.monotonic()
     os.kill(srv.proc.pid, signal.SIGTERM)
-    thread.join(120)
+    client.join(120)
     gone = _wait(lambda: srv.proc.poll() is not None, EXIT_S)
     case.update(status=answer.get("status"), exit_code=srv.proc.returncode,
                 exit_s=None if gone is None else round(time.monotonic() - t0, 2))
@@ -327,14 +401,19 @@ def run_one(run: Run, ckpts: dict, out: str, print_line=print) -> dict:
                           "fault": "hang at start", "rank": run.hang_at_start, "expected": "started",
                           "back_within_s": STARTUP_S + BACK_S, "up_s": round(time.monotonic() - t0, 2),
                           "ok": named, "problems": [] if named else ["the log does not name the start-up stall"]})
-        reference = _greedy(srv.url)
-        if reference is None:
+        reference = {"greedy": _greedy(srv.url)}
+        if reference["greedy"] is None:
             raise RuntimeError(f"{run.name}: the server does not answer; see {srv.log_path}")
+        if run.held:  # what the requests held across a restart must be answered with
+            answers = _answers(srv, "held")
+            if any(a["outcome"] != "ok" for a in answers):
+                raise RuntimeError(f"{run.name}: the server does not answer; see {srv.log_path}")
+            reference["held"] = [a["tokens"] for a in answers]
         for k in range(len(run.faults)):
             case = _one_fault(run, srv, fault_dir, k, reference)
             cases.append(case)
             print_line(_line(case))
-            if not case["ok"] or case["expected"] != "back":
+            if not case["ok"] or case["expected"] not in ("held", "back"):
                 break
         else:
             if run.launch == "front end" and run.end == "drain":

@@ -19,10 +19,12 @@ Per fault: **detected**, the seconds from the fault to ``/health`` not 200; **ba
 its JSON error, or a stream's error event and then ``[DONE]``), a **hang** (no byte for
 ``--client-timeout`` s, far above every bound), **broken** (the connection cut without an answer).
 Overall: the requests served against the baseline's, and every served request's tokens against the
-baseline's (greedy: equal, or the run fails). Prints a table per fault kind and writes
-``OUT/serving_chaos.json`` (schema ``serving_chaos/1``; its ``requests`` are the raw per-request
-records, which ``python -m tools.figure_summary`` leaves out of a committed copy). Exit 0 when every
-fault was detected and the server came back, no client hung or was cut off, no request failed
+baseline's (greedy: equal, or the run fails); the engine requests the front end held across a
+restart and sent again (``resubmitted``, from its ``/metrics``: requests in flight at a fault that
+had sent their client nothing yet; those that arrived during an outage wait the same way). Prints a
+table per fault kind and writes ``OUT/serving_chaos.json`` (schema ``serving_chaos/1``; its
+``requests`` are the raw per-request records, which ``python -m tools.figure_summary`` leaves out of
+a committed copy). Exit 0 when every fault was detected and the server came back, no client hung or was cut off, no request failed
 before the first fault, and no served token differs.
 """
 
@@ -50,7 +52,7 @@ from megatron.common.files import write_json
 from tools.faults import inject
 from tools.faults.launch import REPO, rank_pid, read
 
-__all__ = ["KINDS", "ChaosConfig", "build_requests", "complete", "serving_chaos", "summarize"]
+__all__ = ["KINDS", "ChaosConfig", "build_requests", "complete", "resubmitted", "serving_chaos", "summarize"]
 
 EXTERNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 KINDS = ("sigkill", "sigstop", "segfault", "error")
@@ -92,11 +94,13 @@ def build_requests(cfg: ChaosConfig, tokenize, context: int) -> list:
              "stream": rng.random() < cfg.stream_fraction} for i, (t, r) in enumerate(zip(arrivals, reqs))]
 
 
-def complete(url: str, req: dict, timeout: float) -> dict:
-    """Send one request, classify its answer (``OUTCOMES``): ``{i, sent, done, status, outcome,
-    tokens, message}``, times in epoch seconds."""
+def complete(url: str, req: dict, timeout: float, started: Optional[threading.Event] = None) -> dict:
+    """Send one request (greedy unless ``req["sampling"]`` gives other fields), classify its answer
+    (``OUTCOMES``): ``{i, sent, done, status, outcome, tokens, message}``, times in epoch seconds.
+    ``started`` is set once a stream's first event has arrived."""
     body = json.dumps({"prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
-                       "ignore_eos": True, "return_token_ids": True, "stream": req["stream"]})
+                       "ignore_eos": True, "return_token_ids": True, "stream": req["stream"],
+                       **req.get("sampling", {})})
     out = {"i": req["i"], "stream": req["stream"], "sent": time.time(), "done": None, "status": None,
            "outcome": "broken", "tokens": None, "message": ""}
     parts = urllib.parse.urlsplit(url)
@@ -122,6 +126,8 @@ def complete(url: str, req: dict, timeout: float) -> dict:
                     out["tokens"] = tokens
                     break
                 chunk = json.loads(payload)
+                if started is not None:
+                    started.set()
                 if "error" in chunk:
                     out["message"] = chunk["error"]["message"]
                 for choice in chunk.get("choices") or []:
@@ -320,6 +326,18 @@ def summarize(baseline: list, chaos: list, faults: list) -> dict:
     }
 
 
+def resubmitted(url: str) -> Optional[int]:
+    """``moe_serve_requests_resubmitted_total`` of the server's ``/metrics`` (None: no answer)."""
+    from megatron.inference.metrics import parse_metrics
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            value = parse_metrics(resp.read().decode()).get("moe_serve_requests_resubmitted_total")
+    except OSError:
+        return None
+    return None if value is None else int(value)
+
+
 def _run(cfg: ChaosConfig, name: str, requests_for, *, with_faults: bool) -> dict:
     fault_dir = os.path.join(cfg.out, f"{name}.faults")
     os.makedirs(fault_dir, exist_ok=True)
@@ -339,13 +357,14 @@ def _run(cfg: ChaosConfig, name: str, requests_for, *, with_faults: bool) -> dic
             faults = _inject_faults(cfg, server, health, fault_dir, start + cfg.minutes * 60)
         load.join()
         wall_s = time.time() - start
+        resent = resubmitted(server.url)
     finally:
         try:
             health.stop()
         finally:
             code = server.stop()
     _fault_times(read(server.log), faults)
-    return {"requests": results["r"], "faults": faults, "wall_s": wall_s, "exit_code": code,
+    return {"requests": results["r"], "faults": faults, "wall_s": wall_s, "exit_code": code, "resubmitted": resent,
             "load_average": {"before": load_before, "after": os.getloadavg()}, "info": server.info}
 
 
@@ -371,6 +390,7 @@ def serving_chaos(cfg: ChaosConfig) -> int:
     print(f"serving-chaos: chaos run, {cfg.faults} faults of {', '.join(cfg.kinds)}", flush=True)
     chaos = _run(cfg, "chaos", requests_for, with_faults=True)
     summary = summarize(baseline["requests"], chaos["requests"], chaos["faults"])
+    summary["resubmitted"] = chaos["resubmitted"]
     result = {
         "schema": "serving_chaos/1",
         "command": " ".join(["python -m tools.faults"] + sys.argv[1:]),
@@ -413,4 +433,4 @@ def _print(summary: dict, faults: list) -> None:
           f"fault-free run's {summary['baseline_served']}); hangs {summary['outcomes']['hang']}, broken "
           f"{summary['outcomes']['broken']}; tokens differ in {summary['tokens_differ']} of "
           f"{summary['tokens_compared']} served requests; faults undetected {summary['faults_undetected']}, "
-          f"not back {summary['faults_not_back']}")
+          f"not back {summary['faults_not_back']}; resubmitted after a restart {summary.get('resubmitted')}")
