@@ -28,12 +28,18 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m megatron.training.pretrain_gpt \
 		--config examples/tiny_moe_cpu.yaml --save runs/tiny_moe_cpu --load runs/tiny_moe_cpu --save-interval 100
 
+# everything: the unit tier on two pytest workers (in-process tests, mostly one busy core each), then
+# the multi-process end-to-end runs one at a time (they keep both cores busy, and their fault tests
+# wait on deadlines); both run, and the exit status is the first failure's
 test: install
-	$(PY) -m pytest -q
+	@status=0; \
+	$(PY) -m pytest -q -n 2 -m "not slow" || status=$$?; \
+	$(PY) -m pytest -q -m slow --durations=30 || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
+	exit $$status
 
 # the unit tier: everything but the multi-process end-to-end runs (marked slow); < 5 min on 2 cores
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # the site: mkdocs (the `docs` extra, installed on first use) builds docs/ into site/; --strict makes
 # a link to a missing page or anchor an error (not with -q: mkdocs 1.6 then counts no warnings)

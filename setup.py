@@ -14,7 +14,7 @@ EXTRAS = {
     # the [api] extra: lm-eval's local-completions model, which scores through the server
     "eval": ["lm-eval[api]>=0.4.9,<0.5"],
     "data": ["datasets", "tokenizers>=0.15"],
-    "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib",
+    "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "transformers>=4.46,<5", "safetensors", "scipy", "matplotlib",
             "openai==3.51.0", "hypothesis>=6.100,<7"],
     # megatron.inference.serve: hypercorn serves the HTTP API; einops is megatron-core's optional
     # dependency for its dynamic-batching attention; jinja2 renders tokenizer chat templates.

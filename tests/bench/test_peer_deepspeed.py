@@ -72,6 +72,7 @@ def _both_layers(rank, world, topk, shared=None):
     return results, int(counts.max()), ours_bytes, (ds.routed_rows, ds.buffer_rows), cfg.hidden_size, cfg.num_experts
 
 
+@pytest.mark.slow  # processes that import deepspeed (about 70 s the first time)
 @pytest.mark.parametrize("topk, shared", [(2, None), (3, None), (2, 32)])
 def test_deepspeed_layer_computes_our_function_at_ep2(topk, shared):
     """top-2 (DeepSpeed's top2gating) and top-3 (its general topkgating), and top-2 with our shared

@@ -92,7 +92,7 @@ def test_student_rows_record_their_wiring(teacher_ckpt, tmp_path):
     """A student row carries the FarSkip wiring its checkpoint was trained with
     (``farskip_connectivity``), so reports of both wirings side by side say which row is which:
     a 1-step ``last:1`` student trained with ``paper-text`` and one with the default."""
-    from megatron.training.tokenizer import DEFAULT_CORPUS
+    from megatron.components.tokenizer import DEFAULT_CORPUS
     from tests.distill.conftest import fcsd_args
     from tests.helpers import torchrun
 

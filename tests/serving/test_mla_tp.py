@@ -70,8 +70,10 @@ LAYOUTS = {
 }
 
 
-CASES = [(m, layout) for m in ("standard", "mla") for layout in sorted(LAYOUTS)] + [
-    (m, layout) for m in ("bigmac", "farskip") for layout in ("tp2", "tp2ep2")] + [("farskip", "ep2")]
+# every layout with MLA; each other model at one layout, each layout at least twice (the variants'
+# other layouts on MLA: test_farskip_preset_on_the_mla_model, test_bigmac_with_mla_...)
+CASES = [("mla", layout) for layout in sorted(LAYOUTS)] + [
+    ("standard", "ep2"), ("standard", "tp2ep2"), ("bigmac", "tp2"), ("farskip", "tp2ep2")]
 
 
 @pytest.mark.parametrize("model,layout", CASES)
@@ -166,8 +168,7 @@ def _served_tokens(ckpt, tmp_path, prompts, extra, nproc):
         srv.stop()
 
 
-@pytest.mark.parametrize("layout,preset", [("one", "farskip"), ("ep2", "farskip"), ("tp2", "farskip"),
-                                           ("tp2ep2", "farskip"), ("tp2ep2", "farskip-async-tp")])
+@pytest.mark.parametrize("layout,preset", [("one", "farskip"), ("tp2ep2", "farskip"), ("tp2ep2", "farskip-async-tp")])
 def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
     """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
     overlapped inference schedule around MLA's latent-cache attention; ``farskip-async-tp``: with
@@ -199,7 +200,7 @@ def test_farskip_split_attention_serves_the_forward_tokens(model, layout, serve_
     assert _served_tokens(ckpt, tmp_path, prompts, [*extra, "--variant", "farskip-split"], nproc) == reference
 
 
-@pytest.mark.parametrize("preset", [None, "farskip-simple", "farskip-async-tp", "farskip-split-async-tp"])
+@pytest.mark.parametrize("preset", [None, "farskip-split-async-tp"])  # the async-TP path with and without the split
 def test_replicated_experts_serve_the_forward_tokens(preset, mla_ckpt, tmp_path):
     """``--expert-comm allreduce`` (vLLM's layout, paper §4.2) at TP = EP = 2 on 2 processes: every
     rank holds every token and one all-reduce sums the local experts; with ``farskip-async-tp`` it
@@ -248,7 +249,7 @@ def bigmac_mla_ckpt(tmp_path_factory):
     return ckpt
 
 
-@pytest.mark.parametrize("layout", ["engine", "ep2", "tp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["engine", "tp2ep2"])
 def test_bigmac_with_mla_equals_the_forward_without_cache(layout, bigmac_mla_ckpt, tmp_path):
     """BigMac's low-dimension all-to-all on an MLA model (a checkpoint of its own: BigMac changes
     parameters), through the engine's latent cache in process and served, equals the forward
@@ -273,8 +274,11 @@ def test_tp_with_routing_stats_is_refused_in_one_line(serve_ckpts, tmp_path):
                                                  "--tensor-model-parallel-size", "2", "--routing-stats"])
     assert proc.returncode != 0
     # torchrun's closing summary quotes the line too ("traceback : megatron.inference.serve: error: ...")
+    # rank 0 says it in one line; rank 1, when it says it before torchrun stops it (a loaded machine),
+    # in a line of its own naming itself
     lines = [line for line in proc.stderr.splitlines() if line.startswith("megatron.inference.serve: error:")]
-    assert len(lines) == 1 and "--routing-stats" in lines[0], proc.stderr[-2000:]
+    first = [line for line in lines if not line.startswith("megatron.inference.serve: error: rank 1: ")]
+    assert len(first) == 1 and all("--routing-stats" in line for line in lines), proc.stderr[-2000:]
 
 
 def _place_mla(rank, world, ckpt, root):
