@@ -14,7 +14,10 @@ the test harness do). It is idempotent. Two kinds of adaptation exist:
   ``_fix_distributed_optimizer_step`` keeps the state's own ``step`` and gives each its own tensor.
 - **CPU execution**, active only when CUDA is unavailable: ``cpu_device.install()`` redirects the
   CUDA allocations, streams and type-string checks of megatron-core's DDP, optimizers, schedules
-  and tensor-parallel mappings to the CPU (sites in ``sites.py``).
+  and tensor-parallel mappings to the CPU (sites in ``sites.py``). Importing this package also
+  installs an import hook that turns megatron-core's ``jit_fuser`` off (its own
+  ``disable_jit_fuser``) where compiled functions would run eagerly anyway, so that importing
+  megatron-core does not import dynamo and inductor (about 2 s per process).
 
 Everything on the MoE hot path that needs CPU care (router gating device moves, asynchronous
 all-to-alls) is handled by our own subclasses in ``moe_variants/common`` rather than by patches,
@@ -28,8 +31,11 @@ outside this package touches megatron-core's private names (``tests/architecture
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -57,7 +63,7 @@ _QUIET = [
 def quiet_warnings() -> None:
     """Silence the upstream notices above (idempotent). Importing this package calls it, so a
     module that imports ``megatron.compat`` before ``megatron.core`` never shows them; it only
-    installs warning filters (no patching happens on import)."""
+    installs warning filters."""
     import warnings
 
     for pattern in _QUIET:
@@ -65,6 +71,43 @@ def quiet_warnings() -> None:
 
 
 quiet_warnings()
+
+
+def _eager_on_cpu() -> bool:
+    """Whether compiled functions would run eagerly here: no CUDA (``apply`` then disables dynamo,
+    as eager is what CPU runs want) or dynamo disabled by the user."""
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+        return True
+    if torch.cuda.is_available():
+        return False
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    return os.environ["TORCHDYNAMO_DISABLE"] == "1"
+
+
+class _JitFuserOff(importlib.abc.MetaPathFinder):
+    """Calls megatron-core's own ``disable_jit_fuser()`` as soon as ``megatron/core/jit.py`` has run,
+    before any fusion module decorates with ``jit_fuser`` (= ``torch.compile``). Each such decoration
+    imports dynamo and inductor: about 2 of the 3 s that importing megatron-core takes, paid by every
+    process, for functions that run eagerly where dynamo is disabled. Active only there."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "megatron.core.jit" or not _eager_on_cpu():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_disable(module):
+            exec_module(module)
+            module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_then_disable
+        return spec
+
+
+if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _JitFuserOff) for f in sys.meta_path):
+    sys.meta_path.insert(0, _JitFuserOff())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +186,14 @@ def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
         )
     # jit_fuser = torch.compile (megatron/core/jit.py) adds seconds of compile time per shape on
     # CPU and interacts badly with the device mode; eager is what CPU runs want.
+    # The environment variable covers every later torch.compile (and child processes); a function
+    # compiled before it was set is covered by dynamo's config, if dynamo was imported at all.
     cpu = not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        import torch._dynamo as dynamo
-
-        dynamo.config.disable = True
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.config.disable = True
     te_fixed = _fix_te_general_gemm()
     _fix_distributed_optimizer_step()
     if cpu:

@@ -125,6 +125,15 @@ CPU_DEVICE_SITES = [
 
 # te_general_gemm: imported only inside the `try: import transformer_engine` block, but used
 # unconditionally by router_gating_linear, so every run without TE (CPU or GPU) hits a NameError.
+# The import hook in __init__.py: jit.py sets jit_fuser = torch.compile when it runs, fusion modules
+# then decorate with it at their import, and its own disable_jit_fuser() makes it a no-op.
+JIT_FUSER_SITES = [
+    Site("jit.py", "enable_jit_fuser", "jit_fuser = torch.compile"),
+    Site("jit.py", "disable_jit_fuser", "jit_fuser = noop_decorator"),
+    Site("jit.py", MODULE, "enable_jit_fuser()"),
+    Site("fusions/fused_bias_geglu.py", MODULE, "from megatron.core.jit import jit_fuser"),
+]
+
 TE_GENERAL_GEMM_SITES = [
     Site("transformer/moe/moe_utils.py", MODULE, "te_general_gemm,"),
     Site("transformer/moe/moe_utils.py", "RouterGatingLinearFunction.forward", "if te_general_gemm is not None"),
