@@ -37,9 +37,6 @@ import importlib.util
 import os
 import sys
 
-import torch
-
-from megatron.compat import cpu_device
 from megatron.compat.sites import CHECKED_VERSION
 
 __all__ = ["apply", "quiet_warnings", "AppliedCompat", "megatron_core_version", "CHECKED_VERSION"]
@@ -76,6 +73,8 @@ quiet_warnings()
 def _eager_on_cpu() -> bool:
     """Whether compiled functions would run eagerly here: no CUDA (``apply`` then disables dynamo,
     as eager is what CPU runs want) or dynamo disabled by the user."""
+    import torch
+
     if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
         return True
     if torch.cuda.is_available():
@@ -144,6 +143,7 @@ def _fix_distributed_optimizer_step() -> bool:
     raising ``KeyError``; and after ``load_state_dict`` every parameter's ``step`` is a tensor of its
     own (upstream assigns one tensor to all, and Adam's in-place ``step += 1`` then counts it once
     per parameter)."""
+    import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -177,6 +177,10 @@ def apply(*, allow_version_mismatch: bool = False) -> AppliedCompat:
     global _applied
     if _applied is not None:
         return _applied
+    import torch
+
+    from megatron.compat import cpu_device
+
     quiet_warnings()
     version = megatron_core_version()
     if version != CHECKED_VERSION and not allow_version_mismatch:
