@@ -78,7 +78,7 @@ def summarize(samples: list) -> dict:
         if values:
             med = statistics.median(values)
             out[key] = {"median": med, "min": min(values), "max": max(values), "n": len(values),
-                        "spread": (max(values) - min(values)) / med if med else 0.0}
+                        "spread": (max(values) - min(values)) / med if med else None}
     return out
 
 
@@ -122,8 +122,9 @@ def main(argv=None) -> int:
         print(f"{'workload':<15} {'median':>10} {'min':>10} {'max':>10} {'spread':>8}")
         for key, s in result["summary"].items():
             scale, unit = (100, "%") if key == "steal_fraction" else (1e3, "ms")
+            spread = "-" if s["spread"] is None else f"{s['spread']:.1%}"  # none around a median of 0
             print(f"{key:<15} " + " ".join(f"{s[k] * scale:>8.2f}{unit:>2}" for k in ("median", "min", "max"))
-                  + f" {s['spread']:>8.1%}")
+                  + f" {spread:>8}")
         write_json(args.out, result)
         print(f"wrote {args.out}")
         return 0
