@@ -123,8 +123,6 @@ CPU_DEVICE_SITES = [
     Site("transformer/moe/token_dispatcher.py", "MoEAlltoAllTokenDispatcher.__init__", "torch.cuda.Stream()"),
 ]
 
-# te_general_gemm: imported only inside the `try: import transformer_engine` block, but used
-# unconditionally by router_gating_linear, so every run without TE (CPU or GPU) hits a NameError.
 # The import hook in __init__.py: jit.py sets jit_fuser = torch.compile when it runs, fusion modules
 # then decorate with it at their import, and its own disable_jit_fuser() makes it a no-op.
 JIT_FUSER_SITES = [
@@ -134,6 +132,8 @@ JIT_FUSER_SITES = [
     Site("fusions/fused_bias_geglu.py", MODULE, "from megatron.core.jit import jit_fuser"),
 ]
 
+# te_general_gemm: imported only inside the `try: import transformer_engine` block, but used
+# unconditionally by router_gating_linear, so every run without TE (CPU or GPU) hits a NameError.
 TE_GENERAL_GEMM_SITES = [
     Site("transformer/moe/moe_utils.py", MODULE, "te_general_gemm,"),
     Site("transformer/moe/moe_utils.py", "RouterGatingLinearFunction.forward", "if te_general_gemm is not None"),
