@@ -122,15 +122,19 @@ def run_cli(
     prog: str,
     body: Callable[[], Optional[int]],
     *,
-    user_errors: tuple = (UserError,),
+    user_errors: tuple | Callable[[], tuple] = (UserError,),
     cleanup: Optional[Callable[[], None]] = None,
 ) -> int:
-    """Run a command's body and map its outcome to an exit code (0, argparse's code, or 2)."""
+    """Run a command's body and map its outcome to an exit code (0, argparse's code, or 2).
+    ``user_errors``: the exception types reported as one line, or a function giving them when one
+    is raised (so that a command need not import a module only to name its error class)."""
     try:
         return int(body() or 0)
     except SystemExit as e:  # argparse: --help (0) or a bad command line (2), already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except user_errors as e:
+    except Exception as e:
+        if not isinstance(e, user_errors() if callable(user_errors) else user_errors):
+            raise
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0:
             _wait_for_rank0()
@@ -233,7 +237,7 @@ class Subcommands:
             cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
         return parser
 
-    def main(self, argv: list, *, user_errors: tuple = (UserError,),
+    def main(self, argv: list, *, user_errors: tuple | Callable[[], tuple] = (UserError,),
              prepare: Optional[Callable[[argparse.Namespace], None]] = None) -> int:
         def body():
             args = self.parser().parse_args(argv)

@@ -98,3 +98,39 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 def test_commands_are_registered():
     assert {"solve", "evaluate", "compare", "export-costs", "synth", "split"} <= set(COMMANDS.commands)
+
+
+def test_table_commands_start_without_torch(tmp_path):
+    """synth, split, solve and export-costs are numpy and scipy: a fresh interpreter runs them
+    without importing torch (about 2 s less per command); a model command's corrupt checkpoint is
+    still a one-line error (its class is looked up once the checkpoint code is imported)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from tools.semmoe.cli import main
+G = {str(tmp_path)!r}
+assert main(["synth", "--out", G + "/all.npz", "--num-requests", "40", "--seed", "0"]) == 0
+assert main(["split", "--profile", G + "/all.npz", "--fraction", "0.25", "--out", G + "/p.npz", "--heldout", G + "/h.npz"]) == 0
+assert main(["solve", "--profile", G + "/p.npz", "--ep", "2", "--method", "semmoe", "--out", G + "/t"]) == 0
+print("torch" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "False"
+
+
+def test_a_corrupt_checkpoint_in_a_model_command_is_one_line(tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    from megatron.components.checkpointing import CheckpointError
+
+    def corrupt(args):
+        raise CheckpointError("--load x: iter_0000004 is corrupt (a shard's sha256 differs)")
+
+    monkeypatch.setitem(COMMANDS.commands, "profile", dataclasses.replace(COMMANDS.commands["profile"], run=corrupt))
+    rc = main(["profile", "--load", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o.npz")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "python -m tools.semmoe: error: --load x: iter_0000004 is corrupt (a shard's sha256 differs)\n"

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.components.checkpointing import CheckpointError
 from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import write_json
 
@@ -339,6 +338,13 @@ def _split(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------- main
 
 
+def _user_errors() -> tuple:
+    """UserError, and a corrupt or incomplete checkpoint's error once a model command has imported
+    the checkpoint code (no other command can raise it: the table commands start without torch)."""
+    checkpointing = sys.modules.get("megatron.components.checkpointing")
+    return (UserError,) if checkpointing is None else (UserError, checkpointing.CheckpointError)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         from .runtime import rank_argv
@@ -349,5 +355,4 @@ def main(argv: list[str] | None = None) -> int:
     def keep_argv(args):
         args.argv = argv  # commands that start torchrun re-run themselves with the same arguments
 
-    # a corrupt or incomplete checkpoint is a user error too
-    return COMMANDS.main(argv, user_errors=(UserError, CheckpointError), prepare=keep_argv)
+    return COMMANDS.main(argv, user_errors=_user_errors, prepare=keep_argv)

@@ -22,7 +22,6 @@ from megatron.common.cli import UserError, positive_int, user_input
 from megatron.common.files import atomic_write
 
 from .commands import command
-from megatron.common import collectives
 
 __all__: list[str] = []
 
@@ -95,6 +94,8 @@ def _check_run_inputs(args: argparse.Namespace, nproc: int):
 def _finish_rank() -> None:
     import torch.distributed as dist
 
+    from megatron.common import collectives
+
     if dist.is_initialized():
         collectives.barrier()
         dist.destroy_process_group()
@@ -119,6 +120,8 @@ def _profile(args: argparse.Namespace) -> int:
     from .model_run import profile_rank
     from moe_variants.semmoe.profile import save_profile
     from megatron.components.parallel import single_process_group
+
+    from megatron.common import collectives
 
     from .runtime import in_torchrun, run_under_torchrun
 
@@ -202,6 +205,8 @@ def _lar(args: argparse.Namespace) -> int:
     from moe_variants.semmoe.placement import check_tables_match_checkpoint
     from .model_run import lar_rank
     from megatron.components.parallel import single_process_group
+
+    from megatron.common import collectives
 
     from .runtime import in_torchrun, run_under_torchrun
     from moe_variants.semmoe.tables import load_tables
