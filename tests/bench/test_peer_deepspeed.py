@@ -15,6 +15,8 @@ dispatch bytes per rank are ``(E - E/D) x C x H x 4`` exactly, and never fewer t
 the routed rows only.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -217,3 +219,20 @@ def test_bench_runs_deepspeed_moe_beside_standard_and_reports_its_padding(tmp_pa
         for sent, buffer_rows in zip(r_ds["a2a_bytes_dispatch"], r_ds["extra"]["buffer_rows"]):
             assert sent == buffer_rows // 2 * hidden * 4
     assert layers == data["config"]["overrides"]["num_layers"]
+
+
+def test_deepspeed_builds_its_ops_with_the_environments_ninja(tmp_path, monkeypatch):
+    """The environment's ninja goes first on PATH (once), so that processes started with and without
+    the environment's bin on PATH use one ninja and do not rebuild DeepSpeed's op in turn."""
+    from tools.bench.peers.deepspeed_moe import use_the_environments_ninja
+
+    bindir = tmp_path / "env" / "bin"
+    bindir.mkdir(parents=True)
+    monkeypatch.setattr("sys.executable", str(bindir / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    use_the_environments_ninja()
+    assert os.environ["PATH"] == "/usr/bin:/bin"  # no ninja in the environment: PATH as it was
+    (bindir / "ninja").write_text("")
+    use_the_environments_ninja()
+    use_the_environments_ninja()
+    assert os.environ["PATH"] == f"{bindir}:/usr/bin:/bin"

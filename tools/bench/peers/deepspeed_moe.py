@@ -52,6 +52,7 @@ Shape legend: ``T`` tokens (sequence x micro-batch), ``H`` hidden, ``E`` experts
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 __all__ = [
@@ -246,8 +247,22 @@ def __getattr__(name):  # the lazily defined classes, as module attributes
     raise AttributeError(name)
 
 
+def use_the_environments_ninja() -> None:
+    """Put this Python environment's ``ninja`` (installed with DeepSpeed) first on PATH when it has
+    one. DeepSpeed JIT-builds its ops (on CPU: ``shm_comm``) with whichever ``ninja`` PATH finds
+    first, and two ninja versions (this one and a system one) read each other's build logs as
+    changed commands: a process started with the environment's bin on PATH and one started without
+    it would rebuild the op (about a minute on 2 cores) each time they alternate."""
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(bindir, "ninja")) and path.split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + path if path else bindir
+
+
 def import_deepspeed():
-    """``import deepspeed`` with the CPU accelerator when there is no GPU (``DS_ACCELERATOR=cpu``)."""
+    """``import deepspeed`` with the CPU accelerator when there is no GPU (``DS_ACCELERATOR=cpu``),
+    building its ops with this environment's ninja."""
+    use_the_environments_ninja()
     torch = _torch()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
