@@ -185,7 +185,7 @@ def test_netns_run_searches_the_link_rate_and_leaves_no_namespace(serve_ckpts, t
     tuning = data["tuning"]
     assert tuning["probe_variant"] == "standard" and 1 <= len(tuning["probes"]) <= 2
     assert data["network"]["link"]["gbit"] == tuning["gbit"]
-    # a namespace of a live process may be another test's (the slow tier runs on two workers); one
+    # a namespace of a live process may be another test's (the slow tier runs on several workers); one
     # whose creator has exited is a leftover
     left = set(netns.list_project_namespaces()) - before
     assert not [n for n in left if not pid_alive(int(n.rsplit("-", 3)[1]))], left  # <prefix>-<pid>-<seq>-<role>
