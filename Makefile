@@ -28,16 +28,12 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m megatron.training.pretrain_gpt \
 		--config examples/tiny_moe_cpu.yaml --save runs/tiny_moe_cpu --load runs/tiny_moe_cpu --save-interval 100
 
-# everything: the unit tier on two pytest workers (in-process tests, mostly one busy core each), then
-# the multi-process end-to-end runs on three workers a whole file each (a file's module fixtures are
-# built once; each guide page is a unit of its own; tests/conftest.py starts the longest first): on 2
-# cores a third worker fills the time the others wait (rank start-up, fault deadlines), 1,457 s
-# against 1,603 s on two; both run, and the exit status is the first failure's
+# everything in one run on three pytest workers: whole files (a file's module fixtures are built once;
+# each guide page is a unit of its own), the longest end-to-end files first (tests/conftest.py), the
+# unit tier's short files after them, filling the time the end-to-end runs wait (rank start-up, fault
+# deadlines) and balancing the end; the 30 longest durations are listed
 test: install
-	@status=0; \
-	$(PY) -m pytest -q -n 2 -m "not slow" || status=$$?; \
-	$(PY) -m pytest -q -n 3 --dist loadfile -m slow --durations=30 || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
-	exit $$status
+	$(PY) -m pytest -q -n 3 --dist loadfile --durations=30
 
 # the unit tier: everything but the multi-process end-to-end runs (marked slow); < 5 min on 2 cores
 test-fast: install

@@ -1,4 +1,4 @@
-"""Test scheduling for the slow tier's workers (``make test``: ``pytest -n N --dist loadfile``).
+"""Test scheduling for ``make test`` (``pytest -n 3 --dist loadfile``: every test, three workers).
 
 pytest-xdist's ``loadfile`` hands out whole files, one as a worker frees up (a file's module
 fixtures are built once), ordered by how many tests each file has. Here the order is by measured
