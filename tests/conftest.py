@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 GUIDES = "tests/docs/test_guides.py::test_guide["
-LONGEST_FIRST = [  # work units, seconds on 2 cores with both workers busy: 401 .. 58
+LONGEST_FIRST = [  # work units by measured time (2 cores, two busy workers: 401 .. 58 s)
     "tests/serving/test_mla_tp.py",
     "tests/serving/test_serving_cases.py",
     "tests/semmoe/test_server_scheduling.py",
