@@ -97,3 +97,19 @@ def test_start_ranks_runs_a_subset_and_reports_a_signalled_rank(tmp_path):
     while (_alive(worker) or _alive(grandchild)) and time.monotonic() < deadline:
         time.sleep(0.05)  # the signal reached both; they may take a moment to exit on a loaded machine
     assert not _alive(worker) and not _alive(grandchild)
+
+
+def test_free_port_is_outside_the_kernels_ephemeral_range_and_bindable():
+    """A port from bind(0) is one the kernel hands to any other process's bind(0) or outgoing
+    connection too (a busy machine took one between free_port and the server's bind: EADDRINUSE);
+    below the ephemeral range only a process naming it can."""
+    import socket
+
+    from tools.bench.launcher import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < low, (port, low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,8 +44,32 @@ class LaunchTimeout(LaunchError):
     """The launch outlived its wall-clock limit; every rank was killed."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port 0 and outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (for the loopback fallback; namespaces need none)."""
+    """A TCP port free on loopback right now (for the loopback fallback; namespaces need none),
+    chosen below the kernel's ephemeral range: a port from ``bind(0)`` is one the kernel also hands
+    to every other process's ``bind(0)`` and outgoing connection (gloo opens many), so on a busy
+    machine another process could take it before our server binds it (EADDRINUSE). Below the range
+    only a process that names the port itself can."""
+    low = min(_ephemeral_range()[0], 32768)
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
