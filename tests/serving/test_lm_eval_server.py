@@ -2,7 +2,7 @@
 by item, on the shipped offline tasks: ``lm_eval --model local-completions`` with the server's remote
 tokenizer and ``max_length=512``, against a two-rank EP server, equals ``python -m
 megatron.training.evaluate_lm --max-length 510`` on one process, for ``local_arc_easy`` and
-``local_wikitext`` at ``--limit 20`` from the shared data directory, hub unreachable (the commands of
+``local_wikitext`` at ``--limit 10`` from the shared data directory, hub unreachable (the commands of
 docs/guides/serve.md).
 
 The checkpoint is pretrain_gpt's small MoE with a 512-token context, 40 steps on the embedded corpus
@@ -45,7 +45,7 @@ from tests.serving.conftest import REPO, Server, post  # noqa: E402
 pytestmark = [pytest.mark.slow, requires_shared_data]
 
 TASKS = "local_arc_easy,local_wikitext"
-LIMIT = 20  # documents per task: 80 ARC requests and 20 WikiText articles' windows
+LIMIT = 10  # documents per task: 40 ARC requests and 10 WikiText articles' windows
 SEQ_LENGTH = 512
 EPS_TOKEN = 1e-5  # nats per scored token (see the module docstring)
 PRETRAIN = [
