@@ -75,19 +75,45 @@ LAYOUTS = {
 CASES = [("mla", layout) for layout in sorted(LAYOUTS)] + [
     ("standard", "ep2"), ("standard", "tp2ep2"), ("bigmac", "tp2"), ("farskip", "tp2ep2")]
 
+# the references, each computed once in this file (a process each): {(kind, ckpt, prompts, preset): tokens}
+_REFERENCES: dict = {}
+
+
+def offline_reference(ckpt, prompts) -> list:
+    """evaluate_lm's greedy tokens by its recompute generation (the plain forward, no cache)."""
+    key = ("offline", ckpt, repr(prompts), None)
+    if key not in _REFERENCES:
+        reference, mode = offline_greedy(ckpt, prompts, MAX_NEW, generation="recompute")
+        assert mode == "recompute"
+        _REFERENCES[key] = [t for t, _ in reference]
+    return _REFERENCES[key]
+
+
+def forward_reference(ckpt, prompts, preset=None) -> list:
+    """``recompute_greedy_rank``'s tokens of the checkpoint with ``preset``'s connectivity overrides."""
+    from tools.spawn import run_distributed
+    from moe_variants import registry
+
+    key = ("forward", ckpt, repr(prompts), preset)
+    if key not in _REFERENCES:
+        overrides = registry.preset_overrides(preset) if preset else {}
+        _REFERENCES[key] = run_distributed(recompute_greedy_rank, 1, ckpt, prompts, MAX_NEW, overrides,
+                                           timeout_s=300)[0]
+    return _REFERENCES[key]
+
 
 @pytest.mark.parametrize("model,layout", CASES)
 def test_served_layouts_equal_tp1_ep1(model, layout, serve_ckpts, mla_ckpt, tmp_path):
     ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
     prompts = _prompts(ckpt)[:4]
-    reference, _ = offline_greedy(ckpt, prompts, MAX_NEW, generation="recompute")
+    reference = offline_reference(ckpt, prompts)
     nproc, extra = LAYOUTS[layout]
     srv = Server(ckpt, tmp_path, nproc=nproc, extra=extra)
     try:
         got = served_greedy(srv.url, prompts, MAX_NEW)
     finally:
         srv.stop()
-    assert got == [t for t, _ in reference]
+    assert got == reference
 
 
 def served_greedy(url: str, prompts: list, max_new: int) -> list:
@@ -168,18 +194,15 @@ def _served_tokens(ckpt, tmp_path, prompts, extra, nproc):
         srv.stop()
 
 
-@pytest.mark.parametrize("layout,preset", [("one", "farskip"), ("tp2ep2", "farskip"), ("tp2ep2", "farskip-async-tp")])
+@pytest.mark.parametrize("layout,preset", [("one", "farskip"), ("tp2ep2", "farskip-async-tp")])
 def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
     """FarSkip's connectivity on the DeepSeek-V2-shaped model (``--variant farskip``: its
     overlapped inference schedule around MLA's latent-cache attention; ``farskip-async-tp``: with
     the attention's TP reduction in flight behind the MoE, paper §4.2) equals that model's forward
-    without a cache (the async reduction changes when the sum is taken, not what it is)."""
-    from tools.spawn import run_distributed
-    from moe_variants import registry
-
+    without a cache (the async reduction changes when the sum is taken, not what it is; the
+    synchronous schedule at TP 2 x EP 2 on the GQA model: test_served_layouts_equal_tp1_ep1[farskip-tp2ep2])."""
     prompts = _prompts(mla_ckpt)[:3]
-    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW,
-                                registry.preset_overrides("farskip"), timeout_s=300)[0]
+    reference = forward_reference(mla_ckpt, prompts, "farskip")
     nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
     assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", preset], nproc) == reference
 
@@ -189,13 +212,9 @@ def test_farskip_split_attention_serves_the_forward_tokens(model, layout, serve_
     """``--variant farskip-split``: at inference attention is split at its input projections (run
     behind the previous combine) and the rest, over the KV cache (behind the dispatch). Self-
     attention and MLA (latent cache, absorbed decoding) give the forward's tokens without a cache."""
-    from tools.spawn import run_distributed
-    from moe_variants import registry
-
     ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
     prompts = _prompts(ckpt)[:3]
-    reference = run_distributed(recompute_greedy_rank, 1, ckpt, prompts, MAX_NEW,
-                                registry.preset_overrides("farskip"), timeout_s=300)[0]
+    reference = forward_reference(ckpt, prompts, "farskip")
     nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
     assert _served_tokens(ckpt, tmp_path, prompts, [*extra, "--variant", "farskip-split"], nproc) == reference
 
@@ -206,12 +225,8 @@ def test_replicated_experts_serve_the_forward_tokens(preset, mla_ckpt, tmp_path)
     rank holds every token and one all-reduce sums the local experts; with ``farskip-async-tp`` it
     and the attention's and shared expert's TP reductions are all in flight behind compute. The
     tokens equal the model's forward without a cache (standard, or FarSkip connectivity)."""
-    from tools.spawn import run_distributed
-    from moe_variants import registry
-
     prompts = _prompts(mla_ckpt)[:3]
-    overrides = registry.preset_overrides("farskip") if preset else {}
-    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW, overrides, timeout_s=300)[0]
+    reference = forward_reference(mla_ckpt, prompts, "farskip" if preset else None)
     extra = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-comm", "allreduce"]
     if preset:
         extra += ["--variant", preset]
@@ -257,8 +272,7 @@ def test_bigmac_with_mla_equals_the_forward_without_cache(layout, bigmac_mla_ckp
     from tests.serving.test_variants import _engine
 
     prompts = _prompts(bigmac_mla_ckpt)[:3]
-    reference, _ = offline_greedy(bigmac_mla_ckpt, prompts, MAX_NEW, generation="recompute")
-    expected = [t for t, _ in reference]
+    expected = offline_reference(bigmac_mla_ckpt, prompts)
     if layout == "engine":
         assert _engine(bigmac_mla_ckpt, prompts, MAX_NEW)[0] == expected
         return
@@ -303,7 +317,7 @@ def test_semmoe_placed_mla_model_with_algorithm_2_equals_the_unplaced_model(mla_
 
     run_distributed(_place_mla, 1, mla_ckpt, str(tmp_path), timeout_s=600)
     prompts = _prompts(mla_ckpt)[:3]
-    reference = run_distributed(recompute_greedy_rank, 1, mla_ckpt, prompts, MAX_NEW, {}, timeout_s=300)[0]
+    reference = forward_reference(mla_ckpt, prompts)
     got = _served_tokens(str(tmp_path / "placed2"), tmp_path, prompts,
                          ["--expert-model-parallel-size", "2", "--semmoe-tables", str(tmp_path / "tables2")], 2)
     assert got == reference
