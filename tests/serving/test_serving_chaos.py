@@ -1,6 +1,7 @@
 """``python -m tools.faults serving-chaos``, tiny: the tests' standard checkpoint on two ranks (the
-front end in its own process, ``--max-restarts``, a fixed free ``--port``), 45 s of Poisson load at
-2 requests/s per run (ShareGPT-shaped prompts written here, half of them streamed), three faults
+front end in its own process, ``--max-restarts``, a fixed free ``--port``), 90 s of Poisson load at
+2 requests/s per run (three faults with their restarts, about 20 s each on a loaded 2-core machine, must
+fit in it: the command injects only inside the load) (ShareGPT-shaped prompts written here, half of them streamed), three faults
 (SIGSTOP, a segfault, an exception in a forward) on random ranks, ``--stall-timeout 2``. The command exits 0 only when
 every fault was detected and the server came back, no client hung or was cut off and every served
 request's greedy tokens equal the fault-free run's; checked here again from its JSON, with each
@@ -29,7 +30,7 @@ def test_a_tiny_serving_chaos_run(serve_ckpts, tmp_path):
                                    for p, q in zip(PROMPTS, PROMPTS[1:] + PROMPTS[:1])]))
     out = tmp_path / "chaos"
     code = commands.main(["serving-chaos", str(out), "--load", serve_ckpts["standard"], "--prompts", str(prompts),
-                          "--faults", "3", "--minutes", "0.75", "--rate", "2", "--gap", "2", "4",
+                          "--faults", "3", "--minutes", "1.5", "--rate", "2", "--gap", "1", "2",
                           "--kinds", "sigstop,segfault,error", "--stall-timeout", "2", "--port", str(free_port())])
     result = json.loads((out / "serving_chaos.json").read_text())
     summary = result["summary"]
