@@ -1,8 +1,10 @@
 """``python -m tools.faults serving-chaos``, tiny: the tests' standard checkpoint on two ranks (the
 front end in its own process, ``--max-restarts``, a fixed free ``--port``), 90 s of Poisson load at
-2 requests/s per run (three faults with their restarts, about 20 s each on a loaded 2-core machine, must
-fit in it: the command injects only inside the load) (ShareGPT-shaped prompts written here, half of them streamed), three faults
-(SIGSTOP, a segfault, an exception in a forward) on random ranks, ``--stall-timeout 2``. The command exits 0 only when
+2 requests/s per run (ShareGPT-shaped prompts written here, half of them streamed), three faults
+(SIGSTOP, a segfault, an exception in a forward) on random ranks, each 1-2 s after the server
+answered again, ``--stall-timeout 2``.
+The command injects faults only inside the load, so the window must hold all three with their
+restarts (16-21 s each measured on a loaded 2-core machine). The command exits 0 only when
 every fault was detected and the server came back, no client hung or was cut off and every served
 request's greedy tokens equal the fault-free run's; checked here again from its JSON, with each
 fault seen within ``--stall-timeout`` + 5 s (slack for a loaded 2-core machine) and the committed
