@@ -28,10 +28,17 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path, tp):
     bench = tmp_path / "serve.json"
     bench.write_text(json.dumps(run))
     out = tmp_path / "profile.json"
+    # one launch of 2 rounds; at TP 1 a precision no measurement meets, so the profile is refused
+    limit = "1e-9" if tp == 1 else "1"
     proc = subprocess.run([sys.executable, "scripts/profile_serving_compute.py", "--bench-serve", str(bench),
-                           "--out", str(out), "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                           "--out", str(out), "--repeats", "2", "--launches", "1", "--precision", limit],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if tp == 1:  # refused: one line naming the widest cost, nothing at --out, the measurements kept aside
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+        assert "wider than --precision" in proc.stderr and not out.exists()
+        out = tmp_path / "profile.rejected.json"
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
     prof = json.loads(out.read_text())
     assert prof["schema"] == "serving-compute-profile/1" and prof["ranks"] == 2
     v = prof["variants"]["standard"]
@@ -52,6 +59,12 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path, tp):
         assert v["lar"] is None
         assert (step.tp_allreduces, step.tp_allreduce_bytes_per_token, step.tp_gathers) == (5, 32 * 4, 1)
         assert step.tp_gather_bytes_per_request > 0
+    prec = v["precision"]  # the profile's own spread, an interval per cost
+    assert (prec["launches"], prec["rounds"]) == (1, 2)
+    for cost in ("fixed_s", "dummy_s", "step_smallest_s", "step_largest_s"):
+        c = prec["costs"][cost]
+        assert 0 < c["low"] <= c["high"] and c["half_width"] >= 0
+    assert {r["round"] for r in v["samples"]} == {1, 2}  # the warm-up round is not kept
     kinds = {p["kind"] for p in v["points"]}
     assert kinds == {"prefill", "decode"}
     # tokens as the engine pads them: every prefill shape up to 128 tokens rounds to 64 or 128

@@ -15,8 +15,14 @@ all-to-alls cost little and their waits are subtracted), builds the server's eng
 * the real serving loop's overhead per iteration outside the forwards (``iteration_s``).
 
 A step's compute is its wall time minus the time the rank waited on all-to-alls (the dispatchers'
-counters, ``megatron.inference.observability.AllToAllCounters``), the slowest rank's per step; the median over ``--repeats`` per shape is fitted by least
-squares as ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
+counters, ``megatron.inference.observability.AllToAllCounters``), the slowest rank's per step.
+
+The ranks are launched ``--launches`` times per variant, the variants alternating; each launch
+times every shape once per round, in a shuffled order, for ``--repeats`` rounds after a warm-up
+round, and times a small reference workload per round (``reference_s``: how fast the machine was
+then). A launch's own speed moves all of its steps alike, so a profile averages launches as well as
+rounds. ``tools.profile.serving_fit`` fits each shape's median by least squares as
+``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
 tokens come from the same counters. Where the compute lies around a step's collectives comes from
@@ -24,8 +30,11 @@ the records the server's ``--a2a-spans`` writes (``observability.SpanRecorder``,
 here). A tensor-parallel run (TP = EP = the ranks: one engine) is profiled in its layout; its TP
 collectives (the records' ``"tp"``: ``megatron.compat.tp_collectives``) are counted per step
 (all-reduces and their bytes per token, logit all-gathers and their bytes per request) and their
-loopback time is not compute. Writes
-``serving-compute-profile/1`` JSON with every measured point and the fit's relative errors.
+loopback time is not compute. Each cost gets a 95% interval from a bootstrap over launches and
+rounds; a profile whose fixed, per-token or idle cost, or smallest or largest fitted step, is known
+only to more than ``--precision`` (default +-5%) is refused: nothing is written to ``--out``, the
+measurements go to ``<out>.rejected.json``. Writes ``serving-compute-profile/1`` JSON with every
+sample, the per-shape medians, the fit's relative errors and the intervals.
 """
 
 from __future__ import annotations
@@ -110,9 +119,12 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
 
     rows = []
     points = _points(cfg.max_batch_tokens, cfg.max_requests, context.max_sequence_length)
-    for _ in range(repeats + 1):  # the first round warms up
+    for round_ in range(repeats + 1):  # the first round warms up
+        speed = torch.tensor(reference_s(), dtype=torch.float64)
+        collectives.all_reduce(speed, op=dist.ReduceOp.MAX)  # the slowest rank sets a step's pace
+        order = np.random.default_rng(seed + round_).permutation(len(points))  # the same on every rank
         round_rows = []
-        for kind, lengths in points:
+        for kind, lengths in (points[i] for i in order):
             if kind == "prefill":
                 for n in lengths:
                     add(n, 1)
@@ -124,7 +136,9 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
                 for _ in range(4):
                     round_rows.append(timed("decode"))
             drain()
-        round_rows.append(timed("dummy"))
+        round_rows.extend(timed("dummy") for _ in range(3))
+        for row in round_rows:
+            row.update(round=round_, ref_python_s=float(speed[0]), ref_gemm_s=float(speed[1]))
         rows.append(round_rows)
     calls, steps = counters.totals["a2a_calls"], eng.steps + eng.dummy_steps
     eng.unsubscribe(recorder)
@@ -135,6 +149,35 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
             "local": stats["local_activations"], "routed": stats["routed_activations"],
             "layout_decode": layouts.get("decode"), "layout_prefill": layouts.get("prefill"),
             "iteration_s": _iteration_overhead(eng, pgc, world, cfg.max_requests, vocab, tokenizer.eod, seed)}
+
+
+def reference_s(reps: int = 5) -> tuple:
+    """This rank's speed now: the median seconds of a small Python loop (the engine's bookkeeping)
+    and of small fp32 GEMMs (the experts' and attention's arithmetic), ``reps`` times each."""
+    import torch
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def python():
+        total = 0
+        for i in range(20_000):
+            total += i & 7
+        return total
+
+    def gemm():
+        for _ in range(16):
+            torch.mm(a, b)
+
+    out = []
+    for fn in (python, gemm):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return tuple(out)
 
 
 def _tp_collectives(rows: list, engine) -> dict:
@@ -248,31 +291,8 @@ def _iteration_overhead(eng, pgc, world, max_requests, vocab, eod, seed, output_
     return float(row[0])
 
 
-def fit(rows: list, engine) -> dict:
-    """Least-squares ``fixed + per_token x tokens + per_request x requests`` over the per-shape
-    medians, tokens as the engine pads them (``netsim.replay.Engine.padded``); relative errors."""
-    import numpy as np
-
-    shapes: dict = {}
-    for r in rows:
-        if r["kind"] != "dummy":
-            padded = engine.padded(r["tokens"], decode_only=r["kind"] == "decode")
-            shapes.setdefault((r["kind"], padded, r["requests"]), []).append(r["compute_s"])
-    keys = sorted(shapes)
-    X = np.array([[1.0, t, q] for _, t, q in keys])
-    y = np.array([statistics.median(shapes[k]) for k in keys])
-    theta = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]  # relative residuals
-    theta = np.maximum(theta, 0.0)
-    pred = X @ theta
-    rel = (pred - y) / y
-    return {"fixed_s": float(theta[0]), "per_token_s": float(theta[1]), "per_request_s": float(theta[2]),
-            "points": [{"kind": k, "tokens": t, "requests": q, "compute_s": float(v), "fit_s": float(p)}
-                       for (k, t, q), v, p in zip(keys, y, pred)],
-            "fit_mean_abs_rel_error": float(np.mean(np.abs(rel))), "fit_max_abs_rel_error": float(np.max(np.abs(rel)))}
-
-
 def main(argv=None) -> int:
-    from megatron.common.cli import UserError, positive_int, run_cli
+    from megatron.common.cli import UserError, positive_float, positive_int, run_cli
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="profile_serving_compute.py", description=__doc__.split("\n\n")[0])
@@ -280,7 +300,14 @@ def main(argv=None) -> int:
                    "checkpoints, ranks, engine sizes)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--variants", default=None, help="comma-separated subset of the run's variants")
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per launch (each times every "
+                   "shape once, in a shuffled order; default 5)")
+    p.add_argument("--launches", type=positive_int, default=4, help="launches of the ranks per variant, the "
+                   "variants alternating (default 4): a launch's own speed (where its ranks and memory land) is "
+                   "part of what a profile must average")
+    p.add_argument("--precision", type=positive_float, default=0.05, metavar="F",
+                   help="refuse a profile whose fixed, per-token or idle cost, or smallest or largest fitted step, "
+                   "has a 95%% interval (bootstrap over launches and rounds) wider than +-F of itself (default 0.05)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: the run's)")
 
     def body():
@@ -309,37 +336,57 @@ def main(argv=None) -> int:
             raise UserError(f"--bench-serve {args.bench_serve}: TP {tp} x EP {ep} on {ranks} ranks "
                             f"({cfg.get('expert_comm', 'alltoall')}); the profile covers EP = the ranks with "
                             "all-to-all experts, at TP = 1 or TP = EP")
+        if args.repeats * args.launches < 2:
+            raise UserError(f"--repeats {args.repeats} --launches {args.launches}: a profile's precision needs "
+                            "at least 2 rounds")
         if os.path.isdir(args.out):
             raise UserError(f"--out {args.out}: is a directory")
         from megatron import compat
         from tools.spawn import run_distributed
         from netsim.replay import Engine
+        from tools.profile.serving_fit import fit, imprecise, precision
 
         compat.quiet_warnings()
         engine = Engine(ranks, int(sizes["max_batch_tokens"]), int(sizes["max_requests"]) // 4 * 4)
         load = cfg.get("model", {}).get("load")  # one checkpoint, variants as load presets (not placed copies)
         threads = args.threads or int(cfg.get("threads", 1))
         out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks, "tp": tp,
-               "threads": threads, "engine": sizes, "repeats": args.repeats, "variants": {}}
+               "threads": threads, "engine": sizes, "repeats": args.repeats, "launches": args.launches,
+               "precision_limit": args.precision,
+               "variants": {}}
+        launched: dict = {v: [] for v in variants}
+        walls = dict.fromkeys(variants, 0.0)
+        for launch in range(args.launches):  # variants alternate, so that a slow stretch meets each
+            for v in variants:
+                t0 = time.monotonic()
+                preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
+                per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes, args.repeats,
+                                           1234 + launch, tp, timeout_s=1800, num_threads=threads)
+                for row in per_rank[0]["rows"]:
+                    row["launch"] = launch
+                launched[v].append(per_rank)
+                walls[v] += time.monotonic() - t0
+                print(f"{v}: launch {launch + 1}/{args.launches} ({time.monotonic() - t0:.0f}s)", flush=True)
         for v in variants:
-            t0 = time.monotonic()
-            preset = v if load and os.path.abspath(checkpoints[v]) == os.path.abspath(load) else None
-            per_rank = run_distributed(_profile_rank, ranks, checkpoints[v], preset, sizes, args.repeats, 1234, tp,
-                                       timeout_s=1800, num_threads=threads)
-            rows = per_rank[0]["rows"]
+            launches = launched[v]
+            rows = [row for per_rank in launches for row in per_rank[0]["rows"]]
+            ranks_ = [r for per_rank in launches for r in per_rank]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
             entry = fit(rows, engine)
             entry.update(
                 dummy_s=statistics.median(r["compute_s"] for r in rows if r["kind"] == "dummy"),
+                precision=precision(rows, engine),
+                reference_python_s=statistics.median(r["ref_python_s"] for r in rows),
+                reference_gemm_s=statistics.median(r["ref_gemm_s"] for r in rows),
                 a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill)
                 / sum(engine.padded(r["tokens"], decode_only=False) for r in prefill),
-                a2a_calls=round(per_rank[0]["calls_per_step"]),
-                lar=sum(r["local"] for r in per_rank) / sum(r["routed"] for r in per_rank)
-                if sum(r["routed"] for r in per_rank) else None,  # not counted at TP > 1
-                iteration_s=per_rank[0]["iteration_s"],
-                layout_decode=_mean_layout(r["layout_decode"] for r in per_rank),
-                layout_prefill=_mean_layout(r["layout_prefill"] for r in per_rank),
-                checkpoint=checkpoints[v], wall_s=time.monotonic() - t0, tp=tp,
+                a2a_calls=round(statistics.median(per_rank[0]["calls_per_step"] for per_rank in launches)),
+                lar=sum(r["local"] for r in ranks_) / sum(r["routed"] for r in ranks_)
+                if sum(r["routed"] for r in ranks_) else None,  # not counted at TP > 1
+                iteration_s=statistics.median(per_rank[0]["iteration_s"] for per_rank in launches),
+                layout_decode=_mean_layout(r["layout_decode"] for r in ranks_),
+                layout_prefill=_mean_layout(r["layout_prefill"] for r in ranks_),
+                checkpoint=checkpoints[v], wall_s=walls[v], tp=tp, samples=rows,
                 **(_tp_collectives(rows, engine) if tp > 1 else {}),
             )
             out["variants"][v] = entry
@@ -347,6 +394,18 @@ def main(argv=None) -> int:
                   f"{entry['per_request_s'] * 1e6:.1f} us/request; dummy {entry['dummy_s'] * 1e3:.2f} ms; "
                   f"{entry['a2a_bytes_per_token']:.0f} B/token off-rank in {entry['a2a_calls']} all-to-alls; "
                   f"fit error mean {entry['fit_mean_abs_rel_error']:.1%} ({entry['wall_s']:.0f}s)", flush=True)
+            print("  95% intervals (bootstrap over launches and rounds): " + ", ".join(
+                f"{k} +-{c['half_width']:.1%}" for k, c in entry["precision"]["costs"].items()
+                if c["half_width"] is not None), flush=True)
+        wide = [(v, k, w) for v, e in out["variants"].items() for k, w in imprecise(e["precision"], args.precision)]
+        if wide:
+            rejected = os.path.splitext(args.out)[0] + ".rejected.json"
+            write_json(rejected, out)
+            v, k, w = max(wide, key=lambda x: x[2])
+            raise UserError(f"{v}'s {k} is known only to +-{w:.1%} (95%, {args.launches} launches of "
+                            f"{args.repeats} rounds), wider than "
+                            f"--precision {args.precision:.0%}: profile on a quiet machine or with more --repeats "
+                            f"(--out not written; the measurements are in {rejected})")
         write_json(args.out, out)
         print(f"wrote {args.out}")
         return 0
