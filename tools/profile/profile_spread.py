@@ -11,6 +11,7 @@ profiles move by more than the error a model built on them is held to cannot sup
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="python -m tools.profile.profile_spread", description=__doc__.split("\n\n")[0])
-    p.add_argument("profiles", nargs="+", metavar="PROFILE", help="serving_compute profile JSONs (2 or more)")
+    p.add_argument("profiles", nargs="+", metavar="PROFILE", help="serving_compute profile JSONs, plain or .gz "
+                   "(2 or more)")
     p.add_argument("--goal", type=positive_float, default=0.05, help="largest spread allowed (default 0.05)")
     p.add_argument("--json", default=None, help="write the result here")
 
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
         profiles = []
         for path in args.profiles:
             try:
-                with open(path) as f:
+                with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
                     prof = json.load(f)
                 if not str(prof.get("schema", "")).startswith("serving-compute-profile/"):
                     raise ValueError("no serving-compute-profile schema")

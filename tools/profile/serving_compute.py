@@ -19,8 +19,8 @@ counters, ``megatron.inference.observability.AllToAllCounters``), the slowest ra
 
 The ranks are launched ``--launches`` times per variant, the variants alternating; each launch
 times every shape once per round, in a shuffled order, for ``--repeats`` rounds after a warm-up
-round, and times a small reference workload per round (``reference_s``: how fast the machine was
-then). A launch's own speed moves all of its steps alike, so a profile averages launches as well as
+round, and times a small reference workload at each round's start and end (``reference_s``: how
+fast the machine was then) and reads the VM's steal time over the round. A launch's own speed moves all of its steps alike, so a profile averages launches as well as
 rounds. ``tools.profile.serving_fit`` fits each shape's median by least squares as
 ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
@@ -74,6 +74,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
     from megatron.components.parallel import initialize_parallel
     from megatron.common import collectives
     from moe_variants.config import ParallelConfig
+    from tools.profile.speed_probe import cpu_ticks
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=world)  # TP = 1 or TP = EP
     pgc = initialize_parallel(parallel, seed=seed)
@@ -122,6 +123,7 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
     for round_ in range(repeats + 1):  # the first round warms up
         speed = torch.tensor(reference_s(), dtype=torch.float64)
         collectives.all_reduce(speed, op=dist.ReduceOp.MAX)  # the slowest rank sets a step's pace
+        ticks = cpu_ticks()
         order = np.random.default_rng(seed + round_).permutation(len(points))  # the same on every rank
         round_rows = []
         for kind, lengths in (points[i] for i in order):
@@ -137,8 +139,13 @@ def _profile_rank(rank, world, ckpt, preset, engine_sizes, repeats, seed, tp=1):
                     round_rows.append(timed("decode"))
             drain()
         round_rows.extend(timed("dummy") for _ in range(3))
+        after = torch.tensor(reference_s(), dtype=torch.float64)  # and again at the round's end
+        collectives.all_reduce(after, op=dist.ReduceOp.MAX)
+        now = cpu_ticks()
+        steal = (now[0] - ticks[0]) / (now[1] - ticks[1]) if ticks and now and now[1] > ticks[1] else None
         for row in round_rows:
-            row.update(round=round_, ref_python_s=float(speed[0]), ref_gemm_s=float(speed[1]))
+            row.update(round=round_, ref_python_s=float(speed[0]), ref_gemm_s=float(speed[1]),
+                       ref_python_end_s=float(after[0]), ref_gemm_end_s=float(after[1]), steal_fraction=steal)
         rows.append(round_rows)
     calls, steps = counters.totals["a2a_calls"], eng.steps + eng.dummy_steps
     eng.unsubscribe(recorder)
@@ -291,13 +298,27 @@ def _iteration_overhead(eng, pgc, world, max_requests, vocab, eod, seed, output_
     return float(row[0])
 
 
+def _report(v: str, entry: dict) -> None:
+    print(f"{v}: fixed {entry['fixed_s'] * 1e3:.2f} ms + {entry['per_token_s'] * 1e6:.1f} us/token + "
+          f"{entry['per_request_s'] * 1e6:.1f} us/request; dummy {entry['dummy_s'] * 1e3:.2f} ms; "
+          f"{entry['a2a_bytes_per_token']:.0f} B/token off-rank in {entry['a2a_calls']} all-to-alls; "
+          f"fit error mean {entry['fit_mean_abs_rel_error']:.1%}; {entry['disturbed_rounds']} of {entry['rounds']} "
+          f"rounds disturbed ({entry['wall_s']:.0f}s)", flush=True)
+    print("  95% intervals (bootstrap over launches and rounds): " + ", ".join(
+        f"{k} +-{c['half_width']:.1%}" for k, c in entry["precision"]["costs"].items()
+        if c["half_width"] is not None), flush=True)
+
+
 def main(argv=None) -> int:
     from megatron.common.cli import UserError, positive_float, positive_int, run_cli
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="profile_serving_compute.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--bench-serve", required=True, metavar="JSON", help="a bench_serve.py run's JSON (variants, "
-                   "checkpoints, ranks, engine sizes)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bench-serve", metavar="JSON", help="a bench_serve.py run's JSON (variants, checkpoints, "
+                        "ranks, engine sizes)")
+    source.add_argument("--refit", metavar="PROFILE", help="fit a profile (or a .rejected.json) again from its "
+                        "samples, with this --precision and --disturbed")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--variants", default=None, help="comma-separated subset of the run's variants")
     p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per launch (each times every "
@@ -308,10 +329,60 @@ def main(argv=None) -> int:
     p.add_argument("--precision", type=positive_float, default=0.05, metavar="F",
                    help="refuse a profile whose fixed, per-token or idle cost, or smallest or largest fitted step, "
                    "has a 95%% interval (bootstrap over launches and rounds) wider than +-F of itself (default 0.05)")
+    p.add_argument("--disturbed", type=positive_float, default=1.25, metavar="X",
+                   help="drop a round whose reference workload ran more than X times slower than the profile's "
+                   "25th percentile (the machine was busy with something else; default 1.25)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: the run's)")
+
+    def finish(args, out: dict) -> int:
+        """Refuse an imprecise profile (kept aside in ``<out>.rejected.json``), else write it."""
+        from tools.profile.serving_fit import imprecise
+
+        wide = [(v, k, w) for v, e in out["variants"].items() for k, w in imprecise(e["precision"], args.precision)]
+        if wide:
+            rejected = os.path.splitext(args.out)[0] + ".rejected.json"
+            write_json(rejected, out)
+            v, k, w = max(wide, key=lambda x: x[2])
+            raise UserError(f"{v}'s {k} is known only to +-{w:.1%} (95%, {out['launches']} launches of "
+                            f"{out['repeats']} rounds), wider than --precision {args.precision:.0%}: profile on a "
+                            f"quiet machine or with more --launches (--out not written; the measurements are in "
+                            f"{rejected})")
+        write_json(args.out, out)
+        print(f"wrote {args.out}")
+        return 0
+
+    def fit_samples(v: str, rows: list, engine, disturbed: float) -> dict:
+        from tools.profile.serving_fit import fitted
+
+        try:
+            return fitted(rows, engine, disturbed)
+        except ValueError as err:  # too few undisturbed rounds
+            raise UserError(f"{v}: {err}: the machine was busy with something else; profile when it is quiet "
+                            "or raise --disturbed") from None
+
+    def refit(args) -> int:
+        from netsim.replay import Engine
+        try:
+            with open(args.refit) as f:
+                out = json.load(f)
+            if out.get("schema") != SCHEMA or any("samples" not in e for e in out["variants"].values()):
+                raise ValueError("not a profile with its samples")
+            sizes = out["engine"]
+            engine = Engine(int(out["ranks"]), int(sizes["max_batch_tokens"]), int(sizes["max_requests"]) // 4 * 4)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"--refit {args.refit}: cannot be fitted again ({err})") from None
+        out.update(precision_limit=args.precision, disturbed_limit=args.disturbed)
+        for v, entry in out["variants"].items():
+            entry.update(fit_samples(v, entry["samples"], engine, args.disturbed))
+            _report(v, entry)
+        return finish(args, out)
 
     def body():
         args = p.parse_args(argv)
+        if args.disturbed < 1:
+            raise UserError(f"--disturbed {args.disturbed}: a factor of the usual speed, at least 1")
+        if args.refit:
+            return refit(args)
         try:
             with open(args.bench_serve) as f:
                 run = json.load(f)
@@ -344,16 +415,13 @@ def main(argv=None) -> int:
         from megatron import compat
         from tools.spawn import run_distributed
         from netsim.replay import Engine
-        from tools.profile.serving_fit import fit, imprecise, precision
-
         compat.quiet_warnings()
         engine = Engine(ranks, int(sizes["max_batch_tokens"]), int(sizes["max_requests"]) // 4 * 4)
         load = cfg.get("model", {}).get("load")  # one checkpoint, variants as load presets (not placed copies)
         threads = args.threads or int(cfg.get("threads", 1))
         out = {"schema": SCHEMA, "bench_serve": os.path.abspath(args.bench_serve), "ranks": ranks, "tp": tp,
                "threads": threads, "engine": sizes, "repeats": args.repeats, "launches": args.launches,
-               "precision_limit": args.precision,
-               "variants": {}}
+               "precision_limit": args.precision, "disturbed_limit": args.disturbed, "variants": {}}
         launched: dict = {v: [] for v in variants}
         walls = dict.fromkeys(variants, 0.0)
         for launch in range(args.launches):  # variants alternate, so that a slow stretch meets each
@@ -372,12 +440,8 @@ def main(argv=None) -> int:
             rows = [row for per_rank in launches for row in per_rank[0]["rows"]]
             ranks_ = [r for per_rank in launches for r in per_rank]
             prefill = [r for r in rows if r["kind"] == "prefill" and r["tokens"]]
-            entry = fit(rows, engine)
+            entry = fit_samples(v, rows, engine, args.disturbed)
             entry.update(
-                dummy_s=statistics.median(r["compute_s"] for r in rows if r["kind"] == "dummy"),
-                precision=precision(rows, engine),
-                reference_python_s=statistics.median(r["ref_python_s"] for r in rows),
-                reference_gemm_s=statistics.median(r["ref_gemm_s"] for r in rows),
                 a2a_bytes_per_token=sum(r["a2a_bytes"] for r in prefill)
                 / sum(engine.padded(r["tokens"], decode_only=False) for r in prefill),
                 a2a_calls=round(statistics.median(per_rank[0]["calls_per_step"] for per_rank in launches)),
@@ -390,25 +454,8 @@ def main(argv=None) -> int:
                 **(_tp_collectives(rows, engine) if tp > 1 else {}),
             )
             out["variants"][v] = entry
-            print(f"{v}: fixed {entry['fixed_s'] * 1e3:.2f} ms + {entry['per_token_s'] * 1e6:.1f} us/token + "
-                  f"{entry['per_request_s'] * 1e6:.1f} us/request; dummy {entry['dummy_s'] * 1e3:.2f} ms; "
-                  f"{entry['a2a_bytes_per_token']:.0f} B/token off-rank in {entry['a2a_calls']} all-to-alls; "
-                  f"fit error mean {entry['fit_mean_abs_rel_error']:.1%} ({entry['wall_s']:.0f}s)", flush=True)
-            print("  95% intervals (bootstrap over launches and rounds): " + ", ".join(
-                f"{k} +-{c['half_width']:.1%}" for k, c in entry["precision"]["costs"].items()
-                if c["half_width"] is not None), flush=True)
-        wide = [(v, k, w) for v, e in out["variants"].items() for k, w in imprecise(e["precision"], args.precision)]
-        if wide:
-            rejected = os.path.splitext(args.out)[0] + ".rejected.json"
-            write_json(rejected, out)
-            v, k, w = max(wide, key=lambda x: x[2])
-            raise UserError(f"{v}'s {k} is known only to +-{w:.1%} (95%, {args.launches} launches of "
-                            f"{args.repeats} rounds), wider than "
-                            f"--precision {args.precision:.0%}: profile on a quiet machine or with more --repeats "
-                            f"(--out not written; the measurements are in {rejected})")
-        write_json(args.out, out)
-        print(f"wrote {args.out}")
-        return 0
+            _report(v, entry)
+        return finish(args, out)
 
     return run_cli("profile_serving_compute.py", body)
 

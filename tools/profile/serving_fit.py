@@ -43,6 +43,25 @@ def fit(rows: list, engine) -> dict:
             "fit_mean_abs_rel_error": float(np.mean(np.abs(rel))), "fit_max_abs_rel_error": float(np.max(np.abs(rel)))}
 
 
+def undisturbed(rows: list, limit: float = 1.25) -> tuple:
+    """The rows of the rounds the machine ran at its usual speed, and the number of rounds dropped.
+
+    A round's speed is the slower of its reference workloads (``ref_python_s`` at its start,
+    ``ref_python_end_s`` at its end where recorded); the usual speed is the 25th percentile over the
+    rounds; a round more than ``limit`` times slower than that shared the machine with something
+    else (a virtual machine's host takes its CPUs for seconds at a time, doubling every step), and
+    its steps say nothing about the checkpoint."""
+    import numpy as np
+
+    speed: dict = {}
+    for r in rows:
+        key = (r.get("launch", 0), r["round"])
+        speed[key] = max(speed.get(key, 0.0), r["ref_python_s"], r.get("ref_python_end_s") or 0.0)
+    usual = float(np.percentile(list(speed.values()), 25))
+    kept = [r for r in rows if speed[(r.get("launch", 0), r["round"])] <= limit * usual]
+    return kept, sum(1 for v in speed.values() if v > limit * usual)
+
+
 def costs(rows: list, engine) -> dict:
     """The fitted costs of ``rows``, the dummy step's median and the fitted smallest and largest steps."""
     fitted = fit(rows, engine)
@@ -87,6 +106,23 @@ def precision(rows: list, engine, draws: int = 400, seed: int = 0) -> dict:
         out[k] = {"value": v, "low": lo, "high": hi, "half_width": (hi - lo) / 2 / v if v > 0 else None}
     return {"launches": len(groups), "rounds": rounds, "draws": draws,
             "interval": "95% percentile, bootstrap over launches and their rounds", "costs": out}
+
+
+def fitted(rows: list, engine, disturbed: float = 1.25) -> dict:
+    """A variant's profile entry from its samples: the rounds the machine did not disturb
+    (``undisturbed``), their fit, the idle step's median, the precision, the machine's usual
+    reference speed, and how many rounds were dropped of how many."""
+    kept, dropped = undisturbed(rows, disturbed)
+    rounds = len({(r.get("launch", 0), r["round"]) for r in rows})
+    if rounds - dropped < max(2, rounds / 2):
+        raise ValueError(f"{dropped} of {rounds} rounds ran over {disturbed}x the machine's usual speed")
+    entry = fit(kept, engine)
+    entry.update(dummy_s=statistics.median(r["compute_s"] for r in kept if r["kind"] == "dummy"),
+                 precision=precision(kept, engine),
+                 reference_python_s=statistics.median(r["ref_python_s"] for r in kept),
+                 reference_gemm_s=statistics.median(r["ref_gemm_s"] for r in kept),
+                 rounds=rounds, disturbed_rounds=dropped)
+    return entry
 
 
 def imprecise(prec: dict, limit: float) -> list:

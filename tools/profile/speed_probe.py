@@ -27,7 +27,7 @@ SCHEMA = "speed-probe/1"
 WORKLOADS = ("gemm_s", "copy_s", "python_s")
 
 
-def _cpu_ticks() -> "tuple[int, int] | None":
+def cpu_ticks() -> "tuple[int, int] | None":
     """(steal, total) jiffies of all CPUs from /proc/stat, or None where there is none."""
     try:
         with open("/proc/stat") as f:
@@ -87,11 +87,11 @@ def probe(minutes: float, every_s: float, reps: int, threads: int, report=print)
 
     torch.set_num_threads(threads)
     samples, start = [], time.monotonic()
-    ticks = _cpu_ticks()
+    ticks = cpu_ticks()
     while True:
         t = time.monotonic() - start
         row = {"t_s": round(t, 3), **_workloads(reps)}
-        now = _cpu_ticks()
+        now = cpu_ticks()
         if ticks and now and now[1] > ticks[1]:
             row["steal_fraction"] = (now[0] - ticks[0]) / (now[1] - ticks[1])
         ticks = now
