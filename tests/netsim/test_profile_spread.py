@@ -22,6 +22,7 @@ def test_spread_is_max_over_min_and_judged_against_the_goal():
     assert result["schema"] == SCHEMA and result["profiles"] == 3
     fixed = result["variants"]["standard"]["fixed_s"]
     assert fixed["spread"] == pytest.approx(0.05) and fixed["median"] == pytest.approx(0.0205)
+    assert fixed["half_widths"] is None  # these profiles state no interval of their own
     assert spread([_profile(0.020), _profile(0.0209)], 0.05)["within_goal"] is True
     assert spread([_profile(0.020), _profile(0.030)], 0.05)["within_goal"] is False
     # a per-request cost fitted as 0 in one profile is reported, not judged

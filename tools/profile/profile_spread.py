@@ -22,7 +22,8 @@ COSTS = ("fixed_s", "per_token_s", "per_request_s", "dummy_s", "iteration_s")
 
 def spread(profiles: list, goal: float) -> dict:
     """Per variant common to all ``profiles`` (``serving-compute-profile/1`` dicts) and per cost in
-    ``COSTS``: the values in order, their median and ``max / min - 1`` (``None`` where a value is 0);
+    ``COSTS``: the values in order, their median, ``max / min - 1`` (``None`` where a value is 0) and
+    each profile's own 95% half-width (``half_widths``, where the profiles state one);
     ``within_goal``: every spread of a cost other than ``per_request_s`` (a small term, often fitted
     as 0) is at most ``goal``."""
     variants = [v for v in profiles[0]["variants"] if all(v in p["variants"] for p in profiles)]
@@ -33,8 +34,11 @@ def spread(profiles: list, goal: float) -> dict:
         out[v] = {}
         for cost in COSTS:
             values = [float(p["variants"][v][cost]) for p in profiles]
+            own = [p["variants"][v].get("precision", {}).get("costs", {}).get(cost, {}).get("half_width")
+                   for p in profiles]  # each profile's own 95% interval, where it states one
             out[v][cost] = {"values": values, "median": statistics.median(values),
-                            "spread": max(values) / min(values) - 1 if min(values) > 0 else None}
+                            "spread": max(values) / min(values) - 1 if min(values) > 0 else None,
+                            "half_widths": own if any(h is not None for h in own) else None}
     judged = [c["spread"] for by_cost in out.values() for k, c in by_cost.items() if k != "per_request_s"]
     return {"schema": SCHEMA, "profiles": len(profiles), "goal": goal, "variants": out,
             "largest_spread": max(s for s in judged if s is not None),
