@@ -127,6 +127,8 @@ def test_refit_fits_a_profile_again_from_its_samples(tmp_path):
     proc = refit("--precision", "1e-9")
     assert proc.returncode == 2 and "wider than --precision" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert (tmp_path / "q.rejected.json").exists()
+    proc = refit("--disturbed", "0.5")
+    assert proc.returncode == 2 and "--disturbed 0.5" in proc.stderr and len(proc.stderr.splitlines()) == 1
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({**prof, "variants": {"standard": {"fixed_s": 0.02}}}))
     proc = refit(path=bare)
