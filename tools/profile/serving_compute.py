@@ -20,8 +20,10 @@ counters, ``megatron.inference.observability.AllToAllCounters``), the slowest ra
 The ranks are launched ``--launches`` times per variant, the variants alternating; each launch
 times every shape once per round, in a shuffled order, for ``--repeats`` rounds after a warm-up
 round, and times a small reference workload at each round's start and end (``reference_s``: how
-fast the machine was then) and reads the VM's steal time over the round. A launch's own speed moves all of its steps alike, so a profile averages launches as well as
-rounds. ``tools.profile.serving_fit`` fits each shape's median by least squares as
+fast the machine was then) and reads the VM's steal time over the round. A launch's own speed moves
+all of its steps alike, so a profile averages launches as well as rounds; a round whose reference
+ran over ``--disturbed`` times the usual is dropped (``serving_fit.undisturbed``).
+``tools.profile.serving_fit`` fits each shape's median by least squares as
 ``fixed + per_token x tokens + per_request x requests`` with the tokens the engine
 forwards (padded to a multiple of 64; a decode-only step to ``max_requests``: ``netsim.replay``). The all-to-all bytes a rank
 sends off-rank per token it holds, the all-to-alls per step and the LAR of the profiled (random)
