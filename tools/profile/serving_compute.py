@@ -326,8 +326,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per launch (each times every "
                    "shape once, in a shuffled order; default 5)")
     p.add_argument("--launches", type=positive_int, default=4, help="launches of the ranks per variant, the "
-                   "variants alternating (default 4): a launch's own speed (where its ranks and memory land) is "
-                   "part of what a profile must average")
+                   "variants alternating (default 4): the machine's speed during a launch moves all of "
+                   "its steps alike, so a profile averages launches")
     p.add_argument("--precision", type=positive_float, default=0.05, metavar="F",
                    help="refuse a profile whose fixed, per-token or idle cost, or smallest or largest fitted step, "
                    "has a 95%% interval (bootstrap over launches and rounds) wider than +-F of itself (default 0.05)")

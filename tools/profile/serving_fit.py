@@ -1,14 +1,14 @@
 """The serving compute profile's statistics: the step-cost fit, its precision, and the check that
 refuses an imprecise profile (``tools.profile.serving_compute``).
 
-A profile times every shape once per round, in a shuffled order, over several rounds per launch. The fit takes
-each shape's median over the rounds (a few slow steps, from the machine or the collector, do not
-move it) and fits ``fixed + per_token x tokens + per_request x requests`` by least squares on
-relative residuals. The ranks are launched several times (a launch's own speed, where its processes
-and memory land, moves every step of it alike), so the precision comes from launches and rounds: the
-fit is redone on launches drawn with replacement and, in each, rounds drawn with replacement (a
-two-stage bootstrap), and each cost's 95% percentile interval is reported as a half-width relative to
-the cost.
+A profile times every shape once per round, in a shuffled order, over several rounds per launch,
+and drops the rounds the machine disturbed (``undisturbed``). The fit takes each shape's median over
+the rounds (a few slow steps, from the machine or the collector, do not move it) and fits
+``fixed + per_token x tokens + per_request x requests`` by least squares on relative residuals. The
+ranks are launched several times (the machine's speed during a launch moves every step of it
+alike), so the precision comes from launches and rounds: the fit is redone on launches drawn with
+replacement and, in each, rounds drawn with replacement (a two-stage bootstrap), and each cost's 95%
+percentile interval is reported as a half-width relative to the cost.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 
 CHECKED = ("fixed_s", "per_token_s", "dummy_s")  # the costs a profile must pin down to be used
 # ``per_request_s`` is a small correction (often fitted as 0); its interval is reported, and what it
-# contributes is judged through the fitted steps (``steps``: the smallest and largest shapes).
+# contributes is judged through the fitted smallest and largest steps (``step_*_s``).
 
 
 def fit(rows: list, engine) -> dict:
