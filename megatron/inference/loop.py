@@ -82,6 +82,25 @@ class EngineDiverged(RuntimeError):
     """The ranks of a tensor-parallel group hold different requests: an engine failure."""
 
 
+LOOP_PHASES = ("work", "header", "broadcast", "gather", "adds", "step")
+
+
+def iteration_record(marks: list, arrived: int, gathered: bool, stepped: bool) -> dict:
+    """One iteration's phases (``serve_loop(trace=...)``, ``serve --a2a-spans``): ``t`` its start,
+    ``phases`` the seconds of each of ``LOOP_PHASES`` (the loop's own work before the header
+    exchange: commands, pickling, stats; the header's all-gather, with the wait for the slowest
+    rank; the commands' broadcast; the token updates' gather; adding the new requests and
+    publishing; the engine step or dummy forward, if any), ``arrived`` the requests the iteration
+    brought, ``gathered`` whether it gathered token updates, ``stepped`` whether it stepped."""
+    return {"t": marks[0], "phases": dict(zip(LOOP_PHASES, (b - a for a, b in zip(marks, marks[1:])))),
+            "arrived": arrived, "gathered": gathered, "stepped": stepped}
+
+
+def _mark(marks: Optional[list]) -> None:
+    if marks is not None:
+        marks.append(time.perf_counter())
+
+
 def request_digest(lengths: dict) -> int:
     """A 48-bit digest (exact in a float64 header field) of a request set ``{request id: (lengths,
     ...)}`` (``RankEngine.request_lengths``)."""
@@ -174,13 +193,15 @@ def _agree_failures(rank_engine, unagreed: dict, tp, tp_rank: int, tp_size: int)
 
 
 def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[Callable] = None,
-               idle_wait_s: float = 0.02, on_iteration=None, heartbeat=None, stats_interval_s: float = 1.0) -> None:
+               idle_wait_s: float = 0.02, on_iteration=None, heartbeat=None, stats_interval_s: float = 1.0,
+               trace=None) -> None:
     """Run until rank 0's frontend says stop and no rank has work (see the module docstring).
 
     ``frontend`` is rank 0's ``Frontend`` (or its link to one in another process; None
     elsewhere). ``on_iteration(busy)`` is called on every rank after each iteration (the SIGTERM
     handler of rank 0 hooks in there); ``heartbeat.tick()`` after every completed header exchange
-    and at the start and end of every engine step (real or dummy).
+    and at the start and end of every engine step (real or dummy). ``trace(record)``, if given, gets
+    every iteration's phases (``iteration_record``: what the loop's exchange between steps costs).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
@@ -204,6 +225,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
     steps = 0  # engine steps this loop ran (STEP_END)
     busy = False
     while True:
+        marks = [time.perf_counter()] if trace is not None else None
         commands = b""
         stop = False
         unplaced = []  # rank 0: requests the scheduler failed on
@@ -235,7 +257,9 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
         header = torch.tensor([rank_engine.local_work(), len(updates), len(commands), float(stop), len(unagreed),
                                digest] + [float(stats[k]) for k in STAT_FIELDS], dtype=torch.float64)
         headers = [torch.empty_like(header) for _ in range(world)]
+        _mark(marks)
         collectives.all_gather(headers, header)
+        _mark(marks)
         if heartbeat is not None:
             heartbeat.tick(record=busy)  # after an idle iteration the interval waited for work
         headers = torch.stack(headers)  # [world, HEADER_FIELDS]
@@ -248,8 +272,9 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
             data = collectives.broadcast(_bytes_tensor(commands, size), src=0)
             submits, cancels, assignment = pickle.loads(data.numpy().tobytes()) if rank else message
 
+        _mark(marks)
         published = unplaced  # rank 0: every rank's updates since the last iteration
-        size = int(headers[:, _UPDATES].max())
+        gathered = size = int(headers[:, _UPDATES].max())
         if size:
             parts = [torch.empty(size, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
             collectives.gather(_bytes_tensor(updates, size), parts, dst=0)
@@ -260,6 +285,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                     published.extend(ups)
                     if mat is not None:
                         matrices[r] = mat
+        _mark(marks)
         pending = []
         if tp_size > 1 and bool(headers[my_tp, _FAILURES].any()):
             pending.extend(_agree_failures(rank_engine, unagreed, tp, tp_rank, tp_size))
@@ -286,6 +312,7 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                 s["activations_to_device"] = matrices[r]
             frontend.publish(published, rank_stats)
 
+        _mark(marks)
         # the same numbers on every rank: work before this iteration plus the requests just assigned
         expected = headers[:, _WORK].clone()
         for submit in submits:
@@ -298,7 +325,8 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
         if not busy and stop:
             break
         work = rank_engine.local_work()
-        if work or group_work:
+        stepped = bool(work or group_work)
+        if stepped:
             if heartbeat is not None:
                 heartbeat.tick()
             if work:
@@ -316,5 +344,8 @@ def serve_loop(rank_engine, pg_collection, *, frontend=None, schedule: Optional[
                 heartbeat.tick()
             steps += 1
             STEP_END.emit(steps)
+        if marks is not None:
+            marks.append(time.perf_counter())
+            trace(iteration_record(marks, len(submits), bool(gathered), stepped))
         if on_iteration is not None:
             on_iteration(busy)

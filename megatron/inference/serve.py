@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between the ranks' routing counts reaching /metrics")
     g.add_argument("--a2a-spans", metavar="DIR", default=None,
                    help="append each engine step's expert all-to-alls (name, launch, completion) to "
-                        "DIR/a2a_spans_rank<R>.jsonl (bench_serve splits their time into transfer and rank-skew wait)")
+                        "DIR/a2a_spans_rank<R>.jsonl (bench_serve splits their time into transfer and rank-skew wait) "
+                        "and each loop iteration's phases to DIR/loop_rank<R>.jsonl (tools.profile.replay_steps)")
     from moe_variants import registry
 
     registry.add_runtime_arguments(p)  # e.g. Sem-MoE's --semmoe-tables (request scheduling)
@@ -336,6 +337,7 @@ def serve_rank(args) -> int:
                                  serving_model=changed)
         counters = AllToAllCounters(model)
         rank_engine.subscribe(counters)
+        trace = None
         if args.a2a_spans:
             os.makedirs(args.a2a_spans, exist_ok=True)
             spans = stack.enter_context(open(os.path.join(args.a2a_spans, f"a2a_spans_rank{rank}.jsonl"), "a",
@@ -344,6 +346,9 @@ def serve_rank(args) -> int:
                                     tp_group=None if tp1 else pgc.tp)
             stack.callback(recorder.close)
             rank_engine.subscribe(recorder)
+            loop_file = stack.enter_context(open(os.path.join(args.a2a_spans, f"loop_rank{rank}.jsonl"), "a",
+                                                 encoding="utf-8"))  # block-buffered: a line every iteration
+            trace = lambda record: loop_file.write(json.dumps(record) + "\n")  # noqa: E731
 
         stop = {"signal": None}
 
@@ -397,7 +402,7 @@ def serve_rank(args) -> int:
         try:
             serve_loop(rank_engine, pgc, frontend=frontend, on_iteration=on_iteration, heartbeat=heartbeat,
                        schedule=scheduler.online() if scheduler is not None else None,
-                       stats_interval_s=args.metrics_interval)
+                       stats_interval_s=args.metrics_interval, trace=trace)
         except Exception as err:
             _engine_failed(rank, frontend, err, roster)
         finally:
