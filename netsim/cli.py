@@ -523,6 +523,9 @@ def _configure_replay(p):
                    "ways and one way after each idle gap, each CSV with its sidecar JSON): every collective costs "
                    "what the link measured for its size, direction and rest (netsim.link_table.LinkTable); a "
                    "tensor-parallel run also needs its all_reduce calibrations")
+    p.add_argument("--model-version", metavar="NAME", default=None,
+                   help="the replay model's version, e.g. replay/7 to reproduce a result reported with it "
+                   "(default: the current one, netsim.replay.MODEL_VERSION)")
     p.add_argument("--json", metavar="OUT", help="write the result here")
 
 
@@ -544,6 +547,16 @@ def _replay_inputs(args):
     return run, profile, load_fit(args.fit), LinkTable.from_calibrations(args.link_table)
 
 
+def _model_version(args) -> str:
+    """The full version string of ``--model-version`` (one line naming the known ones otherwise)."""
+    from .replay import model
+
+    try:
+        return model(args.model_version).version
+    except ValueError as err:
+        raise UserError(f"--model-version: {err}") from None
+
+
 def _fmt_ms(x):
     return "-" if x is None else f"{x * 1e3:.1f}"
 
@@ -555,7 +568,9 @@ def _predict(args) -> int:
     from .validation import predict_run
 
     run, profile, constants, table = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, table)
+    version = _model_version(args)
+    pred = predict_run(run, profile["variants"], constants, table, version)
+    print(f"replay model {version}")
     print(f"{'variant':<12}{'rate':>6}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'out tok/s':>11}")
     for v, rates in pred.items():
         for rate, f in rates.items():
@@ -563,7 +578,7 @@ def _predict(args) -> int:
                   f"{f['output_tokens_per_s']:>11.1f}")
     if args.json:
         write_json(args.json, {"schema": "netsim-predict/1", "bench_serve": args.bench_serve, "fit": args.fit,
-                               "link_table": args.link_table, "predicted": pred})
+                               "link_table": args.link_table, "model_version": version, "predicted": pred})
         print(f"wrote {args.json}")
     return 0
 
@@ -575,8 +590,9 @@ def _validate(args) -> int:
     from .validation import code_version, predict_run, validate_run
 
     run, profile, constants, table = _replay_inputs(args)
-    pred = predict_run(run, profile["variants"], constants, table)
-    res = validate_run(run, pred)
+    version = _model_version(args)
+    pred = predict_run(run, profile["variants"], constants, table, version)
+    res = validate_run(run, pred, version)
     code = code_version()
     print(f"replay model {res['model_version']}, code at git {code}")
     print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
@@ -659,3 +675,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     return COMMANDS.main(sys.argv[1:] if argv is None else argv)
+
+
+from . import versions as _versions  # noqa: E402,F401  (registers the "versions" command)

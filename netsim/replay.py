@@ -17,10 +17,9 @@ those figures from inputs measured apart from the run (``netsim.validation`` rea
   costs ``iteration_s`` per iteration.
 
 The replay follows the serving loop (``megatron.inference.loop``) and megatron-core's dynamic
-engine as this project drives them. Every iteration all ranks run the loop's control collectives
-(a broadcast of the new requests and an all-gather of the last step's tokens, two small
-collectives each: the profiled ``iteration_s`` plus four latencies of the link), then step in
-lockstep: each rank's engine batches one decode token per running request plus prefill chunks of
+engine as this project drives them. Every iteration all ranks run the loop's own exchange
+(``loop_control_s``: the profiled ``iteration_s`` plus the loop's small collectives, which each
+version prices its way: ``MODELS``), then step in lockstep: each rank's engine batches one decode token per running request plus prefill chunks of
 waiting requests (first come, first served) up to ``max_batch_tokens`` tokens and
 ``max_requests`` requests, padded as the engine pads them (``Engine.padded``); ranks without
 work run the dummy forward while another rank works. The step lasts as long as its slowest rank's
@@ -33,8 +32,9 @@ token; TPOT the mean gap between its later tokens. A tensor-parallel run (TP = E
 one engine whose ranks all hold its tokens) adds its attention and embedding all-reduces and
 logit all-gathers on the same links.
 
-What it leaves out: HTTP and tokenizer time, Python jitter and host contention (2 ranks share
-2 cores with the client here: the served steps' compute runs 15-20% above the profile's), the
+What it leaves out: the HTTP front end's own time (a thread of rank 0: about 1-2 ms between a
+request's arrival and its first step beyond the loop's exchange, measured on a served run's step
+spans), Python jitter and host contention (2 ranks share 2 cores with the client here), the
 engine's memory limits (the benchmark's KV cache never fills).
 """
 
@@ -42,19 +42,56 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import math
 from typing import Optional, Sequence
 
 from .collectives import AlphaBeta
 from .link_table import LinkTable
 
-__all__ = ["MODEL_VERSION", "StepProfile", "Link", "Engine", "Request", "simulate", "step_all_to_all_s",
+__all__ = ["MODEL_VERSION", "MODELS", "Model", "Control", "model", "loop_control_s", "StepProfile", "Link", "Engine", "Request", "simulate", "step_all_to_all_s",
            "rest_links", "step_calls", "dispatch_flows"]
 
 # The replay model's version. A validation is out of sample only for runs measured after the model
 # it names was fixed: change this (docs/design/netsim.md, "The replay model") whenever
 # the replay's arithmetic changes; ``validate`` prints it with the git commit of the code.
-MODEL_VERSION = "replay/7 (2026-11-27)"
+MODEL_VERSION = "replay/8 (2026-12-03)"
+
+
+class Control(str, enum.Enum):
+    """How a version prices the serving loop's own exchange between steps (``_control``)."""
+
+    FITTED = "fitted"
+    LINK_TABLE = "link-table"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One version of the replay's arithmetic: what differs between versions, so that a result
+    reported with an earlier version is still reproduced by it (``MODELS``, ``model``)."""
+
+    version: str
+    control: Control
+
+    @property
+    def name(self) -> str:
+        """The version without its date (``replay/8``)."""
+        return self.version.split()[0]
+
+
+MODELS = {m.version: m for m in (Model("replay/7 (2026-11-27)", Control.FITTED),
+                                 Model(MODEL_VERSION, Control.LINK_TABLE))}
+
+
+def model(version: Optional[str] = None) -> Model:
+    """The model of ``version`` (its full string or its name, e.g. ``replay/7``; the current one by
+    default); a one-line ``ValueError`` naming the known versions otherwise."""
+    if version is None:
+        return MODELS[MODEL_VERSION]
+    for m in MODELS.values():
+        if version in (m.version, m.name):
+            return m
+    raise ValueError(f"no replay model {version!r} (known: {', '.join(m.name for m in MODELS.values())})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +202,13 @@ class _Live:
 
 
 def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, link: Link,
-             table: LinkTable) -> list:
-    """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring)."""
+             table: LinkTable, model: Optional[Model] = None, stats: Optional[dict] = None) -> list:
+    """Per request ``(ttft_s, e2e_s, output_tokens)`` in the order given (see the module docstring);
+    ``model``: the version's arithmetic (``MODELS``; the current ``MODEL_VERSION`` by default).
+    ``stats``, if given, gets the replayed totals added: ``steps``, ``busy_s`` (their compute and
+    collectives: what the server counts as ``engine_busy_s``) and ``loop_s`` (the loop's exchange
+    of the iterations that stepped)."""
+    model = model or MODELS[MODEL_VERSION]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     arrivals = collections.deque(order)
     waiting = [collections.deque() for _ in range(engine.ranks)]
@@ -174,20 +216,32 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
     done: dict = {}
     turn = 0
     t = 0.0
-    ctrl = profile.iteration_s + link.control_s()
+    costs = {(a, p): loop_control_s(model, profile, link, table, a, p) for a in (False, True) for p in (False, True)}
+
+    def control(arrived: bool, produced: bool) -> float:
+        return costs[arrived, produced]
+
+    produced: list = []
     rest = [[math.inf, math.inf] for _ in range(engine.ranks * profile.tp)]  # seconds each rank link's directions rested
     while len(done) < len(requests):
-        rest_links(rest, ctrl)
+        if model.control is Control.FITTED:  # the same every iteration: the links rest through it first
+            rest_links(rest, control(False, False))
         if not any(waiting) and not any(active):
             idle = max(0.0, requests[arrivals[0]].arrival_s - t)
             rest_links(rest, idle)
             t = max(t, requests[arrivals[0]].arrival_s)
+            produced = []  # published before the loop went idle
+        arrived = False
         while arrivals and requests[arrivals[0]].arrival_s <= t:
             i = arrivals.popleft()
             rank = requests[i].rank
             if rank is None:
                 rank, turn = turn, (turn + 1) % engine.ranks
             waiting[rank].append(_Live(i, requests[i]))
+            arrived = True
+        ctrl = control(arrived, bool(produced))
+        if model.control is not Control.FITTED:
+            rest_links(rest, ctrl)
         t += ctrl
         tokens, reqs, padded, produced = [0] * engine.ranks, [0] * engine.ranks, [0] * engine.ranks, []
         decode_only = True
@@ -219,10 +273,14 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         if not any(tokens):
             continue
         compute = max(profile.compute_s(n, b) if n else profile.dummy_s for n, b in zip(padded, reqs))
+        calls = step_all_to_all_s(table, profile, [n for n in padded for _ in range(profile.tp)], compute, rest,
+                                  requests=max(reqs), decode=decode_only)
         t += compute  # a TP group's ranks all hold (and dispatch) their engine's tokens
-        t += step_all_to_all_s(table, profile, [n for n in padded for _ in range(profile.tp)], compute, rest,
-                               requests=max(reqs), decode=decode_only)
-        seen = t + ctrl  # published by the next iteration's all-gather
+        t += calls
+        if stats is not None:
+            for key, value in (("steps", 1), ("busy_s", compute + calls), ("loop_s", ctrl)):
+                stats[key] = stats.get(key, 0) + value
+        seen = t + control(False, bool(produced))  # published by the next iteration's exchange
         for x in produced:
             x.generated += 1
             if x.generated == 1:
@@ -233,6 +291,21 @@ def simulate(requests: Sequence[Request], engine: Engine, profile: StepProfile, 
         for r in range(engine.ranks):
             active[r] = [x for x in active[r] if x.index not in done]
     return [done[i] for i in range(len(requests))]
+
+
+def loop_control_s(model: Model, profile: StepProfile, link: Link, table: LinkTable, arrived: bool,
+                   produced: bool) -> float:
+    """Seconds of one serving-loop iteration outside the forwards (``megatron.inference.loop``).
+    ``FITTED`` (replay/7): the profiled overhead plus four latencies of the fitted constants, every
+    iteration. ``LINK_TABLE`` (replay/8): the profiled overhead plus the loop's collectives as it
+    makes them, each timed as the run's link table's smallest message after a long rest: the
+    header's all-gather every iteration, the commands' broadcast when requests ``arrived``, the
+    token updates' gather when the last step ``produced`` tokens. (The profiled overhead, taken on
+    loopback, already holds these collectives' loopback latencies, a few tens of microseconds.)"""
+    if model.control is Control.FITTED or link.ranks < 2:
+        return profile.iteration_s + link.control_s()
+    small = table.seconds(table.smallest_bytes, table.smallest_bytes, math.inf)
+    return profile.iteration_s + small * (1 + int(arrived) + int(produced))
 
 
 def dispatch_flows(profile: StepProfile, padded: Sequence[int]) -> tuple:

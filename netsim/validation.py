@@ -20,7 +20,7 @@ from megatron.common.cli import UserError
 
 from .collectives import AlphaBeta
 from .link_table import LinkTable
-from .replay import MODEL_VERSION, Engine, Link, Request, StepProfile, simulate
+from .replay import MODEL_VERSION, Engine, Link, Request, StepProfile, model, simulate
 
 __all__ = ["FIGURES", "OFFERED_LOAD_FRACTION", "phase_figures", "read_json", "profile_path", "load_fit",
            "predict_run", "validate_run", "offered_load_bound", "code_version"]
@@ -105,11 +105,17 @@ def rate_phases(run: dict, variant: str) -> list:
     return [p for p in run["requests"][variant] if p.startswith("rate-")]
 
 
-def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTable) -> dict:
+def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTable,
+                model_version: str = MODEL_VERSION) -> dict:
     """Predicted ``FIGURES`` per variant and request rate of a bench_serve run (``--mode serve``,
-    shaped link) on the link ``table`` calibrated at its rate. ``profiles``: variant -> profile dict
+    shaped link) on the link ``table`` calibrated at its rate, by the replay model of
+    ``model_version`` (``netsim.replay.MODELS``). ``profiles``: variant -> profile dict
     (``scripts/profile_serving_compute.py``). Off-rank bytes follow the LAR the run measured:
     ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
+    try:
+        replay_model = model(model_version)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if run.get("mode") != "serve":
         raise UserError("only --mode serve runs can be predicted (TTFT, TPOT, throughput under load)")
     net = run["network"]
@@ -147,7 +153,7 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTabl
         out[v] = {}
         for phase in rate_phases(run, v):
             reqs = run_requests(run, v, phase)
-            got = simulate(reqs, engine, step, link, table)
+            got = simulate(reqs, engine, step, link, table, replay_model)
             out[v][phase.split("-", 1)[1]] = phase_figures([g[0] for g in got], [g[1] for g in got],
                                                            [g[2] for g in got], [r.arrival_s for r in reqs])
     return out
@@ -186,11 +192,12 @@ def measured_figures(stats: dict) -> dict:
             "output_tokens_per_s": stats["output_tokens_per_s"]}
 
 
-def validate_run(run: dict, predicted: dict) -> dict:
+def validate_run(run: dict, predicted: dict, model_version: str = MODEL_VERSION) -> dict:
     """Relative error ``(predicted - measured) / measured`` of every figure, and their mean absolute
     per figure. Throughput counts only at rates above saturation (``offered_load_bound`` false):
     below it both sides equal the offered load and would dilute the mean. ``mean_abs_rel_error``
-    is over the counted points; ``mean_abs_rel_error_all_points`` counts every point."""
+    is over the counted points; ``mean_abs_rel_error_all_points`` counts every point. The result
+    names ``model_version``, the model that made ``predicted``."""
     rows, unmodelled = [], {}
     for v, rates in predicted.items():
         scheduler = run["variants"][v].get("request_scheduler")
@@ -217,4 +224,4 @@ def validate_run(run: dict, predicted: dict) -> dict:
     return {"rows": rows, **summary(counted),
             "by_figure": {fig: summary([r for r in counted if r["figure"] == fig]) for fig in FIGURES},
             "mean_abs_rel_error_all_points": everything["mean_abs_rel_error"], "all_points": everything["points"],
-            "unmodelled": unmodelled, "model_version": MODEL_VERSION}
+            "unmodelled": unmodelled, "model_version": model(model_version).version}

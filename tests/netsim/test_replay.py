@@ -8,7 +8,8 @@ import math
 import pytest
 
 from netsim.collectives import AlphaBeta
-from netsim.replay import Engine, Link, Request, StepProfile, simulate, step_all_to_all_s, step_calls
+from netsim.replay import (Engine, Link, Request, StepProfile, loop_control_s, model, simulate, step_all_to_all_s,
+                           step_calls)
 from tests.netsim.conftest import flat_table, link_table, table_csv
 
 C = AlphaBeta(alpha0=0.0, alpha_round=0.0, alpha_dest=1e-4, utilization=1.0)
@@ -16,7 +17,8 @@ C = AlphaBeta(alpha0=0.0, alpha_round=0.0, alpha_dest=1e-4, utilization=1.0)
 PROF = StepProfile(fixed_s=0.01, per_token_s=1e-4, per_request_s=1e-3, dummy_s=0.005, a2a_bytes_per_token=1000.0,
                    a2a_calls=4, iteration_s=1e-3, layout_decode=(0.2,) * 5, layout_prefill=(0.2,) * 5)
 LINK = Link(ranks=2, constants=C)
-CTRL = 1e-3 + 4 * 1e-4  # the profiled loop overhead and four latencies of the link
+CTRL = 1e-3 + 4 * 1e-4  # replay/7: the profiled loop overhead and four latencies of the link
+V7 = model("replay/7")  # the hand-worked steps below are the same in every version; the loop's exchange is replay/7's
 
 
 def _a2a(tokens):
@@ -27,7 +29,7 @@ def _a2a(tokens):
 
 def test_one_request_alone(tmp_path):
     (ttft, e2e, n), = simulate([Request(0.0, 10, 3)], Engine(2, 64, 4, token_rounder=1), PROF, LINK,
-                               flat_table(tmp_path))
+                               flat_table(tmp_path), V7)
     prefill = CTRL + PROF.compute_s(10, 1) + _a2a(10)  # the other rank runs its dummy forward (cheaper)
     decode = CTRL + PROF.compute_s(1, 1) + _a2a(1)
     assert n == 3
@@ -37,7 +39,7 @@ def test_one_request_alone(tmp_path):
 
 def test_lockstep_round_robin_and_the_slowest_rank(tmp_path):
     got = simulate([Request(0.0, 10, 1), Request(0.0, 30, 1)], Engine(2, 64, 4, token_rounder=1), PROF, LINK,
-                   flat_table(tmp_path))
+                   flat_table(tmp_path), V7)
     step = CTRL + PROF.compute_s(30, 1) + _a2a(30)  # ranks 0 and 1 in one step; the 30-token rank sets it
     assert [g[0] for g in got] == pytest.approx([step + CTRL] * 2)
 
@@ -71,8 +73,8 @@ def test_recorded_assignment_is_replayed(tmp_path):
     simultaneous requests recorded on rank 0 are served in one prefill batch on rank 0 while rank
     1 idles; without a record they split over the ranks."""
     engine, t = Engine(2, 64, 4, token_rounder=1), flat_table(tmp_path)
-    spread = simulate([Request(0.0, 10, 1), Request(0.0, 10, 1)], engine, PROF, LINK, t)
-    stacked = simulate([Request(0.0, 10, 1, rank=0), Request(0.0, 10, 1, rank=0)], engine, PROF, LINK, t)
+    spread = simulate([Request(0.0, 10, 1), Request(0.0, 10, 1)], engine, PROF, LINK, t, V7)
+    stacked = simulate([Request(0.0, 10, 1, rank=0), Request(0.0, 10, 1, rank=0)], engine, PROF, LINK, t, V7)
     assert spread[0][0] == pytest.approx(CTRL + PROF.compute_s(10, 1) + _a2a(10) + CTRL)
     assert stacked[0][0] == pytest.approx(CTRL + PROF.compute_s(20, 2) + _a2a(20) + CTRL)  # one batch of both
 
@@ -111,7 +113,7 @@ def test_a_lone_prefill_with_the_link_table(tmp_path):
     rest = [[math.inf, math.inf], [math.inf, math.inf]]
     assert step_all_to_all_s(t, prof, [10, 0], compute, rest) == pytest.approx(expected)
     assert rest[0][0] == pytest.approx(full - spend + d2 + meta + part + c2 + part)  # the probabilities follow the dispatch
-    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t)
+    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(2, 64, 4, token_rounder=1), prof, LINK, t, V7)
     ctrl = 3e-3 + LINK.control_s()
     assert ttft == pytest.approx(ctrl + compute + expected + ctrl)
     # all the compute before the first call leaves the calls back to back
@@ -170,11 +172,50 @@ def test_a_tensor_parallel_step_by_hand(tmp_path):
     got = step_all_to_all_s(t, prof, [10, 10], compute, links, requests=3)
     assert got == pytest.approx(embed + attn + meta + dispatch + combine + gather)
     # simulate: one engine whose two ranks both hold the request
-    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(1, 64, 4, token_rounder=1), prof, LINK, t)
+    (ttft, _, _), = simulate([Request(0.0, 10, 1)], Engine(1, 64, 4, token_rounder=1), prof, LINK, t, V7)
     ctrl = 3e-3 + 4 * 1e-4
     expected_step = step_all_to_all_s(t, prof, [10, 10], prof.compute_s(10, 1), [[math.inf] * 2 for _ in range(2)],
                                       requests=1)
     assert ttft == pytest.approx(ctrl + prof.compute_s(10, 1) + expected_step + ctrl)
+
+
+def test_the_loop_exchange_by_version(tmp_path):
+    """replay/7 charges the profiled overhead and four fitted latencies every iteration; replay/8
+    the loop's collectives as it makes them (the header every iteration, the broadcast when requests
+    arrived, the gather after a step that produced tokens), each the link table's smallest message."""
+    t = flat_table(tmp_path)
+    small = t.seconds(t.smallest_bytes, t.smallest_bytes, math.inf)
+    assert small == pytest.approx(1e-3)
+    v8 = model("replay/8")
+    for arrived in (False, True):
+        for produced in (False, True):
+            assert loop_control_s(V7, PROF, LINK, t, arrived, produced) == pytest.approx(CTRL)
+            assert loop_control_s(v8, PROF, LINK, t, arrived, produced) == pytest.approx(
+                PROF.iteration_s + small * (1 + arrived + produced))
+            assert loop_control_s(v8, PROF, Link(1, C), t, arrived, produced) == PROF.iteration_s  # no peers
+    assert model() is model("replay/8") and model(v8.version) is v8
+    with pytest.raises(ValueError, match="no replay model 'replay/0' .known: replay/7, replay/8"):
+        model("replay/0")
+
+
+def test_one_request_alone_in_replay_8(tmp_path):
+    """The first iteration brings the request (header and broadcast), each later one gathers the
+    last step's token (header and gather); a token reaches the client one such exchange later."""
+    t = flat_table(tmp_path)
+    (ttft, e2e, n), = simulate([Request(0.0, 10, 3)], Engine(2, 64, 4, token_rounder=1), PROF, LINK, t)
+    two = PROF.iteration_s + 2 * 1e-3
+    prefill = two + PROF.compute_s(10, 1) + _a2a(10)
+    decode = two + PROF.compute_s(1, 1) + _a2a(1)
+    assert n == 3
+    assert ttft == pytest.approx(prefill + two)
+    assert e2e == pytest.approx(prefill + 2 * decode + two)
+    # a request arriving while another decodes (during the second iteration) joins the third, with
+    # that iteration's broadcast: three messages
+    got = simulate([Request(0.0, 10, 3), Request(prefill + 1e-6, 10, 1)], Engine(2, 64, 4, token_rounder=1), PROF,
+                   LINK, t)
+    three = PROF.iteration_s + 3 * 1e-3
+    step = three + PROF.compute_s(10, 1) + _a2a(10)  # the newcomer's 10 tokens on rank 1 set the step
+    assert got[1][0] == pytest.approx(prefill + decode + step + two - (prefill + 1e-6))
 
 
 def test_step_calls_in_the_order_the_spans_record():

@@ -78,6 +78,15 @@ def test_validate_cli(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == f"replay model {MODEL_VERSION}, code at git {code_version()}"
     assert "mean absolute relative error over 3 points" in printed
+    # an earlier version reproduces what was reported with it, and names itself
+    assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--model-version", "replay/7",
+                 "--json", str(tmp_path / "v7.json")]) == 0
+    v7 = json.loads((tmp_path / "v7.json").read_text())
+    assert v7["model_version"].startswith("replay/7 ") and v7["predicted"] != out["predicted"]
+    capsys.readouterr()
+    assert main(["validate", "--bench-serve", str(run), "--link-table", *tables, "--model-version", "replay/0"]) == 2
+    err = capsys.readouterr().err
+    assert "--model-version: no replay model 'replay/0'" in err and len(err.strip().splitlines()) == 1
     assert main(["validate", "--bench-serve", str(tmp_path / "missing.json"), "--link-table", *tables]) == 2
     assert "--bench-serve" in capsys.readouterr().err
     assert main(["validate", "--bench-serve", str(run)]) == 2  # the link table is a required input
