@@ -55,6 +55,58 @@ def test_steps_are_grouped_and_measured_without_rank_skew(tmp_path):
     # model bytes: d = 100 B per token one way; rank 0 sends d x 64 (padded) and gets back d x 64
     assert by["dummy"]["bytes_model"] == pytest.approx(100 * 64)
     assert by["dummy"]["replay_s"] > 0
+    assert json.loads(out.read_text())["between_steps"] is None  # no loop records
+
+
+def test_the_loops_exchange_between_steps(tmp_path):
+    """With the loop's records (``loop_rank<R>.jsonl``): per kind of iteration that stepped, each
+    rank's phases (median and mean) and what each replay version charges for such an iteration."""
+    from tools.profile.replay_steps import loop_summary
+
+    def rec(arrived, gathered, header, stepped=True):
+        return {"t": 0.0, "arrived": arrived, "gathered": gathered, "stepped": stepped,
+                "phases": {"work": 1e-4, "header": header, "broadcast": 2e-3 if arrived else 0.0,
+                           "gather": 1e-3 if gathered else 0.0, "adds": 1e-4, "step": 0.05}}
+
+    rank0 = [rec(2, False, 1e-3), rec(0, True, 1e-3), rec(0, True, 3e-3), rec(0, True, 2e-3, stepped=False)]
+    got = loop_summary([rank0, rank0[:2]], lambda arrived, gathered: {"v": 1e-3 * (1 + arrived + gathered)})
+    assert set(got) == {"arrived", "gathered"}  # the iteration that did not step is left out
+    gathered = got["gathered"]["ranks"]["0"]
+    assert gathered["n"] == 2 and gathered["header"]["median_s"] == pytest.approx(2e-3)
+    assert gathered["exchange"]["mean_s"] == pytest.approx(1e-4 + 2e-3 + 1e-3 + 1e-4)
+    assert got["gathered"]["ranks"]["1"]["n"] == 1 and got["arrived"]["replay_s"] == {"v": 2e-3}
+    # through the command: the replay's charge per version, printed and written
+    spans, prof, table = _inputs(tmp_path)
+    for r in range(2):
+        (spans / f"loop_rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rank0))
+    out = tmp_path / "out.json"
+    from tools.profile.replay_steps import main
+
+    assert main(["--spans", str(spans), "--profile", str(prof), "--variant", "standard", "--link-table", *table,
+                 "--fit", str(REPO / "examples/netsim/gloo_netns_fit.json"), "--json", str(out)]) == 0
+    between = json.loads(out.read_text())["between_steps"]
+    small = 0.001  # the table's smallest message (2000 B both ways: 1 ms)
+    assert between["arrived"]["replay_s"]["replay/8"] == pytest.approx(0.003 + 2 * small)
+    assert between["gathered"]["replay_s"]["replay/8"] == pytest.approx(0.003 + 2 * small)
+    assert between["gathered"]["replay_s"]["replay/7"] > 0.003
+    # totals over the iterations that stepped (each record starts at 0 s: none lies on a recorded step)
+    totals = json.loads(out.read_text())["loop_totals"]
+    assert totals[0]["iterations"] == 3 and totals[0]["step_s"] == pytest.approx(0.15)
+    assert totals[1]["iterations"] == 3 and totals[0]["beyond_span"]["n"] == 0  # both ranks wrote rank0
+
+
+def test_a_step_beyond_its_span():
+    """The loop's step phase against the step's recorded span: what the engine does after the forward."""
+    from tools.profile.replay_steps import loop_totals
+
+    spans = [{"t": 1.0, "end": 1.04}, {"t": 2.0, "end": 2.03}]
+    loops = [{"t": 0.99, "stepped": True, "phases": {"header": 0.01, "step": 0.045}},
+             {"t": 1.99, "stepped": True, "phases": {"header": 0.01, "step": 0.032}},
+             {"t": 2.5, "stepped": False, "phases": {"header": 0.01, "step": 0.0}}]
+    (got,) = loop_totals([spans], [loops])
+    assert got["iterations"] == 2 and got["step_s"] == pytest.approx(0.077)
+    assert got["exchange_s"] == pytest.approx(0.02)
+    assert got["beyond_span"]["n"] == 2 and got["beyond_span"]["mean_s"] == pytest.approx((0.005 + 0.002) / 2)
 
 
 @pytest.mark.slow  # starts processes

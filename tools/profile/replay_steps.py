@@ -16,6 +16,12 @@ compute used, so what is left (``skew``) is the time ranks spent waiting on each
 collectives, which the replay does not model. Steps are grouped as prefill (a rank forwards more tokens than
 ``max_requests``), decode, and those where one rank runs the dummy forward. Tokens are padded as
 the engine pads them (``Engine.padded``; a step of at most ``max_requests`` tokens counts as decode).
+
+Between the steps: the servers also record every loop iteration's phases (``loop_rank<R>.jsonl``,
+``megatron.inference.loop.iteration_record``). For the iterations that stepped, grouped by what the
+loop exchanged (requests brought: the commands' broadcast; token updates gathered; neither), this
+gives each phase's median and mean on each rank and what each replay model version charges for
+such an iteration (``netsim.replay.loop_control_s``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,65 @@ def compare(spans_by_rank: list, profile, engine, table) -> dict:
     return out
 
 
+def _open(path: str):
+    """``path``, or ``path.gz`` where only that exists (committed records are gzipped)."""
+    import gzip
+
+    return open(path) if os.path.exists(path) or not os.path.exists(path + ".gz") else gzip.open(path + ".gz", "rt")
+
+
+def loop_summary(loops_by_rank: list, charge) -> dict:
+    """Per kind of iteration that stepped (``arrived``: brought requests; ``gathered``: only gathered
+    token updates; ``neither``), per rank: ``n`` and each phase's and the exchange's (every phase but
+    the step) median and mean seconds; ``charge(arrived, gathered)``: version -> the replay's seconds."""
+    import statistics
+
+    out: dict = {}
+    for rank, records in enumerate(loops_by_rank):
+        for r in records:
+            if not r["stepped"]:
+                continue
+            kind = "arrived" if r["arrived"] else ("gathered" if r["gathered"] else "neither")
+            row = out.setdefault(kind, {"replay_s": charge(bool(r["arrived"]), bool(r["gathered"])), "ranks": {}})
+            cell = row["ranks"].setdefault(str(rank), {})
+            phases = dict(r["phases"])
+            phases["exchange"] = sum(v for k, v in r["phases"].items() if k != "step")
+            for k, v in phases.items():
+                cell.setdefault(k, []).append(v)
+    for row in out.values():
+        for rank, cell in row["ranks"].items():
+            row["ranks"][rank] = {"n": len(cell["exchange"]), **{
+                k: {"median_s": statistics.median(v), "mean_s": statistics.fmean(v)} for k, v in cell.items()}}
+    return out
+
+
+def loop_totals(spans_by_rank: list, loops_by_rank: list) -> list:
+    """Per rank, over the iterations that stepped: their count, the seconds of their engine steps
+    (the loop's ``step`` phase: the whole ``RankEngine.step``) and of their exchange (every other
+    phase), and how far each step reaches beyond its recorded span (``t`` to ``end``: the forward,
+    which the server's ``engine_busy_s`` counts; beyond it, the engine's bookkeeping after the
+    forward), median and mean over the steps matched to a span."""
+    import bisect
+    import statistics
+
+    out = []
+    for spans, loops in zip(spans_by_rank, loops_by_rank):
+        starts = [s["t"] for s in spans]
+        stepped = [r for r in loops if r["stepped"]]
+        beyond = []
+        for r in stepped:
+            begin = r["t"] + sum(v for k, v in r["phases"].items() if k != "step")
+            end = begin + r["phases"]["step"]
+            i = bisect.bisect_left(starts, begin)
+            if i < len(spans) and spans[i]["t"] <= end:
+                beyond.append(r["phases"]["step"] - (spans[i]["end"] - spans[i]["t"]))
+        out.append({"iterations": len(stepped), "step_s": sum(r["phases"]["step"] for r in stepped),
+                    "exchange_s": sum(v for r in stepped for k, v in r["phases"].items() if k != "step"),
+                    "beyond_span": {"n": len(beyond), "median_s": statistics.median(beyond) if beyond else None,
+                                    "mean_s": statistics.fmean(beyond) if beyond else None}})
+    return out
+
+
 def main(argv=None) -> int:
     from megatron.common.cli import UserError, run_cli, user_input
     from megatron.common.files import write_json
@@ -75,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", required=True, metavar="JSON", help="a serving compute profile (python -m tools.profile.serving_compute)")
     p.add_argument("--variant", required=True)
     p.add_argument("--link-table", required=True, nargs="+", metavar="CSV")
+    p.add_argument("--fit", metavar="JSON", default="examples/netsim/gloo_netns_fit.json",
+                   help="the collective fit replay/7 prices the loop's exchange with (netsim validate's --fit)")
     p.add_argument("--json", metavar="OUT")
 
     def body():
@@ -98,7 +165,7 @@ def main(argv=None) -> int:
         for r in range(engine.ranks):
             path = os.path.join(args.spans, f"a2a_spans_rank{r}.jsonl")
             try:
-                with open(path) as f:
+                with _open(path) as f:
                     spans.append([json.loads(line) for line in f if line.strip()])
             except (OSError, ValueError) as err:
                 raise UserError(f"--spans {args.spans}: {path} is not readable ({err})") from None
@@ -108,6 +175,25 @@ def main(argv=None) -> int:
         with user_input():
             table = LinkTable.from_calibrations(args.link_table)
         out = compare(spans, profile, engine, table)
+        loops = []
+        for r in range(engine.ranks * profile.tp):
+            path = os.path.join(args.spans, f"loop_rank{r}.jsonl")
+            if os.path.exists(path) or os.path.exists(path + ".gz"):
+                try:
+                    with _open(path) as f:
+                        loops.append([json.loads(line) for line in f if line.strip()])
+                except (OSError, ValueError) as err:
+                    raise UserError(f"--spans {args.spans}: {path} is not readable ({err})") from None
+        between = totals = None
+        if loops:
+            from netsim.replay import MODELS, Link, loop_control_s
+            from netsim.validation import load_fit
+
+            with user_input():
+                link = Link(engine.ranks * profile.tp, load_fit(args.fit))
+            between = loop_summary(loops, lambda arrived, gathered: {
+                m.name: loop_control_s(m, profile, link, table, arrived, gathered) for m in MODELS.values()})
+            totals = loop_totals(spans, loops)
         print(f"{MODEL_VERSION}: collective seconds per kind of step (measured, and the replay's on the link table)")
         print(f"{'steps':<8}{'n':>6}{'measured s':>12}{'replay s':>12}{'MB measured':>13}{'MB model':>10}"
               f"{'wall s':>9}{'compute s':>11}{'skew s':>8}")
@@ -116,9 +202,30 @@ def main(argv=None) -> int:
             print(f"{kind:<8}{r['steps']:>6}{r['measured_s']:>12.2f}{r['replay_s']:>12.2f}"
                   f"{r['bytes_measured'] / 1e6:>13.1f}{r['bytes_model'] / 1e6:>10.1f}{r['wall_s']:>9.2f}"
                   f"{r['compute_s']:>11.2f}{skew:>8.2f}")
+        if between:
+            names = list(next(iter(between.values()))["replay_s"])
+            print("the loop's exchange between steps, per kind of iteration that stepped (ms; median / mean)")
+            print(f"{'iteration':<10}{'rank':>5}{'n':>6}{'header':>14}{'broadcast':>14}{'gather':>14}{'own work':>14}"
+                  f"{'exchange':>14}" + "".join(f"{n:>10}" for n in names))
+            for kind, row in between.items():
+                for rank, c in row["ranks"].items():
+                    def ms(k, c=c):
+                        return f"{c[k]['median_s'] * 1e3:.2f} / {c[k]['mean_s'] * 1e3:.2f}"
+                    own = {a: c["work"][a] + c["adds"][a] for a in ("median_s", "mean_s")}
+                    print(f"{kind:<10}{rank:>5}{c['n']:>6}{ms('header'):>14}{ms('broadcast'):>14}{ms('gather'):>14}"
+                          f"{own['median_s'] * 1e3:>6.2f} / {own['mean_s'] * 1e3:.2f}{ms('exchange'):>14}"
+                          + "".join(f"{row['replay_s'][n] * 1e3:>10.2f}" for n in names))
+            for rank, tot in enumerate(totals):
+                b = tot["beyond_span"]
+                beyond = "no step matched to a recorded span" if not b["n"] else (
+                    f"a step lasts {b['median_s'] * 1e3:.2f} ms (median; mean {b['mean_s'] * 1e3:.2f}) beyond its "
+                    "recorded span")
+                print(f"rank {rank}: {tot['iterations']} iterations that stepped: steps {tot['step_s']:.2f} s, exchange "
+                      f"{tot['exchange_s']:.2f} s; {beyond}")
         if args.json:
             write_json(args.json, {"schema": "replay-steps/1", "model_version": MODEL_VERSION, "spans": args.spans, "profile": args.profile,
-                                   "variant": args.variant, "link_table": args.link_table, "by_kind": out})
+                                   "variant": args.variant, "link_table": args.link_table, "by_kind": out,
+                                   "between_steps": between, "loop_totals": totals})
             print(f"wrote {args.json}")
         return 0
 
