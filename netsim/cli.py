@@ -626,6 +626,8 @@ def _configure_report(p):
     p.add_argument("validations", nargs="+", metavar="NAME=VALIDATE_JSON",
                    help="a configuration's name and its `validate --json` output (its bench_serve run is read from it)")
     p.add_argument("--goal", type=positive_float, default=0.15, help="the error goal each pooled figure is held to")
+    p.add_argument("--pairs", nargs="+", default=[], metavar="BASE:WHATIF",
+                   help="what-if pairs among the names given: the change each measured against the change predicted")
     p.add_argument("--json", metavar="OUT", help="write the reports here")
 
 
@@ -650,12 +652,23 @@ def _report_inputs(items: list) -> list:
 def _report(args) -> int:
     from megatron.common.files import write_json
 
-    from .report import configuration_report, format_report
+    from .report import configuration_report, format_pairs, format_report, whatif_pair
 
-    reports = [configuration_report(*inputs) for inputs in _report_inputs(args.validations)]
+    inputs = _report_inputs(args.validations)
+    reports = [configuration_report(*one) for one in inputs]
     print(format_report(reports, args.goal))
+    by_name = {name: validation for name, validation, _ in inputs}
+    pairs = []
+    for item in args.pairs:
+        base, _, whatif = item.partition(":")
+        if base not in by_name or whatif not in by_name:
+            raise UserError(f"--pairs {item}: expected BASE:WHATIF among the names given ({', '.join(by_name)})")
+        pairs.append(whatif_pair(base, by_name[base], whatif, by_name[whatif]))
+    if pairs:
+        print(format_pairs(pairs))
     if args.json:
-        write_json(args.json, {"schema": "netsim-report/1", "goal": args.goal, "configurations": reports})
+        write_json(args.json, {"schema": "netsim-report/1", "goal": args.goal, "configurations": reports,
+                               **({"pairs": pairs} if pairs else {})})
         print(f"wrote {args.json}")
     return 0
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .validation import FIGURES
 
-__all__ = ["RUN_KEYS", "configuration_report", "format_report"]
+__all__ = ["RUN_KEYS", "configuration_report", "format_report", "whatif_pair", "format_pairs"]
 
 # the per-repeat figure in bench_serve's ``runs[i].variants.<v>.<rate>`` for each validated figure
 RUN_KEYS = {"ttft_p50_s": "ttft_s.p50", "tpot_p50_s": "tpot_s.p50", "output_tokens_per_s": "output_tokens_per_s"}
@@ -86,4 +86,40 @@ def format_report(reports: list, goal: float = 0.15) -> str:
     lines.append("")
     lines.append(f"model {', '.join(map(str, versions))}; measurements marked loaded: {loads}")
     lines.append(f"goal (every pooled figure <= {_pct(goal)}): " + ("met" if not missed else "missed by " + ", ".join(missed)))
+    return "\n".join(lines)
+
+
+def whatif_pair(base: str, base_validation: dict, whatif: str, whatif_validation: dict) -> dict:
+    """A what-if question (one setting changed from a base configuration): per variant, rate and
+    figure counted in both validations, the change the runs measured (``whatif / base``), the change
+    the model predicted, and the error of the predicted change (``predicted / measured - 1``); per
+    figure their mean absolute value. A model can be off in both runs alike and still answer the
+    question: this is the error a user asking it sees."""
+    def rows(validation):
+        return {(r["variant"], r["rate"], r["figure"]): r for r in validation["rows"] if r["counted"]}
+
+    a, b = rows(base_validation), rows(whatif_validation)
+    points = []
+    for key in sorted(a.keys() & b.keys()):
+        ra, rb = a[key], b[key]
+        if not (ra["measured"] and ra["predicted"] and rb["measured"]):
+            continue
+        measured, predicted = rb["measured"] / ra["measured"], rb["predicted"] / ra["predicted"]
+        points.append({"variant": key[0], "rate": key[1], "figure": key[2], "measured_change": measured,
+                       "predicted_change": predicted, "error": predicted / measured - 1})
+    figures = {fig: _mean_abs([p["error"] for p in points if p["figure"] == fig]) for fig in FIGURES}
+    return {"base": base, "whatif": whatif, "points": points, "figures": figures}
+
+
+def format_pairs(pairs: list) -> str:
+    """A markdown table: per what-if pair and figure the mean absolute error of the predicted change."""
+    lines = ["| what-if | figure | measured change (range) | error of the predicted change | points |", "|---|---|---|---|---|"]
+    for pair in pairs:
+        for fig in FIGURES:
+            pts = [p for p in pair["points"] if p["figure"] == fig]
+            if not pts:
+                continue
+            changes = [p["measured_change"] for p in pts]
+            lines.append(f"| {pair['whatif']} vs {pair['base']} | {fig} | x{min(changes):.2f}-x{max(changes):.2f} | "
+                         f"{_pct(pair['figures'][fig])} | {len(pts)} |")
     return "\n".join(lines)

@@ -60,3 +60,32 @@ def test_the_command_reads_the_validation_and_its_run(tmp_path, capsys):
         assert main(["report", f"X={bad}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0] and str(bad) in err[0], err
+
+
+def test_a_whatif_pair_compares_the_changes():
+    """The base measured TTFT 0.1 s (predicted 0.11), the what-if 0.2 s (predicted 0.2): the run
+    doubled, the model predicted x1.82, so the predicted change is 9.1% short."""
+    from netsim.report import format_pairs, whatif_pair
+
+    base = _validation("a.json")
+    whatif = _validation("b.json")
+    whatif["rows"][0] = dict(whatif["rows"][0], measured=0.2, predicted=0.2)
+    pair = whatif_pair("B", base, "W", whatif)
+    ttft = next(p for p in pair["points"] if p["figure"] == "ttft_p50_s")
+    assert ttft["measured_change"] == pytest.approx(2.0) and ttft["predicted_change"] == pytest.approx(0.2 / 0.11)
+    assert pair["figures"]["ttft_p50_s"] == pytest.approx(abs(0.2 / 0.11 / 2.0 - 1))
+    assert pair["figures"]["tpot_p50_s"] == pytest.approx(0.0)  # unchanged on both sides
+    assert pair["figures"]["output_tokens_per_s"] is None  # not counted in either
+    assert "| W vs B | ttft_p50_s | x2.00-x2.00 | 9.1% | 1 |" in format_pairs([pair])
+
+
+def test_the_command_reports_pairs(tmp_path, capsys):
+    (tmp_path / "serve.json").write_text(json.dumps(_run()))
+    (tmp_path / "v.json").write_text(json.dumps(_validation(str(tmp_path / "serve.json"))))
+    args = ["report", f"B={tmp_path / 'v.json'}", f"W={tmp_path / 'v.json'}", "--json", str(tmp_path / "r.json")]
+    assert main(args + ["--pairs", "B:W"]) == 0
+    assert "| W vs B | tpot_p50_s | x1.00-x1.00 | 0.0% | 1 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["pairs"][0]["whatif"] == "W"
+    assert main(args + ["--pairs", "B:Z"]) == 2
+    err = capsys.readouterr().err
+    assert "--pairs B:Z: expected BASE:WHATIF among the names given (B, W)" in err and len(err.strip().splitlines()) == 1
