@@ -49,7 +49,8 @@ from typing import Optional, Sequence
 from .collectives import AlphaBeta
 from .link_table import LinkTable
 
-__all__ = ["MODEL_VERSION", "MODELS", "Model", "Control", "model", "loop_control_s", "StepProfile", "Link", "Engine", "Request", "simulate", "step_all_to_all_s",
+__all__ = ["MODEL_VERSION", "MODELS", "Model", "Control", "model", "loop_control_s", "StepProfile", "Link", "Engine",
+           "Request", "simulate", "step_all_to_all_s",
            "rest_links", "step_calls", "dispatch_flows"]
 
 # The replay model's version. A validation is out of sample only for runs measured after the model

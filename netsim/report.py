@@ -113,7 +113,8 @@ def whatif_pair(base: str, base_validation: dict, whatif: str, whatif_validation
 
 def format_pairs(pairs: list) -> str:
     """A markdown table: per what-if pair and figure the mean absolute error of the predicted change."""
-    lines = ["| what-if | figure | measured change (range) | error of the predicted change | points |", "|---|---|---|---|---|"]
+    lines = ["| what-if | figure | measured change (range) | error of the predicted change | points |",
+             "|---|---|---|---|---|"]
     for pair in pairs:
         for fig in FIGURES:
             pts = [p for p in pair["points"] if p["figure"] == fig]

@@ -51,8 +51,8 @@ serve_one() {
     step "${id}_serve" "$w/serve.json" $PY scripts/bench_serve.py "$@" "${COMMON[@]}" --link-gbit "$rate" \
         --work-dir "$w/work" --json "$w/serve.json"
     if [[ $profile_of == "$id" ]]; then
-        step "${id}_profile" "$w/serve.profile.json" $PY -m tools.profile.serving_compute --bench-serve "$w/serve.json" \
-            --out "$w/serve.profile.json" --precision 1
+        step "${id}_profile" "$w/serve.profile.json" $PY -m tools.profile.serving_compute \
+            --bench-serve "$w/serve.json" --out "$w/serve.profile.json" --precision 1
     fi
     step "${id}_validate" "$w/validate.json" $PY -m netsim validate --bench-serve "$w/serve.json" \
         --profile "$RUNS/$profile_of/serve.profile.json" --link-table "$table"/*.csv --json "$w/validate.json"

@@ -220,8 +220,8 @@ def main(argv=None) -> int:
                 beyond = "no step matched to a recorded span" if not b["n"] else (
                     f"a step lasts {b['median_s'] * 1e3:.2f} ms (median; mean {b['mean_s'] * 1e3:.2f}) beyond its "
                     "recorded span")
-                print(f"rank {rank}: {tot['iterations']} iterations that stepped: steps {tot['step_s']:.2f} s, exchange "
-                      f"{tot['exchange_s']:.2f} s; {beyond}")
+                print(f"rank {rank}: {tot['iterations']} iterations that stepped: steps {tot['step_s']:.2f} s, "
+                      f"exchange {tot['exchange_s']:.2f} s; {beyond}")
         if args.json:
             write_json(args.json, {"schema": "replay-steps/1", "model_version": MODEL_VERSION, "spans": args.spans, "profile": args.profile,
                                    "variant": args.variant, "link_table": args.link_table, "by_kind": out,
