@@ -8,7 +8,9 @@ subscribes to its ``RankEngine``.
   each ``stats()`` would cost more every step.
 * ``SpanRecorder`` (``serve --a2a-spans``): each step's expert all-to-alls, in launch order, as one
   record ``{"t": step start, "end": step end, "tokens": real tokens (0: a dummy forward), "bytes":
-  off-rank all-to-all bytes sent, "spans": [[name, start, end], ...]}`` (``perf_counter`` seconds),
+  off-rank all-to-all bytes sent, "spans": [[name, start, end], ...], "waits": [[name, start, end],
+  ...]}`` (``perf_counter`` seconds; a wait is when the compute thread asked for a collective's
+  result until it had it, one per collective, in the order they were asked for),
   handed to a sink for every step with any. With a tensor-parallel group the record also has
   ``"tp": [[op, bytes, start, end], ...]``, the step's all-reduces and gathers on that group
   (``megatron.compat.tp_collectives``). The serving benchmark matches the records across ranks to
@@ -82,9 +84,11 @@ class SpanRecorder(StepObserver):
     def step_end(self, step: StepInfo) -> None:
         assert self.counters.step is step, "subscribe the SpanRecorder after its AllToAllCounters"
         events, self.timeline.events = self.timeline.events, []
-        spans = [[name, s, e] for name, lane, s, e in sorted(events, key=lambda ev: ev[2]) if lane == "comm"]
+        ordered = sorted(events, key=lambda ev: ev[2])
+        spans = [[name, s, e] for name, lane, s, e in ordered if lane == "comm"]
         record = {"t": step.start, "end": step.end, "tokens": step.real_tokens,
-                  "bytes": self.counters.last["a2a_bytes"], "spans": spans}
+                  "bytes": self.counters.last["a2a_bytes"], "spans": spans,
+                  "waits": [[name[len("wait "):], s, e] for name, lane, s, e in ordered if lane == "wait"]}
         if self.tp_calls is not None:
             record["tp"] = [list(call) for call in self.tp_calls.take()]
         if spans:

@@ -34,9 +34,9 @@ def _step(observers, step: StepInfo, end: float, during=None) -> None:
 
 def test_span_recorder_hands_on_one_record_per_step_with_collectives():
     """``serve --a2a-spans``: one timeline on every layer's counters; a step's all-to-alls in
-    launch order (no waits) with the step's start, end, real tokens and the counters' off-rank
-    bytes; a step without any gives no record; what was recorded between steps is not the next
-    step's; closing detaches the timeline."""
+    launch order with the step's start, end, real tokens and the counters' off-rank bytes, and the
+    compute thread's waits for them in the order it asked; a step without any gives no record;
+    what was recorded between steps is not the next step's; closing detaches the timeline."""
     model = _model_with_counters(2)
     counters = AllToAllCounters(model)
     records = []
@@ -57,7 +57,8 @@ def test_span_recorder_hands_on_one_record_per_step_with_collectives():
     _step([counters, recorder], StepInfo(3.0, 0, dummy=True), 3.1)
     recorder.close()
     assert records == [{"t": 0.5, "end": 2.7, "tokens": 12, "bytes": 4096,
-                        "spans": [["dispatch", 1.0, 1.5], ["combine", 2.0, 2.5]]}]
+                        "spans": [["dispatch", 1.0, 1.5], ["combine", 2.0, 2.5]],
+                        "waits": [["dispatch", 1.2, 1.5]]}]
     assert all(c.timeline is None for c in counters.layers)
 
 
