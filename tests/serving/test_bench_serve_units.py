@@ -172,10 +172,11 @@ def test_serve_bounds_use_the_baselines_transfer_share_and_paired_speedups():
     med = lambda x: {"median": x}  # noqa: E731
     per_variant = {
         "standard": {"rates": {
-            "4": {"over_runs": {"transfer_fraction": med(0.5), "a2a_fraction": med(0.6)}},
+            "4": {"over_runs": {"transfer_fraction": med(0.5), "a2a_fraction": med(0.6)},
+                  "a2a_bytes_per_token": 1000.0},
             "8": {"a2a_fraction": 0.25, "transfer_fraction": None},  # one run, no split
         }},
-        "bigmac+farskip": {"rates": {"4": {}, "8": {}, "16": {}}},
+        "bigmac+farskip": {"rates": {"4": {"a2a_bytes_per_token": 400.0}, "8": {}, "16": {}}},
     }
     ratios = {"standard": {"rates": {"4": {"over_runs": {"throughput_speedup": med(1.0)}},
                                      "8": {"throughput_speedup": 1.0}}},
@@ -190,3 +191,20 @@ def test_serve_bounds_use_the_baselines_transfer_share_and_paired_speedups():
     assert eight["fraction_of_bound"] == pytest.approx(1.2 * 0.75)
     assert "16" not in out["bigmac+farskip"]  # no baseline at that rate
     assert out["standard"]["4"]["fraction_of_bound"] == pytest.approx(0.5)
+    # the bytes saved: 0.4 of the baseline's, so the bound is 1 / (1 - 0.5 + 0.5 x 0.4)
+    assert four["bytes_ratio"] == pytest.approx(0.4) and four["bytes_bound"] == pytest.approx(1 / 0.7)
+    assert four["fraction_of_bytes_bound"] == pytest.approx(1.8 * 0.7)
+    assert eight["bytes_ratio"] is None and eight["bytes_bound"] is None  # no bytes recorded
+
+
+def test_the_printed_bounds_name_the_bytes_saved():
+    from tools.serve_bench.report import _bound_lines
+
+    rate = {"all_hidden_bound": 1.2, "amdahl_basis": "transfer", "baseline_share": 0.17, "fraction_of_bound": 0.83,
+            "bytes_ratio": 1.0, "bytes_bound": 1.0, "fraction_of_bytes_bound": 1.0}
+    placed = dict(rate, fraction_of_bound=0.9, bytes_ratio=0.6, bytes_bound=1.07, fraction_of_bytes_bound=0.95)
+    lines = _bound_lines({"ratios": {"standard": {"rates": {"8": rate}}, "semmoe": {"rates": {"8": placed}}}})
+    assert lines == ["all-hidden bound at rate 8: 1.20x (standard's transfer share 0.17 removed); speedup / bound: "
+                     "standard 0.83, semmoe 0.90",
+                     "bound from the bytes saved at rate 8 (bytes ratio; bound; speedup / bound): semmoe 0.600; "
+                     "1.07x; 0.95"]

@@ -336,8 +336,12 @@ def serve_bounds(per_variant: dict, ratios: dict) -> dict:
     share (medians over runs where there are several). ``fraction_of_bound`` is a variant's
     throughput speedup (median over runs, paired by run; else pooled) over that bound: 1.0 means
     the variant serves as fast as the baseline would with free communication. It reads at rates
-    where the baseline saturates; below saturation throughput is the offered load.
-    ``{variant: {rate: {"all_hidden_bound", "amdahl_basis", "baseline_share", "fraction_of_bound"}}}``."""
+    where the baseline saturates; below saturation throughput is the offered load. A variant that
+    sends fewer bytes but hides none (Sem-MoE's placement, say) is held to the bound of the bytes it
+    saves: ``bytes_ratio`` (its all-to-all bytes per token over the baseline's at that rate; pooled
+    over runs), ``bytes_bound`` (Amdahl's with the share scaled by it) and ``fraction_of_bytes_bound``.
+    ``{variant: {rate: {"all_hidden_bound", "amdahl_basis", "baseline_share", "fraction_of_bound",
+    "bytes_ratio", "bytes_bound", "fraction_of_bytes_bound"}}}``."""
     names = list(per_variant)
     base_rates = per_variant[names[0]].get("rates") or {}
     out = {}
@@ -355,8 +359,12 @@ def serve_bounds(per_variant: dict, ratios: dict) -> dict:
             ratio = (ratios.get(n, {}).get("rates") or {}).get(rate, {})
             speedup = _median((ratio.get("over_runs") or {}).get("throughput_speedup")) \
                 if ratio.get("over_runs") else ratio.get("throughput_speedup")
+            bytes_ratio = _div(r.get("a2a_bytes_per_token"), b.get("a2a_bytes_per_token"))
+            bytes_bound = amdahl_bound(share, bytes_ratio) if bytes_ratio is not None else None
             out[n][rate] = {"all_hidden_bound": bound, "amdahl_basis": "transfer" if transfer is not None else
-                            "in flight", "baseline_share": share, "fraction_of_bound": _div(speedup, bound)}
+                            "in flight", "baseline_share": share, "fraction_of_bound": _div(speedup, bound),
+                            "bytes_ratio": bytes_ratio, "bytes_bound": bytes_bound,
+                            "fraction_of_bytes_bound": _div(speedup, bytes_bound)}
     return out
 
 

@@ -127,9 +127,16 @@ def _bound_lines(result: dict) -> list:
         return []
     parts = [f"{n} {_num(result['ratios'][n]['rates'][rate].get('fraction_of_bound'), '{:.2f}')}"
              for n in names if rate in (result["ratios"][n].get("rates") or {})]
-    return [f"all-hidden bound at rate {rate}: {first['all_hidden_bound']:.2f}x ({names[0]}'s "
-            f"{first['amdahl_basis']} share {first['baseline_share']:.2f} removed); speedup / bound: "
-            + ", ".join(parts)]
+    lines = [f"all-hidden bound at rate {rate}: {first['all_hidden_bound']:.2f}x ({names[0]}'s "
+             f"{first['amdahl_basis']} share {first['baseline_share']:.2f} removed); speedup / bound: "
+             + ", ".join(parts)]
+    saved = [(n, result["ratios"][n]["rates"][rate]) for n in names[1:]
+             if (result["ratios"][n].get("rates") or {}).get(rate, {}).get("bytes_bound") is not None]
+    if saved:
+        lines.append(f"bound from the bytes saved at rate {rate} (bytes ratio; bound; speedup / bound): " + ", ".join(
+            f"{n} {r['bytes_ratio']:.3f}; {r['bytes_bound']:.2f}x; {_num(r['fraction_of_bytes_bound'])}"
+            for n, r in saved))
+    return lines
 
 
 def prefill_table(result: dict, loaded: Optional[dict] = None) -> str:
