@@ -32,10 +32,10 @@ token; TPOT the mean gap between its later tokens. A tensor-parallel run (TP = E
 one engine whose ranks all hold its tokens) adds its attention and embedding all-reduces and
 logit all-gathers on the same links.
 
-What it leaves out: the HTTP front end's own time (a thread of rank 0: about 1-2 ms between a
-request's arrival and its first step beyond the loop's exchange, measured on a served run's step
-spans), Python jitter and host contention (2 ranks share 2 cores with the client here), the
-engine's memory limits (the benchmark's KV cache never fills).
+What it leaves out: the HTTP front end's own time (a thread of rank 0 that shares the interpreter
+with the loop), the tails of the loop's exchange beyond the link table's means, Python jitter and
+host contention (2 ranks share 2 cores with the client here), the engine's memory limits (the
+benchmark's KV cache never fills). ``docs/results/netsim_bias.md`` measures what each costs.
 """
 
 from __future__ import annotations
