@@ -631,30 +631,14 @@ def _configure_report(p):
     p.add_argument("--json", metavar="OUT", help="write the reports here")
 
 
-@user_input()
-def _report_inputs(items: list) -> list:
-    """``(name, validation, run)`` of each ``NAME=VALIDATE_JSON``; bad files are one-line errors."""
-    from .validation import read_json
-
-    out = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise UserError(f"{item!r}: expected NAME=VALIDATE_JSON")
-        validation = read_json(path, name)
-        if not isinstance(validation, dict) or validation.get("schema") != "netsim-validate/1":
-            raise UserError(f"{name}: {path} is not a `python -m netsim validate --json` output")
-        out.append((name, validation, read_json(validation["bench_serve"], f"{name}'s bench_serve")))
-    return out
-
-
 @command("report", "validation errors per configuration with their range over the run's repeats", _configure_report)
 def _report(args) -> int:
     from megatron.common.files import write_json
 
     from .report import configuration_report, format_pairs, format_report, whatif_pair
+    from .validation import read_validations
 
-    inputs = _report_inputs(args.validations)
+    inputs = read_validations(args.validations)
     reports = [configuration_report(*one) for one in inputs]
     print(format_report(reports, args.goal))
     by_name = {name: validation for name, validation, _ in inputs}
@@ -669,6 +653,27 @@ def _report(args) -> int:
     if args.json:
         write_json(args.json, {"schema": "netsim-report/1", "goal": args.goal, "configurations": reports,
                                **({"pairs": pairs} if pairs else {})})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _configure_versions(p):
+    p.add_argument("validations", nargs="+", metavar="NAME=VALIDATE_JSON",
+                   help="each run as `validate --json` wrote it (its run, link table and fit; the profile beside the run)")
+    p.add_argument("--json", metavar="OUT", help="write the comparison here")
+
+
+@command("versions", "every replay model version on the runs given: errors per run and pooled, and the time "
+         "accounting", _configure_versions)
+def _versions(args) -> int:
+    from megatron.common.files import write_json
+
+    from .versions import compare_all, format_versions
+
+    result = compare_all(args.validations)
+    print(format_versions(result))
+    if args.json:
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
 
@@ -689,5 +694,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     return COMMANDS.main(sys.argv[1:] if argv is None else argv)
 
-
-from . import versions as _versions  # noqa: E402,F401  (registers the "versions" command)

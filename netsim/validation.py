@@ -16,14 +16,14 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron.common.cli import UserError
+from megatron.common.cli import UserError, user_input
 
 from .collectives import AlphaBeta
 from .link_table import LinkTable
 from .replay import MODEL_VERSION, Engine, Link, Request, StepProfile, model, simulate
 
 __all__ = ["FIGURES", "OFFERED_LOAD_FRACTION", "phase_figures", "read_json", "profile_path", "load_fit",
-           "predict_run", "validate_run", "offered_load_bound", "code_version"]
+           "replay_setup", "predict_run", "validate_run", "read_validations", "offered_load_bound", "code_version"]
 
 FIGURES = ("ttft_p50_s", "tpot_p50_s", "output_tokens_per_s")
 
@@ -105,17 +105,11 @@ def rate_phases(run: dict, variant: str) -> list:
     return [p for p in run["requests"][variant] if p.startswith("rate-")]
 
 
-def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTable,
-                model_version: str = MODEL_VERSION) -> dict:
-    """Predicted ``FIGURES`` per variant and request rate of a bench_serve run (``--mode serve``,
-    shaped link) on the link ``table`` calibrated at its rate, by the replay model of
-    ``model_version`` (``netsim.replay.MODELS``). ``profiles``: variant -> profile dict
-    (``scripts/profile_serving_compute.py``). Off-rank bytes follow the LAR the run measured:
-    ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
-    try:
-        replay_model = model(model_version)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+def replay_setup(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTable) -> tuple:
+    """``(engine, link, {variant: StepProfile})`` a bench_serve run (``--mode serve``, shaped link) is
+    replayed with, on the link ``table`` calibrated at its rate; one-line ``UserError``s for what the
+    replay cannot model. ``profiles``: variant -> profile dict (``scripts/profile_serving_compute.py``).
+    Off-rank bytes follow the LAR the run measured: ``bytes x (1 - lar_run) / (1 - lar_profile)``."""
     if run.get("mode") != "serve":
         raise UserError("only --mode serve runs can be predicted (TTFT, TPOT, throughput under load)")
     net = run["network"]
@@ -136,7 +130,7 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTabl
     if table.ranks != ranks or not math.isclose(table.gbit, gbit, rel_tol=1e-3):
         raise UserError(f"the link table was measured with {table.ranks} ranks at {table.gbit:g} Gbit/s; the run "
                         f"served {ranks} ranks at {gbit:g} Gbit/s")
-    out = {}
+    steps = {}
     for v in run["config"]["variants"]:
         if v not in profiles:
             raise UserError(f"the profile has no variant {v!r} (it has {', '.join(profiles)})")
@@ -145,17 +139,51 @@ def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTabl
         if lar_run is not None and lar_prof is not None and lar_prof < 1:
             prof["a2a_bytes_per_token"] *= (1 - lar_run) / (1 - lar_prof)
         try:
-            step = StepProfile.from_dict(prof)
+            steps[v] = StepProfile.from_dict(prof)
         except ValueError as err:
             raise UserError(f"the profile of {v!r}: {err}") from None
-        if step.tp != tp:
-            raise UserError(f"the profile of {v!r} was taken at TP {step.tp}; the run served TP {tp}")
+        if steps[v].tp != tp:
+            raise UserError(f"the profile of {v!r} was taken at TP {steps[v].tp}; the run served TP {tp}")
+    return engine, link, steps
+
+
+def predict_run(run: dict, profiles: dict, constants: AlphaBeta, table: LinkTable,
+                model_version: str = MODEL_VERSION) -> dict:
+    """Predicted ``FIGURES`` per variant and request rate of a bench_serve run, replayed
+    (``replay_setup``) by the replay model of ``model_version`` (``netsim.replay.MODELS``)."""
+    try:
+        replay_model = model(model_version)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    engine, link, steps = replay_setup(run, profiles, constants, table)
+    out = {}
+    for v, step in steps.items():
         out[v] = {}
         for phase in rate_phases(run, v):
             reqs = run_requests(run, v, phase)
             got = simulate(reqs, engine, step, link, table, replay_model)
             out[v][phase.split("-", 1)[1]] = phase_figures([g[0] for g in got], [g[1] for g in got],
                                                            [g[2] for g in got], [r.arrival_s for r in reqs])
+    return out
+
+
+@user_input()
+def read_validations(items: list, with_path: bool = False) -> list:
+    """``(name, validation, run)`` of each ``NAME=VALIDATE_JSON`` (and the run's path, ``with_path``):
+    the run is the ``serve.json.gz`` beside the validation where there is one (the committed layout),
+    else the one it names; bad files are one-line errors."""
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"{item!r}: expected NAME=VALIDATE_JSON")
+        validation = read_json(path, name)
+        if not isinstance(validation, dict) or validation.get("schema") != "netsim-validate/1":
+            raise UserError(f"{name}: {path} is not a `python -m netsim validate --json` output")
+        serve = os.path.join(os.path.dirname(path), "serve.json.gz")
+        serve = serve if os.path.exists(serve) else validation["bench_serve"]
+        run = read_json(serve, f"{name}'s bench_serve")
+        out.append((name, validation, run, serve) if with_path else (name, validation, run))
     return out
 
 

@@ -5,41 +5,37 @@ model was built on, before a plan tests it out of configuration. For each valida
 ``netsim validate --json`` output: it names its run, link table and fit; the profile lies beside
 the run) this predicts the run again by every version and reports, per version and figure, the
 mean absolute and the median signed relative error and how many points are predicted low, per run
-and pooled over the runs. It also accounts for where the time goes: per variant, the engine's busy
-time (compute and collectives inside steps) the replay gives against the server's
-``engine_busy_s``, and the span from the first request sent to the last answered, both over every
-repeat and rate of the run: a replay whose busy time matches but whose span is short leaves out
-time between the steps.
+and pooled over the runs. It also accounts for where the time goes: per variant, the replay's time
+inside steps (compute and collectives) against the server's ``engine_busy_s``, and the span from
+the first request sent to the last answered, both over every repeat and rate of the run. The
+server counts a step's forward (its recorded span) and the profile the whole engine step, which
+lasts a few milliseconds longer: equal busy times mean served steps slower than profiled ones
+(``tools.profile.replay_steps`` measures the difference from the loop's records).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Optional
 
-from .cli import UserError, command, user_input
-from .replay import MODELS, Engine, Link, StepProfile, simulate
-from .validation import FIGURES, predict_run, rate_phases, validate_run
+from megatron.common.cli import user_input
 
-__all__ = ["accounting", "compare_versions", "pooled"]
+from .link_table import LinkTable
+from .replay import MODELS, Request, model, simulate
+from .validation import (FIGURES, load_fit, predict_run, profile_path, rate_phases, read_json, read_validations,
+                         replay_setup, validate_run)
+
+__all__ = ["accounting", "compare_versions", "pooled", "compare_all", "format_versions"]
 
 
 def accounting(run: dict, profiles: dict, constants, table, version: str) -> dict:
     """Per variant: the replay's busy, loop and span seconds over every repeat and rate of ``run``
     against the server's ``engine_busy_s`` and the measured span (first send to last answer)."""
-    from .validation import Request, model
-
-    ranks = int(run["config"]["ranks"])
-    tp = int(run["config"].get("tensor_model_parallel_size") or 1)
-    server = run["config"]["server"]
-    engine = Engine(ranks // tp, int(server["max_batch_tokens"]), int(server["max_requests"]) // 4 * 4)
+    engine, link, steps = replay_setup(run, profiles, constants, table)
     out = {}
-    for v in run["config"]["variants"]:
-        prof = dict(profiles[v])
-        lar_run, lar_prof = run["variants"][v].get("lar"), prof.get("lar")
-        if lar_run is not None and lar_prof is not None and lar_prof < 1:
-            prof["a2a_bytes_per_token"] *= (1 - lar_run) / (1 - lar_prof)
-        step, stats = StepProfile.from_dict(prof), {}
+    for v, step in steps.items():
+        stats: dict = {}
         span_replay = span_measured = 0.0
         for phase in rate_phases(run, v):
             lists = run["requests"][v][phase]
@@ -47,12 +43,11 @@ def accounting(run: dict, profiles: dict, constants, table, version: str) -> dic
                 ok = [r for r in reqs if r["ok"]]
                 replayed = [Request(float(r["sent"]), int(r["prompt_tokens"]), max(1, int(r["output_tokens"])),
                                     r.get("dp_rank")) for r in ok]
-                got = simulate(replayed, engine, step, Link(ranks, constants), table, model(version), stats)
+                got = simulate(replayed, engine, step, link, table, model(version), stats)
                 start = min(r.arrival_s for r in replayed)
                 span_replay += max(r.arrival_s + g[1] for r, g in zip(replayed, got)) - start
                 span_measured += max(float(r["sent"]) + float(r["e2e_s"]) for r in ok) - start
-        busy = run["variants"][v].get("engine_busy_s")
-        out[v] = {"busy_s": {"replay": stats.get("busy_s", 0.0), "measured": busy},
+        out[v] = {"busy_s": {"replay": stats.get("busy_s", 0.0), "measured": run["variants"][v].get("engine_busy_s")},
                   "loop_s": stats.get("loop_s", 0.0), "steps": stats.get("steps", 0),
                   "span_s": {"replay": span_replay, "measured": span_measured}}
     return out
@@ -80,68 +75,44 @@ def pooled(validations: list) -> dict:
     return out
 
 
-@user_input()
-def _inputs(items: list) -> list:
-    """``(name, run, profile, constants, table)`` of each ``NAME=VALIDATE_JSON``. The run is the
-    ``serve.json.gz`` beside the validation where there is one (``docs/figures/netsim_validation/``
-    keeps its runs that way), else the one it names; a fit named by an absolute path that is gone
-    is looked for in ``examples/netsim/``."""
-    import os
-
-    from .link_table import LinkTable
-    from .validation import load_fit, profile_path, read_json
-
-    out = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise UserError(f"{item!r}: expected NAME=VALIDATE_JSON")
-        validation = read_json(path, name)
-        if not isinstance(validation, dict) or validation.get("schema") != "netsim-validate/1":
-            raise UserError(f"{name}: {path} is not a `python -m netsim validate --json` output")
-        serve = os.path.join(os.path.dirname(path), "serve.json.gz")
-        serve = serve if os.path.exists(serve) else validation["bench_serve"]
-        fit = validation["fit"]
-        if not os.path.exists(fit) and os.path.isabs(fit):
-            fit = os.path.join("examples", "netsim", os.path.basename(fit))
-        out.append((name, read_json(serve, f"{name}'s run"), read_json(profile_path(serve), f"{name}'s profile"),
-                    load_fit(fit), LinkTable.from_calibrations(validation["link_table"])))
-    return out
-
-
-def _configure(p):
-    p.add_argument("validations", nargs="+", metavar="NAME=VALIDATE_JSON",
-                   help="each run as `python -m netsim validate --json` wrote it (its run, link table and fit; the "
-                   "profile beside the run)")
-    p.add_argument("--json", metavar="OUT", help="write the comparison here")
+def compare_all(items: list) -> dict:
+    """The ``netsim-versions/1`` document of ``python -m netsim versions``: per ``NAME=VALIDATE_JSON``
+    (``validation.read_validations``) ``compare_versions``, and ``pooled`` per version. A fit named by
+    an absolute path that is gone is looked for in ``examples/netsim/``."""
+    runs = {}
+    for name, validation, run, serve in read_validations(items, with_path=True):
+        with user_input():
+            fit = validation["fit"]
+            if not os.path.exists(fit) and os.path.isabs(fit):
+                fit = os.path.join("examples", "netsim", os.path.basename(fit))
+            profile = read_json(profile_path(serve), f"{name}'s profile")
+            constants, table = load_fit(fit), LinkTable.from_calibrations(validation["link_table"])
+        runs[name] = compare_versions(run, profile["variants"], constants, table)
+    versions = list(MODELS)
+    return {"schema": "netsim-versions/1", "versions": versions,
+            "pooled": {m: pooled([by[m]["validation"] for by in runs.values()]) for m in versions}, "runs": runs}
 
 
 def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
 
-@command("versions", "every replay model version on the runs given: errors per run and pooled, and the time "
-         "accounting", _configure)
-def _versions(args) -> int:
-    from megatron.common.files import write_json
-
-    runs = {name: compare_versions(run, profile["variants"], constants, table)
-            for name, run, profile, constants, table in _inputs(args.validations)}
-    versions = list(MODELS)
-    print(f"{'run':<20}" + "".join(f"{m.split()[0] + ' ' + f[:4]:>15}" for m in versions for f in FIGURES))
+def format_versions(result: dict) -> str:
+    """Per run each version's mean absolute error per figure; pooled per version; the accounting."""
+    versions, runs = result["versions"], result["runs"]
+    lines = [f"{'run':<20}" + "".join(f"{m.split()[0] + ' ' + f[:4]:>15}" for m in versions for f in FIGURES)]
     for name, by in runs.items():
-        print(f"{name:<20}" + "".join(
+        lines.append(f"{name:<20}" + "".join(
             f"{by[m]['validation']['by_figure'][f]['mean_abs_rel_error'] * 100:>14.1f}%" for m in versions
             for f in FIGURES))
-    total = {m: pooled([by[m]["validation"] for by in runs.values()]) for m in versions}
     for m in versions:
-        print(f"{m} pooled: " + "; ".join(
-            f"{f} {c['mean_abs_rel_error'] * 100:.1f}% (median {_pct(c['median_rel_error'])}, {c['low']}/{c['points']} "
-            "low)" for f, c in total[m].items()))
-    print("time accounting, replay / measured over every repeat and rate: busy (inside steps) and span (first "
-          "send to last answer)")
-    print(f"  {'run':<20}{'variant':<16}" + "".join(f"{m.split()[0] + ' ' + k:>15}" for m in versions
-                                                  for k in ("busy", "span")))
+        lines.append(f"{m} pooled: " + "; ".join(
+            f"{f} {c['mean_abs_rel_error'] * 100:.1f}% (median {_pct(c['median_rel_error'])}, {c['low']}/"
+            f"{c['points']} low)" for f, c in result["pooled"][m].items()))
+    lines.append("time accounting, replay / measured over every repeat and rate: busy (inside steps) and span "
+                 "(first send to last answer)")
+    lines.append(f"  {'run':<20}{'variant':<16}" + "".join(f"{m.split()[0] + ' ' + k:>15}" for m in versions
+                                                          for k in ("busy", "span")))
     for name, by in runs.items():
         for v in by[versions[0]]["accounting"]:
             cells = []
@@ -149,8 +120,5 @@ def _versions(args) -> int:
                 a = by[m]["accounting"][v]
                 for k in ("busy_s", "span_s"):
                     cells.append(a[k]["replay"] / a[k]["measured"] if a[k]["measured"] else float("nan"))
-            print(f"  {name:<20}{v:<16}" + "".join(f"{c:>15.2f}" for c in cells))
-    if args.json:
-        write_json(args.json, {"schema": "netsim-versions/1", "versions": versions, "pooled": total, "runs": runs})
-        print(f"wrote {args.json}")
-    return 0
+            lines.append(f"  {name:<20}{v:<16}" + "".join(f"{c:>15.2f}" for c in cells))
+    return "\n".join(lines)
