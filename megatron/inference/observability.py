@@ -22,11 +22,13 @@ They are the server's, not the engine's: the engine only announces its steps.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Callable, Optional
 
 from megatron.inference.engine import StepInfo, StepObserver
 
-__all__ = ["AllToAllCounters", "SpanRecorder"]
+__all__ = ["AllToAllCounters", "SpanRecorder", "LoopTrace"]
 
 
 class AllToAllCounters(StepObserver):
@@ -101,3 +103,21 @@ class SpanRecorder(StepObserver):
         if self.tp_calls is not None:
             self.tp_calls.__exit__(None, None, None)
             self.tp_calls = None
+
+
+class LoopTrace:
+    """``serve_loop(trace=...)`` writing each iteration's record as a JSON line through ``write``. A
+    diagnostic never stops serving: the first write that fails (a full disk) is reported in one line
+    on stderr and the trace stops there."""
+
+    def __init__(self, write: Callable[[str], object]):
+        self.write, self.failed = write, False
+
+    def __call__(self, record: dict) -> None:
+        if self.failed:
+            return
+        try:
+            self.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self.failed = True
+            print(f"serve: the loop trace stopped: {err}", file=sys.stderr, flush=True)

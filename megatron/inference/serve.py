@@ -275,7 +275,7 @@ def serve_rank(args) -> int:
     from megatron.inference.failures import roster_for_job
     from megatron.inference.link import EngineLink, beat_interval, frontend_link
     from megatron.inference.loop import serve_loop
-    from megatron.inference.observability import AllToAllCounters, SpanRecorder
+    from megatron.inference.observability import AllToAllCounters, LoopTrace, SpanRecorder
     from megatron.inference.protocol import Limits
     from megatron.common.process import fatal_exit
     from megatron.common.watchdog import Heartbeat
@@ -348,7 +348,7 @@ def serve_rank(args) -> int:
             rank_engine.subscribe(recorder)
             loop_file = stack.enter_context(open(os.path.join(args.a2a_spans, f"loop_rank{rank}.jsonl"), "a",
                                                  encoding="utf-8"))  # block-buffered: a line every iteration
-            trace = lambda record: loop_file.write(json.dumps(record) + "\n")  # noqa: E731
+            trace = LoopTrace(loop_file.write)
 
         stop = {"signal": None}
 

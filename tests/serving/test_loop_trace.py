@@ -34,3 +34,21 @@ def test_every_iteration_is_traced_with_its_phases():
         assert set(r["phases"]) == set(LOOP_PHASES) and all(v >= 0 for v in r["phases"].values())
         assert r["t"] + sum(r["phases"].values()) <= after["t"]  # an iteration ends before the next starts
         assert sum(r["phases"].values()) == pytest.approx(after["t"] - r["t"], abs=0.05)
+
+
+def test_a_trace_that_cannot_write_stops_without_stopping_serving(capsys):
+    from megatron.inference.observability import LoopTrace
+
+    lines = []
+    trace = LoopTrace(lines.append)
+    trace({"t": 1.0})
+    assert lines == ['{"t": 1.0}\n']
+
+    def full(text):
+        raise OSError(28, "No space left on device")
+
+    trace = LoopTrace(full)
+    trace({"t": 1.0})
+    trace({"t": 2.0})  # no second attempt, no second line
+    err = capsys.readouterr().err
+    assert err.count("the loop trace stopped") == 1 and "No space left on device" in err and trace.failed
