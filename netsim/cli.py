@@ -314,7 +314,7 @@ def _variant_args(p, defaults: bool = False):
 
 
 def _serving_args(p):
-    from .serving import DraftCost, SpecDecode
+    from .serving import DraftCost, LoopControl, SpecDecode
 
     d = SpecDecode()
     g = p.add_argument_group("serving")
@@ -325,6 +325,8 @@ def _serving_args(p):
     g.add_argument("--pass-rate", type=float, default=d.pass_rate, help="speculative decoding: average pass rate")
     g.add_argument("--draft-cost", default=d.draft_cost.value, choices=[c.value for c in DraftCost])
     g.add_argument("--mem-usable-fraction", type=float, default=0.9)
+    g.add_argument("--loop-control", default="none", choices=[c.value for c in LoopControl],
+                   help="exchange: every decode iteration also pays the serving loop's two small collectives")
     g.add_argument("--network-cost-factor", type=float, default=1.0, help="scales network CapEx (paper's adjustment)")
 
 
@@ -338,7 +340,8 @@ def _serving_cfg(args):
     if table.provenance.get("gpu_spec") != spec.as_dict():
         table = project_table(table, spec)
     cfg = ServingConfig(mem_capacity=spec.mem_capacity, mem_usable_fraction=args.mem_usable_fraction,
-                        spec=SpecDecode(args.num_draft, args.pass_rate, args.draft_cost))  # fmt: skip
+                        spec=SpecDecode(args.num_draft, args.pass_rate, args.draft_cost),
+                        loop_control=args.loop_control)  # fmt: skip
     return cfg, table
 
 
@@ -456,6 +459,7 @@ def _configure_sweep(p):
     p.add_argument("--quick", action="store_true", help="64 XPUs only, fewer bandwidths, no generations")
     p.add_argument("--no-generations", action="store_true", help="skip the Blackwell / Rubin projection")
     p.add_argument("--sizes", type=int_list, help="cluster sizes (default 64,256)")
+    p.add_argument("--compare-to", metavar="SWEEP_JSON", help="a sweep to compare the decisions with (decisions.json)")
     _serving_args(p)
     _variant_args(p, defaults=True)
     _constants_args(p)
@@ -464,18 +468,20 @@ def _configure_sweep(p):
 @command("sweep", "full design-space sweep: JSON, PNG plots, summary table", _configure_sweep)
 def _sweep(args) -> int:
     from megatron.common.files import write_json, write_text
-    from .collectives import DGX_H100_INTER, DGX_H100_INTRA, Topology
+    from .collectives import DGX_H100_INTER, DGX_H100_INTRA
     from .cost import CostConfig
-    from .sweep import SweepConfig, default_variants, knob_values, run_sweep, summary_table
+    from .sweep import QUICK, SweepConfig, compare_decisions, default_variants, format_decisions, knob_values
+    from .sweep import run_sweep, summary_table
+    from .sweep import read_sweep
+
+    with user_input():
+        base = read_sweep(args.compare_to, "--compare-to") if args.compare_to else None
 
     # the sweep projects the (H100) table to --gpu itself, so load it unprojected
     cfg_serving, table = _serving_cfg(replace_ns(args, gpu="h100"))
     kw = {"generation": args.gpu}
     if args.quick:
-        kw["cluster_sizes"] = (64,)
-        kw["bandwidths_gbps"] = {Topology.SCALE_UP: (150, 300, 450, 900), Topology.TORUS_3D: (150, 300, 450, 900),
-                                 Topology.FULL_MESH_3D: (150, 300, 450, 900), Topology.SCALE_OUT: (50, 200)}  # fmt: skip
-        kw["generations"] = ()
+        kw.update(QUICK)
     if args.sizes:
         kw["cluster_sizes"] = tuple(args.sizes)
         if 64 not in args.sizes:
@@ -496,6 +502,10 @@ def _sweep(args) -> int:
     text = summary_table(result)
     write_text(out / "summary.txt", text + "\n")
     print(text)
+    if base is not None:
+        cmp = compare_decisions(base, result)
+        write_json(out / "decisions.json", {"base": args.compare_to, **cmp})
+        print(format_decisions(cmp))
     if not args.no_plots:
         from .plots import write_plots
 
@@ -565,7 +575,7 @@ def _fmt_ms(x):
 def _predict(args) -> int:
     from megatron.common.files import write_json
 
-    from .validation import predict_run
+    from .validation import predict_run, profile_path
 
     run, profile, constants, table = _replay_inputs(args)
     version = _model_version(args)
@@ -578,6 +588,7 @@ def _predict(args) -> int:
                   f"{f['output_tokens_per_s']:>11.1f}")
     if args.json:
         write_json(args.json, {"schema": "netsim-predict/1", "bench_serve": args.bench_serve, "fit": args.fit,
+                               "profile": args.profile or profile_path(args.bench_serve),
                                "link_table": args.link_table, "model_version": version, "predicted": pred})
         print(f"wrote {args.json}")
     return 0
@@ -587,7 +598,8 @@ def _predict(args) -> int:
 def _validate(args) -> int:
     from megatron.common.files import write_json
 
-    from .validation import code_version, predict_run, validate_run
+    from .report import format_validation
+    from .validation import code_version, predict_run, profile_path, validate_run
 
     run, profile, constants, table = _replay_inputs(args)
     version = _model_version(args)
@@ -595,28 +607,10 @@ def _validate(args) -> int:
     res = validate_run(run, pred, version)
     code = code_version()
     print(f"replay model {res['model_version']}, code at git {code}")
-    print(f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}")
-    for r in res["rows"]:
-        scale, unit = (1e3, "ms") if r["figure"].endswith("_s") and not r["figure"].endswith("per_s") else (1.0, "")
-        m = "-" if r["measured"] is None else f"{r['measured'] * scale:.1f}{unit}"
-        p = "-" if r["predicted"] is None else f"{r['predicted'] * scale:.1f}{unit}"
-        e = "-" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.1f}%"
-        note = "  (offered-load bound: not counted)" if r["relative_error"] is not None and not r["counted"] else ""
-        print(f"{r['variant']:<12}{r['rate']:>6}  {r['figure']:<20}{m:>10}{p:>11}{e:>9}{note}")
-
-    def pct(x):
-        return "-" if x is None else f"{x * 100:.1f}%"
-
-    for fig, f in res["by_figure"].items():
-        print(f"{fig:<20} mean absolute relative error {pct(f['mean_abs_rel_error'])} over {f['points']} points "
-              f"(max {pct(f['max_abs_rel_error'])})")
-    print(f"mean absolute relative error over {res['points']} points: {pct(res['mean_abs_rel_error'])} "
-          f"(max {pct(res['max_abs_rel_error'])}); every point, throughput below saturation included: "
-          f"{pct(res['mean_abs_rel_error_all_points'])} over {res['all_points']}")
-    for v, why in res["unmodelled"].items():
-        print(f"note: {v} was served with {why}")
+    print(format_validation(res))
     if args.json:
         write_json(args.json, {"schema": "netsim-validate/1", "bench_serve": args.bench_serve, "fit": args.fit,
+                               "profile": args.profile or profile_path(args.bench_serve),
                                "link_table": args.link_table, "predicted": pred, **res, "code_version": code})
         print(f"wrote {args.json}")
     return 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from .validation import FIGURES
 
-__all__ = ["RUN_KEYS", "configuration_report", "format_report", "whatif_pair", "format_pairs"]
+__all__ = ["RUN_KEYS", "configuration_report", "format_report", "whatif_pair", "format_pairs", "format_validation"]
 
 # the per-repeat figure in bench_serve's ``runs[i].variants.<v>.<rate>`` for each validated figure
 RUN_KEYS = {"ttft_p50_s": "ttft_s.p50", "tpot_p50_s": "tpot_s.p50", "output_tokens_per_s": "output_tokens_per_s"}
@@ -123,4 +123,25 @@ def format_pairs(pairs: list) -> str:
             changes = [p["measured_change"] for p in pts]
             lines.append(f"| {pair['whatif']} vs {pair['base']} | {fig} | x{min(changes):.2f}-x{max(changes):.2f} | "
                          f"{_pct(pair['figures'][fig])} | {len(pts)} |")
+    return "\n".join(lines)
+
+
+def format_validation(res: dict) -> str:
+    """One validation (``validate_run``'s result) as the table ``netsim validate`` prints: every
+    point, then the error per figure and over all counted points."""
+    lines = [f"{'variant':<12}{'rate':>6}  {'figure':<20}{'measured':>10}{'predicted':>11}{'rel err':>9}"]
+    for r in res["rows"]:
+        scale, unit = (1e3, "ms") if r["figure"].endswith("_s") and not r["figure"].endswith("per_s") else (1.0, "")
+        m = "-" if r["measured"] is None else f"{r['measured'] * scale:.1f}{unit}"
+        p = "-" if r["predicted"] is None else f"{r['predicted'] * scale:.1f}{unit}"
+        e = "-" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.1f}%"
+        note = "  (offered-load bound: not counted)" if r["relative_error"] is not None and not r["counted"] else ""
+        lines.append(f"{r['variant']:<12}{r['rate']:>6}  {r['figure']:<20}{m:>10}{p:>11}{e:>9}{note}")
+    for fig, f in res["by_figure"].items():
+        lines.append(f"{fig:<20} mean absolute relative error {_pct(f['mean_abs_rel_error'])} over {f['points']} "
+                     f"points (max {_pct(f['max_abs_rel_error'])})")
+    lines.append(f"mean absolute relative error over {res['points']} points: {_pct(res['mean_abs_rel_error'])} "
+                 f"(max {_pct(res['max_abs_rel_error'])}); every point, throughput below saturation included: "
+                 f"{_pct(res['mean_abs_rel_error_all_points'])} over {res['all_points']}")
+    lines += [f"note: {v} was served with {why}" for v, why in res["unmodelled"].items()]
     return "\n".join(lines)

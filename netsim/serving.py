@@ -23,6 +23,12 @@ algorithm (:mod:`netsim.collectives`).
 * **Memory**: weights per GPU (:meth:`ModelShape.weight_bytes_per_gpu`) plus ``b x context`` tokens
   of latent KV cache must fit ``mem_usable_fraction`` of HBM.
 * **Throughput per XPU** = ``b / (tp * TPOT)`` (every GPU serves ``b / tp`` of its group's tokens).
+* **Loop control** (:class:`LoopControl`, off by default): each decode iteration (a speculative
+  cycle: one) also pays the serving loop's control exchange that ``netsim.replay``'s replay/8 adds
+  to its replay of served runs (``megatron.inference.loop``): the requests' header all-gather and
+  the new tokens' gather over the instance's ``ep`` ranks, each latency-bound, priced as the
+  network's fastest all-reduce of :data:`CONTROL_BYTES` (the model's collectives are all-reduce and
+  all-to-all); serial with the step, so no technique hides it.
 
 Variants (:class:`Variant`): BigMac multiplies all-to-all bytes by ``r`` and adds the shared
 hidden <-> ``r * hidden`` projections; Sem-MoE's local activation rate ``L`` scales the off-rank
@@ -48,6 +54,8 @@ from .schedule import COMM, COMPUTE, greedy_schedule
 __all__ = [
     "DraftCost",
     "SpecDecode",
+    "LoopControl",
+    "CONTROL_BYTES",
     "Variant",
     "BASELINE",
     "Technique",
@@ -70,6 +78,18 @@ class DraftCost(str, Enum):
     FREE = "free"
     """Medusa-style heads drafting from the verification pass's hidden states at no extra step: an
     optimistic alternative, not the paper's model."""
+
+
+class LoopControl(str, Enum):
+    """What a decode iteration pays outside its forward."""
+
+    NONE = "none"
+    """Nothing: TPOT is the step's op chain (the paper's model)."""
+    EXCHANGE = "exchange"
+    """The serving loop's two small collectives per iteration (see the module docstring)."""
+
+
+CONTROL_BYTES = 64  # one control message: a request header or a rank's new tokens, latency-bound either way
 
 
 @dataclass(frozen=True)
@@ -181,8 +201,10 @@ class ServingConfig:
     ep_sizes: Optional[tuple[int, ...]] = None  # None: every power of two that fits memory
     batch_grid: tuple[float, ...] = field(default_factory=lambda: geometry(1, 16384, 4))
     spec: SpecDecode = SpecDecode()
+    loop_control: LoopControl = LoopControl.NONE
 
     def __post_init__(self):
+        object.__setattr__(self, "loop_control", LoopControl(self.loop_control))
         if not 0 < self.mem_usable_fraction <= 1:
             raise ValueError("mem_usable_fraction must be in (0, 1]")
         if any(t < 1 for t in self.tp_sizes) or not self.tp_sizes:
@@ -301,6 +323,20 @@ def _comm_ops(m: ModelShape, lines: _CommLines, tp, ep, b, q, variant: Variant) 
     }
 
 
+def control_seconds(cases: Sequence[Case], control: LoopControl) -> np.ndarray:
+    """``[C, 1]`` seconds of one loop iteration's control exchange per case (:class:`LoopControl`)."""
+    if LoopControl(control) is LoopControl.NONE:
+        return np.zeros((len(cases), 1))
+    cache: dict = {}
+    for c in cases:
+        key = (c.network, c.ep)
+        if key not in cache:
+            lines = _lines(c.network, Collective.ALL_REDUCE, c.ep)[None]
+            one = float(_line_time(lines, np.array([[CONTROL_BYTES]], dtype=float))[0, 0])
+            cache[key] = 2 * one if c.ep > 1 else 0.0
+    return np.array([[cache[(c.network, c.ep)]] for c in cases])
+
+
 def decode_ops(m: ModelShape) -> list[tuple[str, int]]:
     """The step's op chain as ``(op name, lane)``; alternates lanes (see the module docstring)."""
     ops: list[tuple[str, int]] = []
@@ -396,16 +432,17 @@ def evaluate_cases(
         comm = _comm_ops(m, lines, tp, ep, bm, q, variant)
         needed[(nmb, q)] = _step_time(m, comp, comm, nmb, variant)
 
+    control = control_seconds(cases, cfg.loop_control)  # once per loop iteration (a cycle under SD)
     tpot, mb = {}, {}
     for t in techniques:
         t = Technique(t)
         nmb = 2 if t in (Technique.DBO, Technique.DBO_SD) else 1
         if t in (Technique.SD, Technique.DBO_SD):
             draft = needed[(nmb, 1)] if sd.draft_cost == DraftCost.DECODE_STEP else 0.0
-            tpot[t] = (draft + needed[(nmb, q_ver)]) / sd.tokens_per_cycle
+            tpot[t] = (draft + needed[(nmb, q_ver)] + control) / sd.tokens_per_cycle
             spec = True
         else:
-            tpot[t] = needed[(nmb, 1)]
+            tpot[t] = needed[(nmb, 1)] + control
             spec = False
         mb[t] = np.array([max_batch_memory(cfg, c.tp, c.ep, c.context, spec) for c in cases])
     return CaseResults(cases, b[0], tpot, mb, variant)

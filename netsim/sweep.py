@@ -37,7 +37,9 @@ from .serving import (
     evaluate_cases,
 )
 
-__all__ = ["SweepConfig", "KnobSource", "KNOBS", "knob_values", "default_variants", "run_sweep", "pareto_front", "summary_table", "PROVISION_GBPS"]
+__all__ = ["SweepConfig", "KnobSource", "KNOBS", "knob_values", "default_variants", "run_sweep", "pareto_front",
+           "summary_table", "PROVISION_GBPS", "QUICK", "read_sweep", "decisions", "compare_decisions",
+           "format_decisions"]
 
 PROVISION_GBPS = {Topology.SCALE_UP: 450.0, Topology.TORUS_3D: 450.0, Topology.FULL_MESH_3D: 450.0,
                   Topology.SCALE_OUT: 50.0}  # fmt: skip
@@ -138,6 +140,12 @@ class SweepConfig:
             raise ValueError("a sweep needs at least one topology, cluster size, TPOT and context")
         if self.reference_size not in self.cluster_sizes:
             raise ValueError(f"reference_size {self.reference_size} must be one of the cluster sizes")
+
+
+QUICK = {"cluster_sizes": (64,), "generations": (), "bandwidths_gbps": {
+    Topology.SCALE_UP: (150, 300, 450, 900), Topology.TORUS_3D: (150, 300, 450, 900),
+    Topology.FULL_MESH_3D: (150, 300, 450, 900), Topology.SCALE_OUT: (50, 200)}}  # fmt: skip
+"""``sweep --quick``: 64 XPUs, four bandwidths per topology, no generations."""
 
 
 def pareto_front(cost: np.ndarray, perf: np.ndarray) -> np.ndarray:
@@ -296,7 +304,7 @@ def _config_json(cfg: SweepConfig) -> dict:
         "generation": cfg.generation,
         "serving": {"mem_capacity": cfg.serving.mem_capacity, "mem_usable_fraction": cfg.serving.mem_usable_fraction,
                     "tp_sizes": list(cfg.serving.tp_sizes), "spec_decode": asdict(cfg.serving.spec),
-                    "model": cfg.serving.model.as_dict()},  # fmt: skip
+                    "model": cfg.serving.model.as_dict(), "loop_control": cfg.serving.loop_control.value},  # fmt: skip
         "cost": asdict(cfg.cost),
         "reference_size": cfg.reference_size,
         "constants": cfg.constants.as_dict(),
@@ -496,4 +504,82 @@ def summary_table(result: dict) -> str:
     lines.append("")
     lines.append(f"wall time {result['wall_s']:.1f}s; compute table: {result['compute_table'].get('method')} "
                  f"({result['compute_table'].get('gpu')})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def read_sweep(path: str, flag: str) -> dict:
+    """A ``sweep.json`` written by ``python -m netsim sweep``; a one-line error naming ``flag`` else."""
+    import json
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag} {path}: {getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "netsim-sweep/1":
+        raise ValueError(f"{flag} {path}: not a netsim sweep JSON (format netsim-sweep/1)")
+    return doc
+
+
+def decisions(result: dict) -> dict:
+    """What a sweep recommends, flat: ``{name: value}`` per scenario and optimisation (the topology
+    with the most throughput per cost at the 1x provision and at its best bandwidth and size, the
+    best switchless topology, the scale-up bandwidth sweet spot, the Pareto frontier's topologies)
+    and per scenario and topology the variant with the largest gain."""
+    a, out = result["analyses"], {}
+    for key, per in a["topology"].items():
+        for opt, row in per.items():
+            tops = {t: v for t, v in row.items() if isinstance(v, dict)}
+            if tops:
+                out[f"topology 1x/{key}/{opt}"] = max(tops, key=lambda t: tops[t]["throughput_per_cost"])
+            out[f"best switchless 1x/{key}/{opt}"] = row.get("best_switchless")
+    for key, per in a["topology_best"].items():
+        for opt, row in per.items():
+            tops = {t: v for t, v in row.items() if isinstance(v, dict)}
+            if tops:
+                t = max(tops, key=lambda t: tops[t]["throughput_per_cost"])
+                out[f"topology best/{key}/{opt}"] = f"{t} {tops[t]['bandwidth_gbps']:g}GB/s x{tops[t]['num_xpus']}"
+    for key, per in a["bandwidth"].items():
+        for opt, e in per.items():
+            out[f"scale-up sweet spot/{key}/{opt}"] = e.get("sweet_spot_gbps")
+    for key, p in a["pareto"].items():
+        out[f"pareto frontier/{key}"] = ", ".join(p["frontier_topologies"])
+    for key, per in a["variants"].items():
+        for topo, gains in per.items():
+            if gains:
+                out[f"best variant/{key}/{topo}"] = max(gains, key=gains.get)
+    return out
+
+
+def compare_decisions(base: dict, new: dict) -> dict:
+    """Two sweeps' recommendations side by side: the decisions that changed, and per record
+    (topology, size, bandwidth, scenario, optimisation, variant) whether its chosen layout (tp, ep,
+    technique) changed and how much its throughput per XPU moved (``new / base - 1``)."""
+    da, db = decisions(base), decisions(new)
+    changed = [{"decision": k, "base": da.get(k), "new": db.get(k)} for k in sorted(set(da) | set(db))
+               if da.get(k) != db.get(k)]  # fmt: skip
+    keys = ("topology", "num_xpus", "bandwidth_gbps", "context", "tpot_slo_ms", "optimization", "variant")
+    rb = {tuple(r[k] for k in keys): r for r in base["records"]}
+    moved, layouts, n = [], 0, 0
+    for r in new["records"]:
+        b = rb.get(tuple(r[k] for k in keys))
+        if b is None:
+            continue
+        n += 1
+        layouts += any(r[k] != b[k] for k in ("tp", "ep", "technique"))
+        if b["throughput_per_xpu"] > 0:
+            moved.append(r["throughput_per_xpu"] / b["throughput_per_xpu"] - 1)
+    moved = np.array(moved) if moved else np.zeros(1)
+    return {"decisions": len(da), "changed": changed, "records": n, "layouts_changed": int(layouts),
+            "throughput_change": {"median": float(np.median(moved)), "min": float(moved.min()),
+                                  "max": float(moved.max())}}  # fmt: skip
+
+
+def format_decisions(cmp: dict) -> str:
+    """The comparison as text (what ``sweep --compare-to`` prints)."""
+    t = cmp["throughput_change"]
+    lines = [f"{len(cmp['changed'])} of {cmp['decisions']} decisions changed; chosen layout changed in "
+             f"{cmp['layouts_changed']} of {cmp['records']} records; throughput per XPU moved "
+             f"{t['median'] * 100:+.3f}% median ({t['min'] * 100:+.3f}% to {t['max'] * 100:+.3f}%)"]  # fmt: skip
+    lines += [f"  {c['decision']}: {c['base']} -> {c['new']}" for c in cmp["changed"]]
     return "\n".join(lines)

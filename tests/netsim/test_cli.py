@@ -61,6 +61,38 @@ def test_sweep_quick_writes_outputs(tmp_path, capsys):
         assert (out / png).stat().st_size > 1000
 
 
+def test_sweep_compare_to_lists_the_decisions_that_changed(tmp_path, capsys):
+    """``--compare-to``: the decisions of two sweeps side by side; a sweep against itself changes
+    nothing, the loop's control exchange moves every throughput down (it only adds time), and an
+    edited recommendation is reported with both values."""
+    import copy
+
+    from netsim.sweep import compare_decisions, decisions
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["sweep", "--out", str(a), "--quick", "--no-plots"]) == 0
+    base = json.loads((a / "sweep.json").read_text())
+    same = compare_decisions(base, base)
+    assert same["changed"] == [] and same["layouts_changed"] == 0 and same["records"] == len(base["records"])
+    assert main(["sweep", "--out", str(b), "--quick", "--no-plots", "--loop-control", "exchange",
+                 "--compare-to", str(a / "sweep.json")]) == 0  # fmt: skip
+    assert "decisions changed" in capsys.readouterr().out
+    cmp = json.loads((b / "decisions.json").read_text())
+    assert cmp["base"] == str(a / "sweep.json") and cmp["decisions"] == len(decisions(base)) > 10
+    assert json.loads((b / "sweep.json").read_text())["config"]["serving"]["loop_control"] == "exchange"
+    assert cmp["throughput_change"]["max"] <= 1e-12 and cmp["throughput_change"]["min"] < 0
+    edited = copy.deepcopy(base)
+    key = next(iter(edited["analyses"]["pareto"]))
+    edited["analyses"]["pareto"][key]["frontier_topologies"] = ["nowhere"]
+    changed = compare_decisions(base, edited)["changed"]
+    assert changed == [{"decision": f"pareto frontier/{key}", "base": decisions(base)[f"pareto frontier/{key}"],
+                        "new": "nowhere"}]  # fmt: skip
+    for bad, why in ((tmp_path / "missing.json", "No such file"), (a / "summary.txt", "--compare-to")):
+        assert main(["sweep", "--out", str(tmp_path / "c"), "--quick", "--compare-to", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and len(err.splitlines()) == 1 and not (tmp_path / "c" / "sweep.json").exists()
+
+
 def test_sweep_knobs_measured_lar_curve():
     from netsim.sweep import KNOBS, KnobSource, default_variants, knob_values
 

@@ -9,8 +9,10 @@ from netsim.compute import default_table
 from netsim.model import DEEPSEEK_V3
 from netsim.serving import (
     BASELINE,
+    CONTROL_BYTES,
     Case,
     DraftCost,
+    LoopControl,
     Optimization,
     ServingConfig,
     SpecDecode,
@@ -169,3 +171,26 @@ def test_best_under_slo_is_feasible_and_monotone():
     assert np.all(a <= b + 1e-9) and np.all(b <= c + 1e-9)
     best_by_bw = [max(c2 for c2, cs in zip(c, cases) if cs.network == n and cs.context == 512) for n in nets[:3]]
     assert best_by_bw == sorted(best_by_bw)
+
+
+def test_loop_control_adds_two_small_all_reduces_per_iteration():
+    """``LoopControl.EXCHANGE``: every technique's TPOT grows by the two control collectives (the
+    fastest all-reduce of CONTROL_BYTES over the EP ranks, timed here by collective_time), a
+    speculative cycle's by that over its tokens per cycle; ``NONE`` is the paper's model."""
+    cases = [Case(NET, 2, 64, 1024), Case(Network("scale-out", 64, 50 * GB), 1, 64, 1024)]
+    cfg = ServingConfig(batch_grid=(8.0, 64.0))
+    base = evaluate_cases(cases, cfg)
+    ctl = evaluate_cases(cases, ServingConfig(batch_grid=(8.0, 64.0), loop_control="exchange"))
+    assert ServingConfig().loop_control is LoopControl.NONE and ctl.batch.tolist() == base.batch.tolist()
+    for i, c in enumerate(cases):
+        want = 2 * collective_time(c.network, "all_reduce", c.ep, CONTROL_BYTES)
+        assert 0 < want < 1e-3  # latency-bound: microseconds on these networks
+        for t in Technique:
+            per = SpecDecode().tokens_per_cycle if t in (Technique.SD, Technique.DBO_SD) else 1.0
+            assert ctl.tpot[t][i] - base.tpot[t][i] == pytest.approx(np.full(2, want / per), rel=1e-9)
+    one_rank = evaluate_cases([Case(NET, 1, 1, 512)], ServingConfig(batch_grid=(8.0,), loop_control="exchange",
+                                                                     ep_sizes=(1,)))  # fmt: skip
+    no_ctl = evaluate_cases([Case(NET, 1, 1, 512)], ServingConfig(batch_grid=(8.0,), ep_sizes=(1,)))
+    assert one_rank.tpot[Technique.NONE] == pytest.approx(no_ctl.tpot[Technique.NONE])  # no peer to talk to
+    with pytest.raises(ValueError):
+        ServingConfig(loop_control="sometimes")
