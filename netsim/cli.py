@@ -471,8 +471,7 @@ def _sweep(args) -> int:
     from .collectives import DGX_H100_INTER, DGX_H100_INTRA
     from .cost import CostConfig
     from .sweep import QUICK, SweepConfig, compare_decisions, default_variants, format_decisions, knob_values
-    from .sweep import run_sweep, summary_table
-    from .sweep import read_sweep
+    from .sweep import read_sweep, run_sweep, summary_table
 
     with user_input():
         base = read_sweep(args.compare_to, "--compare-to") if args.compare_to else None

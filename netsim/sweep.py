@@ -509,13 +509,9 @@ def summary_table(result: dict) -> str:
 
 def read_sweep(path: str, flag: str) -> dict:
     """A ``sweep.json`` written by ``python -m netsim sweep``; a one-line error naming ``flag`` else."""
-    import json
+    from .validation import read_json
 
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{flag} {path}: {getattr(err, 'strerror', None) or err}") from None
+    doc = read_json(path, flag)
     if not isinstance(doc, dict) or doc.get("format") != "netsim-sweep/1":
         raise ValueError(f"{flag} {path}: not a netsim sweep JSON (format netsim-sweep/1)")
     return doc
