@@ -28,8 +28,10 @@ def test_profile_writes_what_netsim_replay_reads(serve_ckpts, tmp_path, tp):
     bench = tmp_path / "serve.json"
     bench.write_text(json.dumps(run))
     out = tmp_path / "profile.json"
-    # one launch of 2 rounds; at TP 1 a precision no measurement meets, so the profile is refused
-    limit = "1e-9" if tp == 1 else "1"
+    # one launch of 2 rounds; at TP 1 a precision no measurement meets, so the profile is refused; at
+    # TP 2 one every measurement meets (2 rounds give a t-interval of +-12.7 standard errors: on a busy
+    # machine wider than 100%), since this test checks the profile's form, not its precision
+    limit = "1e-9" if tp == 1 else "1e6"
     proc = subprocess.run([sys.executable, "scripts/profile_serving_compute.py", "--bench-serve", str(bench),
                            "--out", str(out), "--repeats", "2", "--launches", "1", "--precision", limit,
                            "--disturbed", "100"],  # a busy test machine may slow a round: keep both
