@@ -38,6 +38,7 @@ class FarSkipTransformerBlock(TransformerBlock):
     farskip_mode: FarSkipMode = FarSkipMode.full
     farskip_async_tp: bool = False
     farskip_inference_split: bool = False
+    farskip_inference_heads: bool = False
     # when a list, each layer's full output stream is appended (FCSD's hidden-state L2); this
     # completes every combine inside its own layer, so it removes the cross-layer overlap
     layer_output_sink = None
@@ -73,6 +74,7 @@ class FarSkipTransformerBlock(TransformerBlock):
                         state, attention_mask=attention_mask, overlapped=self.farskip_overlapped,
                         mode=self.farskip_mode, inference_context=inference_context,
                         async_tp=self.farskip_async_tp, inference_split=self.farskip_inference_split,
+                        inference_heads=self.farskip_inference_heads,
                         sequence_len_offset=sequence_len_offset, **rotary,
                     )
                 else:
@@ -142,6 +144,7 @@ def apply_farskip(gpt, cfg: FarSkipConfig, moe_pattern: list):
     block.farskip_mode = cfg.farskip_mode
     block.farskip_async_tp = cfg.farskip_async_tp
     block.farskip_inference_split = cfg.farskip_inference_split
+    block.farskip_inference_heads = cfg.farskip_inference_heads
     for layer in block.layers:
         index = layer.layer_number - 1
         if index in selected or index == lead_in:

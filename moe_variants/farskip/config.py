@@ -146,6 +146,12 @@ class FarSkipConfig(VariantConfig):
     combine; core attention over the KV cache and the output projection run behind this layer's dispatch
     (default: the whole attention behind the combine)"""
 
+    # inference: a prefill's core attention in two halves by heads, one behind each window
+    farskip_inference_heads: bool = False
+    """overlapped, at inference, without --farskip-async-tp: a prefill step's core attention runs for the first
+    half of its heads behind the previous layer's combine and for the other half, with the output projection,
+    behind this layer's dispatch (decode steps: the whole attention behind the combine)"""
+
     def __post_init__(self):
         self.farskip = LayerSelection.parse(self.farskip)
         coerce_enums(self)

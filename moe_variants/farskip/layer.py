@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.compat.split_attention import HeadSplit
 from moe_variants.common.comm import set_backward_priority
 from moe_variants.farskip.attention import (
     attention_out,
@@ -152,7 +153,7 @@ class FarSkipTransformerLayer(TransformerLayer):
         return None, PendingReduction(partial, fc2.tp_group, self.config.sequence_parallel)
 
     def _inference_forward(self, state: FarSkipState, *, attention_mask, inference_context, attn_kwargs,
-                           async_tp: bool = False, split: bool = False):
+                           async_tp: bool = False, split: bool = False, heads: bool = False):
         """The overlapped schedule when attention must run whole (megatron-core's inference path
         over the KV cache, or precomputed rotary cos/sin), for the ``full`` mode of an MoE layer:
         (1) attention on A_{k-1} while layer k-1's combine flies; (2) wait it, o_{k-1}; (3) route
@@ -165,6 +166,12 @@ class FarSkipTransformerLayer(TransformerLayer):
         over the KV cache and the output projection) runs after (3), behind the dispatch
         (``attention.project_inputs``); the shared expert runs after (5), behind this layer's
         combine, which the next layer's input projections then also overlap.
+
+        ``heads`` (the training schedule's halves of core attention, at inference, by heads): a prefill
+        step's core attention over the KV cache runs for the first half of its heads in (1), behind the
+        previous combine, and for the other half, with the output projection, after (3), behind the
+        dispatch, beside the shared expert (``megatron.compat.split_attention``); decode steps run (1)
+        whole.
 
         ``async_tp`` (paper §4.2, TP > 1): the attention projection's tensor-parallel reduction flies
         behind (3)-(5), and the shared expert's behind (5); both are waited only when the residual is
@@ -185,9 +192,13 @@ class FarSkipTransformerLayer(TransformerLayer):
 
         hidden = self.input_layernorm(state.attn_stream)
         projected = None
+        head_split = HeadSplit(attn) if heads else None
         if split and input_projections(attn):
             with self._phase("qkv"):  # (1) only the input projections
                 projected = project_inputs(attn, hidden)
+        elif head_split is not None:
+            with self._phase("attention part 1"), head_split.early():  # (1) a prefill's first heads
+                attn_out, attn_bias, reduction = run_attention(hidden)
         else:
             with self._phase("attention"):  # (1)
                 attn_out, attn_bias, reduction = run_attention(hidden)
@@ -196,6 +207,9 @@ class FarSkipTransformerLayer(TransformerLayer):
         with self._phase("route"):  # (3)
             moe_in = self.pre_mlp_layernorm(full_prev)
             dispatched = self._start_dispatch(moe_in, overlapped=True)
+        if head_split is not None and head_split.deferred:
+            with self._phase("attention part 2"):  # (4a) the other heads and the projection behind the dispatch
+                attn_out, attn_bias = head_split.finish()
         if projected is not None:
             with self._phase("attention"):  # (4a) the rest of attention behind the dispatch
                 attn_out, attn_bias, reduction = run_attention(hidden, projected)
@@ -242,6 +256,7 @@ class FarSkipTransformerLayer(TransformerLayer):
         sequence_len_offset=None,
         async_tp: bool = False,
         inference_split: bool = False,
+        inference_heads: bool = False,
     ) -> FarSkipState:
         """One FarSkip layer; returns the state for the next layer (see the module docstring).
 
@@ -261,7 +276,7 @@ class FarSkipTransformerLayer(TransformerLayer):
                 inference_context is not None or precomputed_rope or async_tp):
             return self._inference_forward(
                 state, attention_mask=attention_mask, inference_context=inference_context, async_tp=async_tp,
-                split=inference_split,
+                split=inference_split, heads=inference_heads and inference_context is not None and not async_tp,
                 attn_kwargs=dict(rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                  rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
                                  sequence_len_offset=sequence_len_offset),

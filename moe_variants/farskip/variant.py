@@ -19,6 +19,8 @@ class FarSkip(Variant):
         "farskip-async-tp": {"farskip": "all", "farskip_impl": "overlapped", "farskip_async_tp": True},
         # inference: attention split at its input projections, the rest behind the dispatch
         "farskip-split": {"farskip": "all", "farskip_impl": "overlapped", "farskip_inference_split": True},
+        # inference: a prefill's core attention in two halves by heads, the second behind the dispatch
+        "farskip-heads": {"farskip": "all", "farskip_impl": "overlapped", "farskip_inference_heads": True},
         "farskip-split-async-tp": {"farskip": "all", "farskip_impl": "overlapped", "farskip_inference_split": True,
                                    "farskip_async_tp": True},
     }
@@ -38,6 +40,12 @@ class FarSkip(Variant):
         if cfg.farskip_inference_split and (cfg.farskip_impl != FarSkipImpl.overlapped
                                             or cfg.farskip_mode.value != "full"):
             raise ValueError("--farskip-inference-split needs --farskip-impl overlapped and --farskip-mode full")
+        if cfg.farskip_inference_heads and (cfg.farskip_impl != FarSkipImpl.overlapped
+                                           or cfg.farskip_mode.value != "full"):
+            raise ValueError("--farskip-inference-heads needs --farskip-impl overlapped and --farskip-mode full")
+        if cfg.farskip_inference_heads and (cfg.farskip_inference_split or cfg.farskip_async_tp):
+            raise ValueError("--farskip-inference-heads cannot be combined with --farskip-inference-split or "
+                             "--farskip-async-tp (each places attention's parts differently)")
 
     def apply(self, gpt, model) -> None:
         from moe_variants.config import moe_layer_pattern

@@ -207,16 +207,19 @@ def test_farskip_preset_on_the_mla_model(layout, preset, mla_ckpt, tmp_path):
     assert _served_tokens(mla_ckpt, tmp_path, prompts, [*extra, "--variant", preset], nproc) == reference
 
 
-@pytest.mark.parametrize("model,layout", [("standard", "ep2"), ("mla", "one"), ("mla", "ep2")])
-def test_farskip_split_attention_serves_the_forward_tokens(model, layout, serve_ckpts, mla_ckpt, tmp_path):
+@pytest.mark.parametrize("model,layout,preset", [("standard", "ep2", "farskip-split"), ("mla", "one", "farskip-split"),
+                                                 ("mla", "ep2", "farskip-split"), ("standard", "ep2", "farskip-heads"),
+                                                 ("mla", "ep2", "farskip-heads")])
+def test_farskip_split_attention_serves_the_forward_tokens(model, layout, preset, serve_ckpts, mla_ckpt, tmp_path):
     """``--variant farskip-split``: at inference attention is split at its input projections (run
-    behind the previous combine) and the rest, over the KV cache (behind the dispatch). Self-
+    behind the previous combine) and the rest, over the KV cache (behind the dispatch);
+    ``farskip-heads``: a prefill's core attention is split by heads over the two windows. Self-
     attention and MLA (latent cache, absorbed decoding) give the forward's tokens without a cache."""
     ckpt = mla_ckpt if model == "mla" else serve_ckpts[model]
     prompts = _prompts(ckpt)[:3]
     reference = forward_reference(ckpt, prompts, "farskip")
     nproc, extra = LAYOUTS[layout] if layout != "one" else (1, [])
-    assert _served_tokens(ckpt, tmp_path, prompts, [*extra, "--variant", "farskip-split"], nproc) == reference
+    assert _served_tokens(ckpt, tmp_path, prompts, [*extra, "--variant", preset], nproc) == reference
 
 
 @pytest.mark.parametrize("preset", [None, "farskip-split-async-tp"])  # the async-TP path with and without the split

@@ -1,6 +1,6 @@
 """Where a served run's exposed expert communication is: per MoE layer and collective.
 
-    python -m tools.profile.exposed --spans WORK/serve-farskip-run0/a2a_spans [--min-tokens 64] [--json OUT]
+    python -m tools.profile.exposed --spans WORK/serve-farskip-run0/a2a_spans [--spans ...] [--min-tokens 64] [--json OUT]
 
 ``serve --a2a-spans`` records, per engine step and rank, every expert collective in launch order
 (``spans``: launch to completion) and when the compute thread asked for each one's result until it
@@ -11,7 +11,9 @@ collective's exposed time is the part of its flight the thread spent waiting,
 server's counters book). Summed over the steps with at least ``--min-tokens`` real tokens on a rank
 (prefill steps, say) and over the ranks, per layer and collective: the time in flight, the time
 exposed and the share hidden, ``1 - exposed / in flight``. The sum of the layers' exposed time is
-what a schedule has left to hide; the layers and collectives that hold most of it are where.
+what a schedule has left to hide; the layers and collectives that hold most of it are where. Per
+collective kind the same sums (``by_kind``), with the last MoE layer's apart: its combine has no next
+layer to hide behind. ``--spans`` given more than once pools runs (their ranks' records side by side).
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ def exposed_by_layer(records_by_rank: list, min_tokens: int = 1) -> dict:
                             for kind, layers in out.items()}}
 
 
+def by_kind(result: dict) -> dict:
+    """``{kind: {"in_flight_s", "exposed_s", "hidden", "share_of_exposed", "last_layer": {...}}}`` summed
+    over the layers of ``exposed_by_layer``'s result; ``last_layer`` is the last MoE layer's cell alone."""
+    total = result["exposed_s"]
+    out = {}
+    for kind, layers in result["collectives"].items():
+        in_flight = sum(c["in_flight_s"] for c in layers.values())
+        exposed = sum(c["exposed_s"] for c in layers.values())
+        last = layers[max(layers, key=int)]
+        out[kind] = {"in_flight_s": in_flight, "exposed_s": exposed,
+                     "hidden": 1 - exposed / in_flight if in_flight else None,
+                     "share_of_exposed": exposed / total if total else None,
+                     "last_layer": {"layer": int(max(layers, key=int)), "in_flight_s": last["in_flight_s"],
+                                    "exposed_s": last["exposed_s"],
+                                    "share_of_exposed": last["exposed_s"] / total if total else None}}
+    return out
+
+
 def _read(path: str) -> list:
     import gzip
 
@@ -75,6 +95,15 @@ def format_table(result: dict) -> str:
             hidden = 1 - c["exposed_s"] / c["in_flight_s"] if c["in_flight_s"] else float("nan")
             lines.append(f"{kind:<10}{layer:>6}{c['n']:>6}{c['in_flight_s'] * 1e3:>14.1f}{c['exposed_s'] * 1e3:>12.1f}"
                          f"{hidden:>8.1%}{c['exposed_s'] / total:>18.1%}")
+    lines.append(f"{'by kind':<10}{'':>6}{'':>6}{'in flight ms':>14}{'exposed ms':>12}{'hidden':>8}"
+                 f"{'share of exposed':>18}")
+    for kind, c in by_kind(result).items():
+        last = c["last_layer"]
+        hidden = "-" if c["hidden"] is None else f"{c['hidden']:.1%}"
+        lines.append(f"{kind:<10}{'all':>6}{'':>6}{c['in_flight_s'] * 1e3:>14.1f}{c['exposed_s'] * 1e3:>12.1f}"
+                     f"{hidden:>8}{c['exposed_s'] / total:>18.1%}")
+        lines.append(f"{'':<10}{'last':>6}{last['layer']:>6}{last['in_flight_s'] * 1e3:>14.1f}"
+                     f"{last['exposed_s'] * 1e3:>12.1f}{'':>8}{last['exposed_s'] / total:>18.1%}")
     hidden = "-" if result["hidden"] is None else f"{result['hidden']:.1%}"
     lines.append(f"{result['steps']} rank-steps: {result['in_flight_s'] * 1e3:.1f} ms in flight, "
                  f"{result['exposed_s'] * 1e3:.1f} ms exposed, {hidden} hidden")
@@ -86,7 +115,8 @@ def main(argv=None) -> int:
     from megatron.common.files import write_json
 
     p = argparse.ArgumentParser(prog="python -m tools.profile.exposed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--spans", required=True, metavar="DIR", help="a served run's a2a_spans directory (serve --a2a-spans)")
+    p.add_argument("--spans", required=True, action="append", metavar="DIR",
+                   help="a served run's a2a_spans directory (serve --a2a-spans); more than once: runs pooled")
     p.add_argument("--min-tokens", type=positive_int, default=1,
                    help="only steps with at least this many real tokens on the rank (e.g. above max_requests: "
                    "prefill steps)")
@@ -94,22 +124,25 @@ def main(argv=None) -> int:
 
     def body():
         args = p.parse_args(argv)
-        names = sorted(n for n in (os.listdir(args.spans) if os.path.isdir(args.spans) else [])
-                       if n.startswith("a2a_spans_rank") and n.endswith((".jsonl", ".jsonl.gz")))
-        if not names:
-            raise UserError(f"--spans {args.spans}: no a2a_spans_rank<R>.jsonl files there")
-        try:
-            records = [_read(os.path.join(args.spans, n)) for n in names]
-        except (OSError, ValueError) as err:
-            raise UserError(f"--spans {args.spans}: not readable ({err})") from None
-        if not any("waits" in r for rank in records for r in rank):
-            raise UserError(f"--spans {args.spans}: the records have no waits (recorded by an older serve "
-                            "--a2a-spans)")
+        records = []
+        for spans in args.spans:
+            names = sorted(n for n in (os.listdir(spans) if os.path.isdir(spans) else [])
+                           if n.startswith("a2a_spans_rank") and n.endswith((".jsonl", ".jsonl.gz")))
+            if not names:
+                raise UserError(f"--spans {spans}: no a2a_spans_rank<R>.jsonl files there")
+            try:
+                run = [_read(os.path.join(spans, n)) for n in names]
+            except (OSError, ValueError) as err:
+                raise UserError(f"--spans {spans}: not readable ({err})") from None
+            if not any("waits" in r for rank in run for r in rank):
+                raise UserError(f"--spans {spans}: the records have no waits (recorded by an older serve "
+                                "--a2a-spans)")
+            records += run
         result = exposed_by_layer(records, args.min_tokens)
         print(format_table(result))
         if args.json:
-            write_json(args.json, {"schema": "exposed-by-layer/1", "spans": args.spans, "min_tokens": args.min_tokens,
-                                   **result})
+            write_json(args.json, {"schema": "exposed-by-layer/2", "spans": args.spans, "min_tokens": args.min_tokens,
+                                   **result, "by_kind": by_kind(result)})
             print(f"wrote {args.json}")
         return 0
 
