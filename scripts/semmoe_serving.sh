@@ -15,7 +15,8 @@
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
 # OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
 # VARIANTS (default standard,eplb,semmoe), LINK_GBIT (a fixed link rate instead of the search for
-# FRACTION), PY (default .venv/bin/python). Steps whose output exists are skipped.
+# FRACTION), RUNS (measured runs, rotated; default 1), PY (default .venv/bin/python). Steps whose
+# output exists are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
@@ -29,6 +30,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-32}
 SLO_TTFT=${SLO_TTFT:-1.0}
 SLO_TPOT=${SLO_TPOT:-0.2}
 VARIANTS=${VARIANTS:-standard,eplb,semmoe}
+RUNS=${RUNS:-1}
 LINK=(--target-comm-fraction "$FRACTION")
 [ -z "${LINK_GBIT:-}" ] || LINK=(--link-gbit "$LINK_GBIT")
 PY=${PY:-.venv/bin/python}
@@ -51,4 +53,4 @@ done
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants "$VARIANTS" \
   --ranks "$EP" --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
   "${LINK[@]}" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
-  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --work-dir "$OUT/work" --json "$OUT/serve.json"
+  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --runs "$RUNS" --work-dir "$OUT/work" --json "$OUT/serve.json"
