@@ -30,7 +30,8 @@ bit-identical):
   the backward so that the gradient all-to-alls overlap the attention and shared-expert backward.
   Self-attention and multi-latent attention are split (``attention.py``); at inference, where
   attention runs whole over the KV cache, the combine overlaps the next layer's whole attention and
-  the dispatch the shared expert (``_inference_forward``).
+  the dispatch the shared expert (``_inference_forward``; with ``inference_heads`` half of a prefill's
+  core attention moves behind the dispatch).
 
 KV-cached generation (megatron-core's static and dynamic engines) runs through the same layer:
 the block unwraps the inference-mode input and attention reads and writes the cache; the tokens

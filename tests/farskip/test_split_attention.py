@@ -104,3 +104,16 @@ def test_an_attention_that_changes_the_kernel_output_is_refused():
     with pytest.raises(ValueError, match="output gate"):
         with HeadSplit(_Attention(attention_output_gate=True)).early():
             pass
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({}, "--farskip-inference-heads needs --farskip-impl overlapped"),
+    ({"farskip_impl": "overlapped", "farskip_inference_split": True}, "cannot be combined with --farskip-inference-split"),
+    ({"farskip_impl": "overlapped", "farskip_async_tp": True}, "cannot be combined with --farskip-inference-split or"),
+])
+def test_the_heads_schedule_is_refused_where_it_cannot_run(extra, message):
+    from moe_variants.config import ParallelConfig, validate
+    from tests.helpers import tiny_model_config
+
+    with pytest.raises(ValueError, match=message):
+        validate(tiny_model_config(farskip="all", farskip_inference_heads=True, **extra), ParallelConfig())
