@@ -15,7 +15,7 @@
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
 # OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
 # VARIANTS (default standard,eplb,semmoe), LINK_GBIT (a fixed link rate instead of the search for
-# FRACTION), RUNS (measured runs, rotated; default 1), PY (default .venv/bin/python). Steps whose
+# FRACTION), RUNS (measured runs, rotated; default 3), PY (default .venv/bin/python). Steps whose
 # output exists are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-32}
 SLO_TTFT=${SLO_TTFT:-1.0}
 SLO_TPOT=${SLO_TPOT:-0.2}
 VARIANTS=${VARIANTS:-standard,eplb,semmoe}
-RUNS=${RUNS:-1}
+RUNS=${RUNS:-3}
 LINK=(--target-comm-fraction "$FRACTION")
 [ -z "${LINK_GBIT:-}" ] || LINK=(--link-gbit "$LINK_GBIT")
 PY=${PY:-.venv/bin/python}
