@@ -15,8 +15,9 @@
 # NUM_REQUESTS (per rate, default 32), FRACTION (target all-to-all share, default 0.4),
 # OUTPUT_LEN (default 32), SLO_TTFT / SLO_TPOT (goodput SLO, seconds; default 1.0 / 0.2),
 # VARIANTS (default standard,eplb,semmoe), LINK_GBIT (a fixed link rate instead of the search for
-# FRACTION), RUNS (measured runs, rotated; default 3), PY (default .venv/bin/python). Steps whose
-# output exists are skipped.
+# FRACTION), RUNS (measured runs, rotated; default 3), TIMEOUT_S (bench_serve's wall-clock limit,
+# default 14400), RESUME (1: reuse the runs a cut-off invocation finished in OUT/work; needs LINK_GBIT),
+# PY (default .venv/bin/python). Steps whose output exists are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/semmoe_serving.sh OUT_DIR}
@@ -31,6 +32,9 @@ SLO_TTFT=${SLO_TTFT:-1.0}
 SLO_TPOT=${SLO_TPOT:-0.2}
 VARIANTS=${VARIANTS:-standard,eplb,semmoe}
 RUNS=${RUNS:-3}
+TIMEOUT_S=${TIMEOUT_S:-14400}
+RESUME_ARG=()
+[ "${RESUME:-0}" = 0 ] || RESUME_ARG=(--resume)
 LINK=(--target-comm-fraction "$FRACTION")
 [ -z "${LINK_GBIT:-}" ] || LINK=(--link-gbit "$LINK_GBIT")
 PY=${PY:-.venv/bin/python}
@@ -53,4 +57,5 @@ done
 $PY scripts/bench_serve.py --load "$CKPT" --semmoe-tables "$OUT/tables" --variants "$VARIANTS" \
   --ranks "$EP" --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP" --prompts "$PROMPTS/sharegpt_eval.jsonl" --output-len "$OUTPUT_LEN" \
   "${LINK[@]}" --request-rates "$RATES" --num-requests "$NUM_REQUESTS" \
-  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --runs "$RUNS" --work-dir "$OUT/work" --json "$OUT/serve.json"
+  --slo-ttft "$SLO_TTFT" --slo-tpot "$SLO_TPOT" --runs "$RUNS" --timeout-s "$TIMEOUT_S" "${RESUME_ARG[@]}" \
+  --work-dir "$OUT/work" --json "$OUT/serve.json"

@@ -52,6 +52,7 @@ def _in_process(argv, capsys):
     (["--load", "MISSING", "--input-len", "8", "--no-netns"], "--load"),
     (["--mode", "prefill", "--input-len", "600", "--no-netns"], "--prefill-tokens"),
     (["--load-threshold", "-1", "--input-len", "8", "--no-netns"], "--load-threshold"),
+    (["--resume", "--target-comm-fraction", "0.5", "--input-len", "8"], "--resume needs a fixed link"),
     # the checkpoints are trained on --ranks first: 16 = 8 x 2 ranks fits, not 8 x 4
     (["--config", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "bench_bigmac_top8_cpu.yaml"), "--ranks", "4", "--input-len", "8", "--no-netns"],
      "--global-batch-size 16 is not divisible by --micro-batch-size 8 x data-parallel size 4"),
@@ -62,6 +63,12 @@ def test_bad_flags_give_one_line_and_write_nothing(argv, flag, tmp_path, capsys)
     code, err = _in_process([*argv, "--json", out / "r.json", "--work-dir", out / "work"], capsys)
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_resume_needs_a_work_dir(tmp_path, capsys):
+    code, err = _in_process(["--resume", "--input-len", "8", "--no-netns", "--json", tmp_path / "r.json"], capsys)
+    assert code == 2 and "--resume needs --work-dir" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_a_variant_that_changes_parameters_needs_its_own_checkpoint(serve_ckpts, tmp_path):

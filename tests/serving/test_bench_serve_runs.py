@@ -3,6 +3,7 @@ processes: the servers are replaced by a fake returning hand-made phases and ste
 samples by injected ones. Exact by hand (1e-12: float arithmetic)."""
 
 import json
+import os
 
 import pytest
 
@@ -29,11 +30,12 @@ class FakeServer:
 
     def __init__(self, net, args, ckpt, preset, run_dir, budget, printer, label, placement=None):
         self.label, self.run_index = label, int(run_dir.rsplit("-run", 1)[1])
-        self.engine = {"max_batch_tokens": 64, "max_requests": 4, "kv_cache_gb": 0.1}
+        self.run_dir, self.last_result = run_dir, None
         self.windows = []
 
     def __enter__(self):
         FakeServer.calls.append((self.run_index, self.label))
+        os.makedirs(os.path.join(self.run_dir, "a2a_spans"), exist_ok=True)
         return self
 
     def __exit__(self, *exc):
@@ -51,6 +53,9 @@ class FakeServer:
                          "ok": True, "max_tokens": 5, "sent": 0.1 * i} for i in range(4)]
             out[name] = {"name": name, "duration_s": duration, "requests": requests, "metrics_before": ZERO,
                          "metrics_after": AFTER, "clock_start": t0, "clock_end": t0 + 10.0}
+        self.last_result = os.path.join(self.run_dir, "client1-result.json")  # as the load client writes it
+        with open(self.last_result, "w") as f:
+            json.dump({"url": "fake", "phases": list(out.values())}, f)
         return out
 
     def spans(self):
@@ -60,6 +65,9 @@ class FakeServer:
         for t0 in self.windows + [1000.0]:
             lines[0].append({"t": t0 + 1.0, "spans": [["dispatch", t0 + 1.0, t0 + 1.3]]})
             lines[1].append({"t": t0 + 1.0, "spans": [["dispatch", t0 + 1.1, t0 + 1.3]]})
+        for r, steps in enumerate(lines):  # as serve --a2a-spans writes them
+            with open(os.path.join(self.run_dir, "a2a_spans", f"a2a_spans_rank{r}.jsonl"), "w") as f:
+                f.writelines(json.dumps(step) + "\n" for step in steps)
         return lines
 
 
@@ -110,6 +118,39 @@ def test_serve_runs_rotate_split_and_aggregate(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "standard*" in table and "run(s) 2, 3 taken on a loaded machine" in table
     assert "~" in table and "p99 100" in table and "medians over 3 runs" in table
+
+
+def _fake_benchmark(tmp_path, monkeypatch, out, *extra):
+    monkeypatch.setattr(discipline, "machine_load", lambda: _quiet())
+    monkeypatch.setattr(cli, "Server", FakeServer)
+    monkeypatch.setattr(cli, "place", lambda *a: {})
+    monkeypatch.setattr(cli, "tokenizer_and_context", lambda ckpt: (None, 128))
+    monkeypatch.setattr(cli, "phase_requests_for", lambda args, tok, ctx: {
+        "phases": {"warmup": [], "rate-1": [], "rate-inf": []}, "probes": [], "info": {}})
+    args = build_parser().parse_args(["--load", "CKPT", "--variants", "standard,farskip", "--no-netns",
+                                      "--input-len", "8", "--no-plots", "--json", str(out), *extra])
+    args.serve_ep = 2
+    return cli._benchmark(args, ["python", "scripts/bench_serve.py"], str(tmp_path / "work"), cli.Budget(100),
+                          cli.Printer())
+
+
+def test_resume_reuses_the_finished_runs_and_serves_the_rest(tmp_path, monkeypatch, capsys):
+    FakeServer.calls = []
+    assert _fake_benchmark(tmp_path, monkeypatch, tmp_path / "first.json") == 0
+    first = json.loads((tmp_path / "first.json").read_text())
+    os.remove(tmp_path / "work" / "serve-farskip-run1" / "done.json")  # as if cut off in that run
+    FakeServer.calls = []
+    capsys.readouterr()
+    assert _fake_benchmark(tmp_path, monkeypatch, tmp_path / "again.json", "--resume") == 0
+    assert FakeServer.calls == [(1, "farskip")]
+    assert capsys.readouterr().out.count("reused from") == 5
+    again = json.loads((tmp_path / "again.json").read_text())
+    for key in ("variants", "ratios", "requests"):
+        assert again[key] == first[key], key  # the reused runs read back exactly as measured
+    assert again["runs"][0]["load"] == first["runs"][0]["load"]
+    # other settings than the finished runs': refused in one line, naming the setting
+    with pytest.raises(cli.UserError, match=r"num_requests=None, this command has 7"):
+        _fake_benchmark(tmp_path, monkeypatch, tmp_path / "other.json", "--resume", "--num-requests", "7")
 
 
 def test_phase_split_takes_the_steps_inside_the_window():

@@ -58,14 +58,14 @@ from tools.bench import netns
 from tools.bench.cli import Budget, host_info, model_overrides, run_harness, script_path
 from tools.bench.discipline import LoadGate, rotations
 
-from . import analysis
+from . import analysis, resume
 from .checkpoints import place, tokenizer_and_context, train
 from .loadgen import report
 from .options import DEFAULT_NUM_REQUESTS, PROG, build_parser, check_args
 from .variant_configs import placed, variant_list
 from .phases import phase_requests_for
 from .report import Printer, plot_target, prefill_table, serve_table
-from .server import Server, tune
+from .server import Server, engine_settings, tune
 
 __all__ = ["build_parser", "main"]
 
@@ -90,7 +90,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
     orders = rotations(sorted(variants, key=lambda v: v != probe), args.runs)  # the probe first: it sets the link
     gate = LoadGate(args.load_threshold, expected=args.ranks * args.threads + 1, strict=args.strict)  # + the client
     link = netns.LinkSpec(args.link_gbit, 0.0, args.shaper)
-    phases, tuning, engine, runs = {v: [] for v in variants}, None, None, []
+    phases, tuning, runs = {v: [] for v in variants}, None, []
     with netns.open_network(args.ranks, link, use_netns=not args.no_netns) as net:
         if args.target_comm_fraction is not None and not net.shaped:
             raise UserError("--target-comm-fraction needs a shaped link (network namespaces, as root)")
@@ -99,25 +99,35 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             record = {"run": r, "order": order, "load": {}}
             for variant in order:
                 t0 = time.monotonic()
-                placement = placements.get(variant)
-                preset = variant if args.load and placement is None else None
-                with Server(net, args, checkpoints[variant], preset, os.path.join(work_dir, f"serve-{variant}-run{r}"),
-                             budget, printer, variant, placement) as server:
-                    engine = server.engine
-                    if "warmup" in work["phases"]:
-                        server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
-                    if variant == probe and r == 0:
-                        tuning = tune(server, net, args, work, printer)
-                    measured = server.run({k: v for k, v in work["phases"].items() if k != "warmup"}, "load")
-                spans = server.spans()
+                run_dir = os.path.join(work_dir, f"serve-{variant}-run{r}")
+                key = resume.run_key(args, variant, r)
+                kept = resume.reuse(run_dir, key) if args.resume else None
+                if kept is not None:
+                    measured, record["load"][variant] = kept
+                    spans = resume.spans_of(os.path.join(run_dir, "a2a_spans"), net.num_ranks)
+                    load = None  # the next served run samples its own before-load
+                else:
+                    load = load or gate.before(f"run {r + 1} of {variant}")
+                    placement = placements.get(variant)
+                    preset = variant if args.load and placement is None else None
+                    with Server(net, args, checkpoints[variant], preset, run_dir, budget, printer, variant,
+                                placement) as server:
+                        if "warmup" in work["phases"]:
+                            server.run({"warmup": work["phases"]["warmup"]}, "warm-up")
+                        if variant == probe and r == 0:
+                            tuning = tune(server, net, args, work, printer)
+                        measured = server.run({k: v for k, v in work["phases"].items() if k != "warmup"}, "load")
+                    spans = server.spans()
+                    record["load"][variant] = gate.after(load, f"run {r + 1} of {variant}")
+                    load = record["load"][variant]["after"]
+                    resume.mark_done(run_dir, key, server.last_result, record["load"][variant])
                 for p in measured.values():
                     p["a2a_split"] = analysis.phase_split(spans, p["clock_start"], p["clock_end"]) if spans else None
                 phases[variant].append(measured)
-                what = f"run {r + 1} of {variant}"
-                record["load"][variant] = gate.after(load, what)
-                load = record["load"][variant]["after"]
                 mark = record["load"][variant]
-                printer.line(f"[{variant}] run {r + 1}/{len(orders)} measured in {time.monotonic() - t0:.0f}s"
+                printer.line(f"[{variant}] run {r + 1}/{len(orders)} "
+                             + (f"reused from {run_dir}" if kept is not None else
+                                f"measured in {time.monotonic() - t0:.0f}s")
                              + (f"  LOADED: {'; '.join(mark['reasons'])}" if mark["loaded"] else ""))
             runs.append(record)
         network = net.describe()
@@ -159,7 +169,7 @@ def _benchmark(args, argv, work_dir, budget, printer) -> int:
             "tensor_model_parallel_size": args.tensor_model_parallel_size, "expert_comm": args.expert_comm,
             "variants": variants, "seed": args.seed,
             **variant_hooks.serve_bench_record(args),
-            "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine,
+            "threads": args.threads, "model": model, "checkpoints": checkpoints, "server": engine_settings(args),
             "workload": {**work["info"],
                          "request_rates": [f"{r:g}" for r in args.request_rates] if args.mode == "serve" else None,
                          "num_requests": None if args.mode == "prefill" or args.duration is not None

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--work-dir", help="keep checkpoints, logs and raw results here (default: temporary); a "
                    "checkpoint trained there with the same settings is reused")
+    g.add_argument("--resume", action="store_true", help="reuse the variant-runs an earlier command with the "
+                   "same arguments finished in --work-dir (each run directory's done.json) and serve only the "
+                   "rest; needs --work-dir and a fixed --link-gbit")
     g.add_argument("--timeout-s", type=float, default=3600.0, help="wall-clock limit of the whole command")
     return ap
 
@@ -180,6 +183,11 @@ def check_args(args) -> None:
             raise UserError(f"--{flag} {path}: is a directory, expected a file path")
     if args.plots and os.path.isfile(args.plots):
         raise UserError(f"--plots {args.plots}: is a file, expected a directory")
+    if args.resume and not args.work_dir:
+        raise UserError("--resume needs --work-dir (the directory whose finished runs it reuses)")
+    if args.resume and args.target_comm_fraction is not None:
+        raise UserError("--resume needs a fixed link: pass the rate the first command's search chose as "
+                        "--link-gbit instead of --target-comm-fraction")
     if args.timeout_s <= 0:
         raise UserError(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.load_threshold >= 0:

@@ -21,6 +21,7 @@ from tools.bench.tune import find_rate
 
 from . import analysis
 from .client import ClientSpec
+from .resume import spans_of
 
 __all__ = ["Server", "tune", "SERVE_MODULE", "CLIENT_MODULE"]
 
@@ -32,6 +33,16 @@ STARTUP_TIMEOUT_S = 900.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
+def engine_settings(args) -> dict:
+    """The engine's batch limits the servers run with (a prefill burst: its tokens in one step)."""
+    if args.mode == "prefill":
+        max_batch = args.prefill_tokens
+        max_requests = math.ceil(args.prefill_tokens / args.input_len) + 1
+    else:
+        max_batch, max_requests = args.max_batch_tokens, args.max_requests
+    return {"max_batch_tokens": max_batch, "max_requests": max_requests, "kv_cache_gb": args.kv_cache_gb}
+
+
 class Server:
     """One variant's server ranks in the network (a context manager: SIGTERM, drain, exit)."""
 
@@ -41,16 +52,11 @@ class Server:
             net, args, run_dir, budget, printer, label
         self.ready_file = os.path.join(run_dir, "ready.json")
         self.spans_dir = os.path.join(run_dir, "a2a_spans")  # each rank's engine steps' all-to-alls
-        if args.mode == "prefill":
-            max_batch = args.prefill_tokens
-            max_requests = math.ceil(args.prefill_tokens / args.input_len) + 1
-        else:
-            max_batch, max_requests = args.max_batch_tokens, args.max_requests
-        self.engine = {"max_batch_tokens": max_batch, "max_requests": max_requests, "kv_cache_gb": args.kv_cache_gb}
+        self.engine = engine_settings(args)
         self.argv = ["-m", SERVE_MODULE, "--load", os.path.abspath(ckpt), "--expert-model-parallel-size",
                      str(args.serve_ep), "--tensor-model-parallel-size",
                      str(args.tensor_model_parallel_size), "--host", "127.0.0.1", "--port", "0", "--ready-file", self.ready_file,
-                     "--max-batch-tokens", str(max_batch), "--max-requests", str(max_requests),
+                     "--max-batch-tokens", str(self.engine["max_batch_tokens"]), "--max-requests", str(self.engine["max_requests"]),
                      "--kv-cache-gb", str(args.kv_cache_gb), "--seed", str(args.seed),
                      "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--a2a-spans", self.spans_dir]
         # LAR is defined for attention-DP, and for attention-TP where the placement's server re-batches
@@ -67,6 +73,7 @@ class Server:
         self.ranks = None
         self.url = None
         self._tags = itertools.count()
+        self.last_result = None  # the last client's result file
 
     def __enter__(self) -> "Server":
         shutil.rmtree(self.run_dir, ignore_errors=True)  # a kept --work-dir holds the last run's ready file
@@ -109,15 +116,7 @@ class Server:
     def spans(self) -> list:
         """Every rank's step lines (``serve --a2a-spans``; read once the servers stopped), or [] when
         no rank recorded an all-to-all (one expert-parallel rank)."""
-        out = []
-        for r in range(self.net.num_ranks):
-            path = os.path.join(self.spans_dir, f"a2a_spans_rank{r}.jsonl")
-            try:
-                with open(path) as f:
-                    out.append([json.loads(line) for line in f if line.strip()])
-            except (OSError, ValueError):
-                out.append([])
-        return out if any(out) else []
+        return spans_of(self.spans_dir, self.net.num_ranks)
 
     def run(self, phases: dict, what: str) -> dict:
         """Run the load client on ``phases`` (name -> requests) in rank 0's namespace; its result."""
@@ -137,6 +136,7 @@ class Server:
             client.wait(10.0)
         self._show(spec.progress_path, what, force=True)
         self.printer.clear()
+        self.last_result = spec.result_path
         with open(spec.result_path) as f:
             return {p["name"]: p for p in json.load(f)["phases"]}
 
