@@ -151,6 +151,12 @@ def test_resume_reuses_the_finished_runs_and_serves_the_rest(tmp_path, monkeypat
     # other settings than the finished runs': refused in one line, naming the setting
     with pytest.raises(cli.UserError, match=r"num_requests=None, this command has 7"):
         _fake_benchmark(tmp_path, monkeypatch, tmp_path / "other.json", "--resume", "--num-requests", "7")
+    with pytest.raises(cli.UserError, match=r"max_requests=.*, this command has 3"):  # any served setting counts
+        _fake_benchmark(tmp_path, monkeypatch, tmp_path / "other.json", "--resume", "--max-requests", "3")
+    # analysis-only settings (SLOs) and a longer time limit do not stop the reuse
+    FakeServer.calls = []
+    assert _fake_benchmark(tmp_path, monkeypatch, tmp_path / "slo.json", "--resume", "--slo-ttft", "2",
+                           "--timeout-s", "99") == 0 and FakeServer.calls == []
 
 
 def test_phase_split_takes_the_steps_inside_the_window():

@@ -20,15 +20,20 @@ from megatron.common.files import write_json
 DONE_FILE = "done.json"
 
 
+# the arguments a served run's measurement does not depend on: output, analysis (SLOs, load marks), the
+# number and rotation of runs, and the link search (--resume needs a fixed link)
+NOT_MEASURED = frozenset({"json", "plots", "no_plots", "work_dir", "resume", "timeout_s", "slo_ttft", "slo_tpot",
+                          "load_threshold", "strict", "runs", "variants", "target_comm_fraction", "probe_variant",
+                          "probe_rounds", "max_probes"})
+PATHS = ("load", "config", "prompts", "semmoe_tables")
+
+
 def run_key(args, variant: str, run: int) -> dict:
-    """What a variant-run's measurement depends on (the SLOs and plots do not: they are analysis)."""
-    return {"variant": variant, "run": run, "load": os.path.abspath(args.load) if args.load else None,
-            "config": args.config, "mode": args.mode, "link_gbit": args.link_gbit, "shaper": args.shaper,
-            "no_netns": args.no_netns, "ranks": args.ranks, "tp": args.tensor_model_parallel_size,
-            "ep": args.serve_ep, "request_rates": [f"{r:g}" for r in args.request_rates],
-            "num_requests": args.num_requests, "duration": args.duration, "prompts": args.prompts,
-            "input_len": args.input_len, "output_len": args.output_len, "max_output_len": args.max_output_len,
-            "warmup_requests": args.warmup_requests, "seed": args.seed, "threads": args.threads}
+    """Every argument a variant-run's measurement depends on (all but ``NOT_MEASURED``; paths made
+    absolute), as JSON would read it back."""
+    key = {k: v for k, v in vars(args).items() if k not in NOT_MEASURED}
+    key.update({k: os.path.abspath(key[k]) for k in PATHS if isinstance(key.get(k), str)})
+    return json.loads(json.dumps({"variant": variant, "run": run, **key}, sort_keys=True, default=str))
 
 
 def spans_of(spans_dir: str, num_ranks: int) -> list:
@@ -56,10 +61,10 @@ def reuse(run_dir: str, key: dict) -> Optional[tuple]:
         return None
     with open(path) as f:
         done = json.load(f)
-    differ = [k for k in key if done["key"].get(k) != key[k]]
+    differ = sorted(k for k in set(key) | set(done["key"]) if done["key"].get(k) != key.get(k))
     if differ:
         k = differ[0]
         raise UserError(f"--resume: {run_dir} was measured with {k}={done['key'].get(k)!r}, this command has "
-                        f"{key[k]!r}; use another --work-dir or the same arguments")
+                        f"{key.get(k)!r}; use another --work-dir or the same arguments")
     with open(os.path.join(run_dir, done["result"])) as f:
         return {p["name"]: p for p in json.load(f)["phases"]}, done["load"]
