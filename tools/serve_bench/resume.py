@@ -25,14 +25,14 @@ DONE_FILE = "done.json"
 NOT_MEASURED = frozenset({"json", "plots", "no_plots", "work_dir", "resume", "timeout_s", "slo_ttft", "slo_tpot",
                           "load_threshold", "strict", "runs", "variants", "target_comm_fraction", "probe_variant",
                           "probe_rounds", "max_probes"})
-PATHS = ("load", "config", "prompts", "semmoe_tables")
 
 
 def run_key(args, variant: str, run: int) -> dict:
-    """Every argument a variant-run's measurement depends on (all but ``NOT_MEASURED``; paths made
-    absolute), as JSON would read it back."""
+    """Every argument a variant-run's measurement depends on (all but ``NOT_MEASURED``; values naming
+    an existing file or folder made absolute, variants' own path flags among them), as JSON would read
+    it back."""
     key = {k: v for k, v in vars(args).items() if k not in NOT_MEASURED}
-    key.update({k: os.path.abspath(key[k]) for k in PATHS if isinstance(key.get(k), str)})
+    key.update({k: os.path.abspath(v) for k, v in key.items() if isinstance(v, str) and v and os.path.exists(v)})
     return json.loads(json.dumps({"variant": variant, "run": run, **key}, sort_keys=True, default=str))
 
 
