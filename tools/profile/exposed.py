@@ -77,12 +77,26 @@ def by_kind(result: dict) -> dict:
     return out
 
 
-def _read(path: str) -> list:
+def read_spans_dir(spans: str) -> list:
+    """Every rank's step records in a ``serve --a2a-spans`` directory (``a2a_spans_rank<R>.jsonl``,
+    gzipped or not), rank by rank; UserError naming the directory when it has none or one is unreadable."""
     import gzip
 
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from megatron.common.cli import UserError
+
+    names = sorted(n for n in (os.listdir(spans) if os.path.isdir(spans) else [])
+                   if n.startswith("a2a_spans_rank") and n.endswith((".jsonl", ".jsonl.gz")))
+    if not names:
+        raise UserError(f"--spans {spans}: no a2a_spans_rank<R>.jsonl files there")
+    out = []
+    try:
+        for name in names:
+            path = os.path.join(spans, name)
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                out.append([json.loads(line) for line in f if line.strip()])
+    except (OSError, ValueError) as err:
+        raise UserError(f"--spans {spans}: not readable ({err})") from None
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -126,14 +140,7 @@ def main(argv=None) -> int:
         args = p.parse_args(argv)
         records = []
         for spans in args.spans:
-            names = sorted(n for n in (os.listdir(spans) if os.path.isdir(spans) else [])
-                           if n.startswith("a2a_spans_rank") and n.endswith((".jsonl", ".jsonl.gz")))
-            if not names:
-                raise UserError(f"--spans {spans}: no a2a_spans_rank<R>.jsonl files there")
-            try:
-                run = [_read(os.path.join(spans, n)) for n in names]
-            except (OSError, ValueError) as err:
-                raise UserError(f"--spans {spans}: not readable ({err})") from None
+            run = read_spans_dir(spans)
             if not any("waits" in r for rank in run for r in rank):
                 raise UserError(f"--spans {spans}: the records have no waits (recorded by an older serve "
                                 "--a2a-spans)")
