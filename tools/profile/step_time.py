@@ -86,7 +86,9 @@ def run_time(records_by_rank: list) -> dict:
 
 
 def format_table(runs: list) -> str:
-    lines = [f"{'run':<48}{'wall s':>8}{'a2a':>7}{'transfer':>9}{'TP':>7}{'rest':>7}{'a2a B/tok':>11}{'TP B/tok':>10}  TP by op"]
+    """A row per run: wall time, the shares, bytes per token and each TP op's share."""
+    lines = [f"{'run':<48}{'wall s':>8}{'a2a':>7}{'transfer':>9}{'TP':>7}{'rest':>7}{'a2a B/tok':>11}"
+             f"{'TP B/tok':>10}  TP by op"]
     for r in runs:
         name = r["spans"]
         by_op = ", ".join(f"{op} {share:.1%} ({r['tp_bytes_per_token'][op]:,.0f} B/tok)"
